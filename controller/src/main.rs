@@ -1,0 +1,2 @@
+//! The `stead` binary.
+fn main() {}

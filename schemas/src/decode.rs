@@ -1,0 +1,664 @@
+//! Decoding located YAML nodes into spec types, collecting every diagnostic on the way.
+//!
+//! Each `decode_*` function returns `None` when its node is unusable, after recording why;
+//! it keeps going through the remaining fields so one run reports every problem.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+use std::str::FromStr;
+
+use crate::diagnostic::{Diagnostic, FieldPath, Location};
+use crate::duration::Duration;
+use crate::spec::*;
+use crate::yaml::{Node, Value};
+
+/// Collects diagnostics for one file.
+pub(crate) struct Decoder<'a> {
+    file: &'a Path,
+    pub(crate) diagnostics: Vec<Diagnostic>,
+}
+
+impl<'a> Decoder<'a> {
+    pub(crate) fn new(file: &'a Path) -> Self {
+        Decoder {
+            file,
+            diagnostics: Vec::new(),
+        }
+    }
+
+    /// Records a problem with the field at `path`, found at `location`.
+    pub(crate) fn report(
+        &mut self,
+        location: Location,
+        path: &FieldPath,
+        message: impl Into<String>,
+    ) {
+        self.diagnostics
+            .push(Diagnostic::new(self.file, location, path.as_str(), message));
+    }
+}
+
+/// A value that can be read from one node.
+pub(crate) trait Decode: Sized {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self>;
+}
+
+/// "expected X, found Y", with a hint to quote scalars where a string was expected.
+fn type_error(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>, expected: &str) {
+    let found = node.value.kind_name();
+    let hint = match (&node.value, expected) {
+        (Value::Integer(_) | Value::Float(_) | Value::Bool(_), "a string") => format!(
+            "; quote it to use it as text: \"{}\"",
+            node.value.key_text()
+        ),
+        _ => String::new(),
+    };
+    cx.report(
+        node.location,
+        path,
+        format!("expected {expected}, found {found}{hint}"),
+    );
+}
+
+impl Decode for String {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        match &node.value {
+            Value::String(s) => Some(s.clone()),
+            _ => {
+                type_error(node, path, cx, "a string");
+                None
+            }
+        }
+    }
+}
+
+impl Decode for bool {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        match &node.value {
+            Value::Bool(b) => Some(*b),
+            _ => {
+                type_error(node, path, cx, "true or false");
+                None
+            }
+        }
+    }
+}
+
+/// Whole numbers with a range check.
+macro_rules! decode_integer {
+    ($($t:ty),*) => {$(
+        impl Decode for $t {
+            fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+                let expected = format!("a whole number from {} to {}", <$t>::MIN, <$t>::MAX);
+                match &node.value {
+                    Value::Integer(i) => match <$t>::try_from(*i) {
+                        Ok(v) => Some(v),
+                        Err(_) => {
+                            cx.report(node.location, path, format!("{i} is out of range; expected {expected}"));
+                            None
+                        }
+                    },
+                    _ => {
+                        type_error(node, path, cx, &expected);
+                        None
+                    }
+                }
+            }
+        }
+    )*};
+}
+decode_integer!(u32, u64, i32);
+
+impl Decode for Duration {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        match &node.value {
+            Value::String(s) => match s.parse() {
+                Ok(d) => Some(d),
+                Err(e) => {
+                    cx.report(node.location, path, e.to_string());
+                    None
+                }
+            },
+            Value::Integer(i) => {
+                cx.report(
+                    node.location,
+                    path,
+                    format!("duration {i} has no unit; write it as a string such as \"{i}s\""),
+                );
+                None
+            }
+            _ => {
+                type_error(node, path, cx, "a duration string such as \"15s\"");
+                None
+            }
+        }
+    }
+}
+
+/// Strings checked by their type's `FromStr`, whose error is a complete message.
+macro_rules! decode_checked_string {
+    ($($t:ty),*) => {$(
+        impl Decode for $t {
+            fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+                let text = String::decode(node, path, cx)?;
+                match text.parse::<$t>() {
+                    Ok(v) => Some(v),
+                    Err(message) => {
+                        cx.report(node.location, path, message);
+                        None
+                    }
+                }
+            }
+        }
+    )*};
+}
+decode_checked_string!(Name, LabelKey, EnvName, UserName, DeviceName, Signal);
+
+/// Enums written as one of a fixed set of lowercase words.
+macro_rules! decode_keyword {
+    ($t:ty, $what:literal, [$($word:literal => $variant:expr),+ $(,)?]) => {
+        impl Decode for $t {
+            fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+                let text = String::decode(node, path, cx)?;
+                match text.as_str() {
+                    $($word => Some($variant),)+
+                    other => {
+                        let words = [$($word),+];
+                        let hint = did_you_mean(other, &words)
+                            .map(|w| format!("; did you mean {w:?}?"))
+                            .unwrap_or_default();
+                        cx.report(
+                            node.location,
+                            path,
+                            format!(
+                                "unknown {} {other:?}; expected one of {}{hint}",
+                                $what,
+                                words.join(", ")
+                            ),
+                        );
+                        None
+                    }
+                }
+            }
+        }
+    };
+}
+decode_keyword!(AllocType, "alloc type", ["service" => AllocType::Service, "batch" => AllocType::Batch]);
+decode_keyword!(DesiredStatus, "desired status", ["run" => DesiredStatus::Run, "stop" => DesiredStatus::Stop]);
+decode_keyword!(RestartMode, "restart mode", ["fail" => RestartMode::Fail, "delay" => RestartMode::Delay]);
+decode_keyword!(DriverKind, "driver", ["exec" => DriverKind::Exec, "mock" => DriverKind::Mock]);
+decode_keyword!(LifecycleHook, "lifecycle hook", [
+    "prestart" => LifecycleHook::Prestart,
+    "poststart" => LifecycleHook::Poststart,
+    "poststop" => LifecycleHook::Poststop,
+]);
+
+impl<T: Decode> Decode for Vec<T> {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let Value::Sequence(items) = &node.value else {
+            type_error(node, path, cx, "a sequence");
+            return None;
+        };
+        let decoded: Vec<Option<T>> = items
+            .iter()
+            .enumerate()
+            .map(|(i, item)| T::decode(item, &path.index(i), cx))
+            .collect();
+        decoded.into_iter().collect()
+    }
+}
+
+impl<K, V> Decode for BTreeMap<K, V>
+where
+    K: Ord + FromStr<Err = String>,
+    V: Decode,
+{
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let Value::Mapping(entries) = &node.value else {
+            type_error(node, path, cx, "a mapping");
+            return None;
+        };
+        let mut map = BTreeMap::new();
+        let mut ok = true;
+        for (key, value) in entries {
+            let key_text = key.value.key_text();
+            let entry_path = path.key(&key_text);
+            let key = match &key.value {
+                Value::String(s) => match s.parse::<K>() {
+                    Ok(k) => Some(k),
+                    Err(message) => {
+                        cx.report(key.location, &entry_path, message);
+                        None
+                    }
+                },
+                _ => {
+                    type_error(key, &entry_path, cx, "a string key");
+                    None
+                }
+            };
+            let value = V::decode(value, &entry_path, cx);
+            match (key, value) {
+                (Some(k), Some(v)) => {
+                    map.insert(k, v);
+                }
+                _ => ok = false,
+            }
+        }
+        ok.then_some(map)
+    }
+}
+
+/// The best match for `word` among `candidates`, when one is close enough to suggest.
+pub(crate) fn did_you_mean<'c>(word: &str, candidates: &[&'c str]) -> Option<&'c str> {
+    let lower = word.to_lowercase();
+    candidates
+        .iter()
+        .map(|c| {
+            let distance = if c.to_lowercase() == lower {
+                0
+            } else {
+                strsim::damerau_levenshtein(&lower, &c.to_lowercase())
+            };
+            (distance, *c)
+        })
+        .filter(|(distance, c)| *distance <= (c.len() / 3).max(1))
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, c)| c)
+}
+
+/// The fields of one mapping, read one by one; what is left at the end is unknown.
+pub(crate) struct Fields<'n> {
+    node: &'n Node,
+    path: FieldPath,
+    entries: Vec<(String, &'n Node, &'n Node)>,
+    known: &'static [&'static str],
+    failed: bool,
+}
+
+impl<'n> Fields<'n> {
+    /// Starts reading `node`, which must be a mapping whose keys are among `known`.
+    pub(crate) fn new(
+        node: &'n Node,
+        path: &FieldPath,
+        known: &'static [&'static str],
+        cx: &mut Decoder<'_>,
+    ) -> Option<Self> {
+        let Value::Mapping(entries) = &node.value else {
+            type_error(node, path, cx, "a mapping");
+            return None;
+        };
+        Some(Fields {
+            node,
+            path: path.clone(),
+            entries: entries
+                .iter()
+                .map(|(k, v)| (k.value.key_text(), k, v))
+                .collect(),
+            known,
+            failed: false,
+        })
+    }
+
+    /// The path of the mapping being read.
+    pub(crate) fn path(&self) -> &FieldPath {
+        &self.path
+    }
+
+    /// The node of field `name`, when present and not null.
+    pub(crate) fn node(&self, name: &str) -> Option<&'n Node> {
+        debug_assert!(self.known.contains(&name), "{name} is not declared");
+        self.entries
+            .iter()
+            .find(|(key, _, _)| key == name)
+            .map(|(_, _, value)| *value)
+            .filter(|value| value.value != Value::Null)
+    }
+
+    /// Reads field `name` when it is present; `None` when absent, null or invalid.
+    pub(crate) fn optional<T: Decode>(&mut self, name: &str, cx: &mut Decoder<'_>) -> Option<T> {
+        let node = self.node(name)?;
+        let value = T::decode(node, &self.path.field(name), cx);
+        self.failed |= value.is_none();
+        value
+    }
+
+    /// Reads field `name`, reporting it when missing.
+    pub(crate) fn required<T: Decode>(&mut self, name: &str, cx: &mut Decoder<'_>) -> Option<T> {
+        if self.node(name).is_none() {
+            cx.report(
+                self.node.location,
+                &self.path.field(name),
+                "missing required field",
+            );
+            self.failed = true;
+            return None;
+        }
+        self.optional(name, cx)
+    }
+
+    /// Marks the mapping as unusable for a reason already reported.
+    pub(crate) fn fail(&mut self) {
+        self.failed = true;
+    }
+
+    /// Reports unknown fields; true when every field read was valid.
+    pub(crate) fn finish(self, cx: &mut Decoder<'_>) -> bool {
+        let mut ok = !self.failed;
+        for (key, key_node, _) in &self.entries {
+            if self.known.contains(&key.as_str()) {
+                continue;
+            }
+            ok = false;
+            let hint = did_you_mean(key, self.known)
+                .map(|w| format!("; did you mean {w:?}?"))
+                .unwrap_or_else(|| format!("; expected one of {}", self.known.join(", ")));
+            cx.report(
+                key_node.location,
+                &self.path.field(key),
+                format!("unknown field {key:?}{hint}"),
+            );
+        }
+        ok
+    }
+}
+
+/// Reads a whole struct: `decode_struct!(node, path, cx, Type { field: "yamlName" required|optional, … })`.
+macro_rules! decode_struct {
+    ($node:expr, $path:expr, $cx:expr, $ty:ident { $($field:ident : $key:literal $how:ident),* $(,)? }) => {{
+        const KNOWN: &[&str] = &[$($key),*];
+        let mut fields = Fields::new($node, $path, KNOWN, $cx)?;
+        $(let $field = fields.$how($key, $cx);)*
+        if !fields.finish($cx) {
+            return None;
+        }
+        Some($ty { $($field: decode_struct!(@unwrap $how $field)),* })
+    }};
+    (@unwrap required $field:ident) => { $field? };
+    (@unwrap optional $field:ident) => { $field };
+}
+
+impl Decode for Metadata {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        decode_struct!(node, path, cx, Metadata {
+            name: "name" required,
+            labels: "labels" optional,
+        })
+    }
+}
+
+impl Decode for RestartSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        decode_struct!(node, path, cx, RestartSpec {
+            attempts: "attempts" optional,
+            interval: "interval" optional,
+            delay: "delay" optional,
+            mode: "mode" optional,
+            max_delay: "maxDelay" optional,
+        })
+    }
+}
+
+impl Decode for EphemeralDiskSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let disk = decode_struct!(node, path, cx, EphemeralDiskSpec {
+            size_mb: "sizeMB" optional,
+            sticky: "sticky" optional,
+            migrate: "migrate" optional,
+        })?;
+        if disk.size_mb == Some(0) {
+            cx.report(
+                node_location(node, "sizeMB"),
+                &path.field("sizeMB"),
+                "must be at least 1",
+            );
+            return None;
+        }
+        Some(disk)
+    }
+}
+
+impl Decode for LifecycleSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let lifecycle = decode_struct!(node, path, cx, LifecycleSpec {
+            hook: "hook" required,
+            sidecar: "sidecar" optional,
+        })?;
+        if lifecycle.sidecar == Some(true) && lifecycle.hook == LifecycleHook::Poststop {
+            cx.report(
+                node_location(node, "sidecar"),
+                &path.field("sidecar"),
+                "a poststop task cannot be a sidecar; sidecars are for prestart and poststart",
+            );
+            return None;
+        }
+        Some(lifecycle)
+    }
+}
+
+impl Decode for LogsSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let logs = decode_struct!(node, path, cx, LogsSpec {
+            max_files: "maxFiles" optional,
+            max_file_size_mb: "maxFileSizeMB" optional,
+        })?;
+        let mut ok = true;
+        for (value, key) in [
+            (logs.max_files, "maxFiles"),
+            (logs.max_file_size_mb, "maxFileSizeMB"),
+        ] {
+            if value == Some(0) {
+                cx.report(
+                    node_location(node, key),
+                    &path.field(key),
+                    "must be at least 1",
+                );
+                ok = false;
+            }
+        }
+        ok.then_some(logs)
+    }
+}
+
+impl Decode for ResourcesSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        decode_struct!(node, path, cx, ResourcesSpec {
+            cpu: "cpu" optional,
+            memory_mb: "memoryMB" optional,
+            devices: "devices" optional,
+        })
+    }
+}
+
+impl Decode for DeviceRequest {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let request = decode_struct!(node, path, cx, DeviceRequest {
+            name: "name" required,
+            count: "count" optional,
+        })?;
+        if request.count == Some(0) {
+            cx.report(
+                node_location(node, "count"),
+                &path.field("count"),
+                "must be at least 1",
+            );
+            return None;
+        }
+        Some(request)
+    }
+}
+
+impl Decode for ExecConfig {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let config = decode_struct!(node, path, cx, ExecConfig {
+            command: "command" required,
+            args: "args" optional,
+        })?;
+        if config.command.trim().is_empty() {
+            cx.report(
+                node_location(node, "command"),
+                &path.field("command"),
+                "command is empty",
+            );
+            return None;
+        }
+        Some(config)
+    }
+}
+
+impl Decode for MockConfig {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let config = decode_struct!(node, path, cx, MockConfig {
+            run_for: "runFor" optional,
+            exit_code: "exitCode" optional,
+            exit_signal: "exitSignal" optional,
+            exit_err_msg: "exitErrMsg" optional,
+            start_error: "startError" optional,
+            start_error_recoverable: "startErrorRecoverable" optional,
+            start_block_for: "startBlockFor" optional,
+            kill_after: "killAfter" optional,
+            signal_error: "signalError" optional,
+            stdout_string: "stdoutString" optional,
+            stdout_repeat: "stdoutRepeat" optional,
+            stdout_repeat_duration: "stdoutRepeatDuration" optional,
+        })?;
+        if let Some(signal) = config.exit_signal
+            && !(1..=64).contains(&signal)
+        {
+            cx.report(
+                node_location(node, "exitSignal"),
+                &path.field("exitSignal"),
+                format!("signal number {signal} is out of range; expected 1 to 64"),
+            );
+            return None;
+        }
+        Some(config)
+    }
+}
+
+impl Decode for TaskSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        const KNOWN: &[&str] = &[
+            "name",
+            "driver",
+            "config",
+            "env",
+            "user",
+            "leader",
+            "lifecycle",
+            "restart",
+            "killTimeout",
+            "killSignal",
+            "shutdownDelay",
+            "logs",
+            "resources",
+        ];
+        let mut fields = Fields::new(node, path, KNOWN, cx)?;
+        let name = fields.required::<Name>("name", cx);
+        let driver = fields.required::<DriverKind>("driver", cx);
+        let config = match (driver, fields.node("config")) {
+            (_, None) => {
+                fields.required::<String>("config", cx);
+                None
+            }
+            (None, Some(_)) => {
+                // The driver is missing or unknown, so its schema is too.
+                fields.fail();
+                None
+            }
+            (Some(driver), Some(config)) => {
+                let config_path = fields.path().field("config");
+                let decoded = match driver {
+                    DriverKind::Exec => {
+                        ExecConfig::decode(config, &config_path, cx).map(DriverConfig::Exec)
+                    }
+                    DriverKind::Mock => {
+                        MockConfig::decode(config, &config_path, cx).map(DriverConfig::Mock)
+                    }
+                };
+                if decoded.is_none() {
+                    fields.fail();
+                }
+                decoded
+            }
+        };
+        let env = fields.optional("env", cx);
+        let user = fields.optional("user", cx);
+        let leader = fields.optional("leader", cx);
+        let lifecycle = fields.optional::<LifecycleSpec>("lifecycle", cx);
+        let restart = fields.optional("restart", cx);
+        let kill_timeout = fields.optional("killTimeout", cx);
+        let kill_signal = fields.optional("killSignal", cx);
+        let shutdown_delay = fields.optional("shutdownDelay", cx);
+        let logs = fields.optional("logs", cx);
+        let resources = fields.optional("resources", cx);
+        if leader == Some(true) && lifecycle.is_some() {
+            cx.report(
+                node_location(node, "leader"),
+                &path.field("leader"),
+                "a leader must be a main task; lifecycle tasks cannot lead",
+            );
+            fields.fail();
+        }
+        if !fields.finish(cx) {
+            return None;
+        }
+        Some(TaskSpec {
+            name: name?,
+            driver: driver?,
+            config: config?,
+            env,
+            user,
+            leader,
+            lifecycle,
+            restart,
+            kill_timeout,
+            kill_signal,
+            shutdown_delay,
+            logs,
+            resources,
+        })
+    }
+}
+
+/// Where the value of `key` in mapping `node` starts, or the mapping itself when it is absent.
+pub(crate) fn node_location(node: &Node, key: &str) -> Location {
+    match &node.value {
+        Value::Mapping(entries) => entries
+            .iter()
+            .find(|(k, _)| k.value.key_text() == key)
+            .map_or(node.location, |(_, v)| v.location),
+        _ => node.location,
+    }
+}
+
+/// The tasks of an alloc, each decoded on its own so one broken task hides no other's problems.
+pub(crate) struct DecodedTasks {
+    /// The tasks that decoded, with their index and node.
+    pub(crate) tasks: Vec<(usize, TaskSpec)>,
+    /// Whether every task decoded.
+    pub(crate) complete: bool,
+}
+
+pub(crate) fn decode_tasks(
+    node: &Node,
+    path: &FieldPath,
+    cx: &mut Decoder<'_>,
+) -> Option<DecodedTasks> {
+    let Value::Sequence(items) = &node.value else {
+        type_error(node, path, cx, "a sequence of tasks");
+        return None;
+    };
+    if items.is_empty() {
+        cx.report(node.location, path, "an alloc needs at least one task");
+        return None;
+    }
+    let mut tasks = Vec::new();
+    let mut complete = true;
+    for (i, item) in items.iter().enumerate() {
+        match TaskSpec::decode(item, &path.index(i), cx) {
+            Some(task) => tasks.push((i, task)),
+            None => complete = false,
+        }
+    }
+    Some(DecodedTasks { tasks, complete })
+}

@@ -1,0 +1,163 @@
+//! Diagnostics: what is wrong with a spec, where (`file:line:col`) and in which field.
+
+use std::fmt;
+use std::path::{Path, PathBuf};
+
+use serde::Serialize;
+
+/// A position in a source file, 1-based.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Location {
+    /// Line, from 1.
+    pub line: u32,
+    /// Column in characters, from 1.
+    pub column: u32,
+}
+
+impl Location {
+    /// The first character of a file.
+    pub const START: Location = Location { line: 1, column: 1 };
+
+    /// A location at `line` and `column`, both 1-based (0 is taken as 1).
+    pub fn new(line: u64, column: u64) -> Self {
+        let clamp = |n: u64| u32::try_from(n.max(1)).unwrap_or(u32::MAX);
+        Location {
+            line: clamp(line),
+            column: clamp(column),
+        }
+    }
+}
+
+impl fmt::Display for Location {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}", self.line, self.column)
+    }
+}
+
+/// One problem found in a spec file.
+///
+/// Displays as `file:line:col: field.path: message` (the field path is left out when the
+/// problem is not about a field, such as a YAML syntax error).
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct Diagnostic {
+    /// The file the problem is in.
+    pub file: PathBuf,
+    /// Where in the file.
+    #[serde(flatten)]
+    pub location: Location,
+    /// The field, as `spec.tasks[1].resources.memoryMB`; empty when not about one field.
+    pub path: String,
+    /// What is wrong: lowercase, no trailing period.
+    pub message: String,
+}
+
+impl Diagnostic {
+    /// A diagnostic about `path` at `location` in `file`.
+    pub fn new(
+        file: &Path,
+        location: Location,
+        path: impl Into<String>,
+        message: impl Into<String>,
+    ) -> Self {
+        Diagnostic {
+            file: file.to_owned(),
+            location,
+            path: path.into(),
+            message: message.into(),
+        }
+    }
+}
+
+impl fmt::Display for Diagnostic {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}:{}: ", self.file.display(), self.location)?;
+        if !self.path.is_empty() {
+            write!(f, "{}: ", self.path)?;
+        }
+        f.write_str(&self.message)
+    }
+}
+
+/// A field path under construction: `spec.tasks[0].restart.delay`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FieldPath(String);
+
+impl FieldPath {
+    /// The path of a document's root.
+    pub fn root() -> Self {
+        FieldPath(String::new())
+    }
+
+    /// The path of field `name` below this one.
+    pub fn field(&self, name: &str) -> Self {
+        if self.0.is_empty() {
+            FieldPath(name.to_owned())
+        } else {
+            FieldPath(format!("{}.{name}", self.0))
+        }
+    }
+
+    /// The path of item `index` of the sequence at this path.
+    pub fn index(&self, index: usize) -> Self {
+        FieldPath(format!("{}[{index}]", self.0))
+    }
+
+    /// The path of entry `key` of the map at this path (`env.PORT`, or `env["a.b"]`).
+    pub fn key(&self, key: &str) -> Self {
+        let plain = !key.is_empty()
+            && key
+                .chars()
+                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
+        if plain {
+            self.field(key)
+        } else {
+            FieldPath(format!("{}[{key:?}]", self.0))
+        }
+    }
+
+    /// The path as text.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for FieldPath {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn diagnostics_display_as_file_line_column_path_message() {
+        let d = Diagnostic::new(
+            Path::new("specs/web.yaml"),
+            Location::new(12, 7),
+            FieldPath::root()
+                .field("spec")
+                .field("tasks")
+                .index(1)
+                .field("killTimeout")
+                .as_str(),
+            "invalid duration \"5x\"",
+        );
+        assert_eq!(
+            d.to_string(),
+            "specs/web.yaml:12:7: spec.tasks[1].killTimeout: invalid duration \"5x\""
+        );
+    }
+
+    #[test]
+    fn map_keys_that_are_not_identifiers_are_quoted_in_paths() {
+        let p = FieldPath::root().field("metadata").field("labels");
+        assert_eq!(p.key("team").as_str(), "metadata.labels.team");
+        assert_eq!(
+            p.key("example.com/tier").as_str(),
+            "metadata.labels[\"example.com/tier\"]"
+        );
+    }
+}

@@ -1,0 +1,24 @@
+//! stead's formats: the alloc spec (`stead/v1`), its validation and diagnostics, its
+//! normalized form and revision, and the JSON Schema editors validate against.
+//!
+//! This is the only crate with serde derives: everything that reaches the wire or the
+//! disk is defined here, and a change here is reviewed as a format change.
+
+mod decode;
+pub mod diagnostic;
+pub mod duration;
+pub mod normalize;
+pub mod spec;
+mod validate;
+pub mod yaml;
+
+pub use diagnostic::{Diagnostic, FieldPath, Location};
+pub use duration::Duration;
+pub use normalize::{AllocId, RestartPolicy, Revision, normalize};
+pub use validate::{SpecDocument, SpecFile, ValidSpec, parse_spec_file};
+
+/// The JSON Schema of an alloc spec document, for editors and CI.
+pub fn spec_json_schema() -> serde_json::Value {
+    let schema = schemars::schema_for!(spec::AllocSpec);
+    serde_json::to_value(schema).expect("a JSON Schema is JSON")
+}

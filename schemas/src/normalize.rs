@@ -1,0 +1,354 @@
+//! Defaults (Nomad's), effective per-task values, the normalized spec and its revision hash.
+
+use std::fmt;
+
+use serde::Serialize;
+use sha2::{Digest, Sha256};
+
+use crate::duration::Duration;
+use crate::spec::*;
+
+/// Default kill timeout of a task.
+pub const DEFAULT_KILL_TIMEOUT: Duration = Duration::from_secs(5);
+/// Default number of log files kept per stream.
+pub const DEFAULT_LOG_MAX_FILES: u32 = 10;
+/// Default log file size, in megabytes.
+pub const DEFAULT_LOG_MAX_FILE_SIZE_MB: u32 = 10;
+/// Default ephemeral disk size, in megabytes.
+pub const DEFAULT_DISK_SIZE_MB: u64 = 300;
+/// The shortest restart interval allowed.
+pub const MIN_RESTART_INTERVAL: Duration = Duration::from_secs(5);
+
+/// A complete restart policy: the type's defaults, overlaid by the group's, then the task's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct RestartPolicy {
+    /// Failures allowed within `interval`.
+    pub attempts: u32,
+    /// The window in which failures are counted.
+    pub interval: Duration,
+    /// Base delay before a restart.
+    pub delay: Duration,
+    /// What happens past `attempts`.
+    pub mode: RestartMode,
+    /// When set, the delay doubles per consecutive restart up to this.
+    pub max_delay: Option<Duration>,
+}
+
+impl RestartPolicy {
+    /// Nomad's defaults for an alloc type.
+    pub fn default_for(alloc_type: AllocType) -> Self {
+        match alloc_type {
+            AllocType::Service => RestartPolicy {
+                attempts: 2,
+                interval: Duration::from_secs(30 * 60),
+                delay: Duration::from_secs(15),
+                mode: RestartMode::Fail,
+                max_delay: None,
+            },
+            AllocType::Batch => RestartPolicy {
+                attempts: 3,
+                interval: Duration::from_secs(24 * 3600),
+                delay: Duration::from_secs(15),
+                mode: RestartMode::Fail,
+                max_delay: None,
+            },
+        }
+    }
+
+    /// This policy with the fields set in `spec` replaced.
+    pub fn overlay(self, spec: Option<&RestartSpec>) -> Self {
+        let Some(spec) = spec else { return self };
+        RestartPolicy {
+            attempts: spec.attempts.unwrap_or(self.attempts),
+            interval: spec.interval.unwrap_or(self.interval),
+            delay: spec.delay.unwrap_or(self.delay),
+            mode: spec.mode.unwrap_or(self.mode),
+            max_delay: spec.max_delay.or(self.max_delay),
+        }
+    }
+
+    /// The problems of this policy (Nomad's rules plus `maxDelay ≥ delay`), as
+    /// `(field, message)` pairs.
+    pub fn problems(&self) -> Vec<(&'static str, String)> {
+        let mut problems = Vec::new();
+        if self.attempts == 0 && self.mode == RestartMode::Delay {
+            problems.push((
+                "mode",
+                "restart mode \"delay\" with 0 attempts is ambiguous; use mode \"fail\" or allow attempts"
+                    .to_owned(),
+            ));
+        }
+        if self.interval < MIN_RESTART_INTERVAL {
+            problems.push((
+                "interval",
+                format!(
+                    "interval can not be less than {MIN_RESTART_INTERVAL} (got {})",
+                    self.interval
+                ),
+            ));
+        }
+        let total = self.delay.get().saturating_mul(self.attempts);
+        if total > self.interval.get() {
+            problems.push((
+                "delay",
+                format!(
+                    "{} attempts with a delay of {} take longer than the interval of {}",
+                    self.attempts, self.delay, self.interval
+                ),
+            ));
+        }
+        if let Some(max_delay) = self.max_delay
+            && max_delay < self.delay
+        {
+            problems.push((
+                "maxDelay",
+                format!(
+                    "maxDelay {max_delay} is shorter than the delay {}",
+                    self.delay
+                ),
+            ));
+        }
+        problems
+    }
+}
+
+impl AllocBody {
+    /// The alloc type, `service` when unset.
+    pub fn effective_type(&self) -> AllocType {
+        self.alloc_type.unwrap_or(AllocType::Service)
+    }
+
+    /// The group's restart policy over the type's defaults.
+    pub fn group_restart_policy(&self) -> RestartPolicy {
+        RestartPolicy::default_for(self.effective_type()).overlay(self.restart.as_ref())
+    }
+
+    /// The ephemeral disk size in megabytes.
+    pub fn effective_disk_size_mb(&self) -> u64 {
+        self.ephemeral_disk
+            .and_then(|d| d.size_mb)
+            .unwrap_or(DEFAULT_DISK_SIZE_MB)
+    }
+}
+
+impl TaskSpec {
+    /// The task's restart policy: type defaults, then the group's, then the task's own.
+    pub fn restart_policy(&self, alloc: &AllocBody) -> RestartPolicy {
+        alloc.group_restart_policy().overlay(self.restart.as_ref())
+    }
+
+    /// `(maxFiles, maxFileSizeMB)` with defaults.
+    pub fn effective_logs(&self) -> (u32, u32) {
+        let logs = self.logs.unwrap_or_default();
+        (
+            logs.max_files.unwrap_or(DEFAULT_LOG_MAX_FILES),
+            logs.max_file_size_mb
+                .unwrap_or(DEFAULT_LOG_MAX_FILE_SIZE_MB),
+        )
+    }
+
+    /// Whether the task is a main task (no lifecycle hook).
+    pub fn is_main(&self) -> bool {
+        self.lifecycle.is_none()
+    }
+}
+
+/// The spec with every default written out and `desiredStatus` left out, the input of
+/// the revision hash: two specs that mean the same have the same normalized form.
+pub fn normalize(spec: &AllocSpec) -> AllocSpec {
+    let body = &spec.spec;
+    let alloc_type = body.effective_type();
+    let group_policy = body.group_restart_policy();
+    let disk = body.ephemeral_disk.unwrap_or_default();
+    let labels = spec.metadata.labels.clone().filter(|l| !l.is_empty());
+    AllocSpec {
+        api_version: spec.api_version.clone(),
+        kind: spec.kind.clone(),
+        metadata: Metadata {
+            name: spec.metadata.name.clone(),
+            labels,
+        },
+        spec: AllocBody {
+            alloc_type: Some(alloc_type),
+            desired_status: None,
+            restart: Some(restart_spec(group_policy)),
+            ephemeral_disk: Some(EphemeralDiskSpec {
+                size_mb: Some(body.effective_disk_size_mb()),
+                sticky: Some(disk.sticky.unwrap_or(false)),
+                migrate: Some(disk.migrate.unwrap_or(false)),
+            }),
+            shutdown_delay: Some(body.shutdown_delay.unwrap_or(Duration::ZERO)),
+            tasks: body.tasks.iter().map(|t| normalize_task(t, body)).collect(),
+        },
+    }
+}
+
+fn restart_spec(policy: RestartPolicy) -> RestartSpec {
+    RestartSpec {
+        attempts: Some(policy.attempts),
+        interval: Some(policy.interval),
+        delay: Some(policy.delay),
+        mode: Some(policy.mode),
+        max_delay: policy.max_delay,
+    }
+}
+
+fn normalize_task(task: &TaskSpec, body: &AllocBody) -> TaskSpec {
+    let (max_files, max_file_size_mb) = task.effective_logs();
+    let config = match &task.config {
+        DriverConfig::Exec(exec) => DriverConfig::Exec(ExecConfig {
+            command: exec.command.clone(),
+            args: exec.args.clone().filter(|a| !a.is_empty()),
+        }),
+        DriverConfig::Mock(mock) => DriverConfig::Mock(mock.clone()),
+    };
+    let resources = task.resources.clone().map(|r| ResourcesSpec {
+        cpu: r.cpu,
+        memory_mb: r.memory_mb,
+        devices: r.devices.filter(|d| !d.is_empty()).map(|devices| {
+            devices
+                .into_iter()
+                .map(|d| DeviceRequest {
+                    name: d.name,
+                    count: Some(d.count.unwrap_or(1)),
+                })
+                .collect()
+        }),
+    });
+    TaskSpec {
+        name: task.name.clone(),
+        driver: task.driver,
+        config,
+        env: task.env.clone().filter(|e| !e.is_empty()),
+        user: task.user.clone(),
+        leader: Some(task.leader.unwrap_or(false)),
+        lifecycle: task.lifecycle.map(|l| LifecycleSpec {
+            hook: l.hook,
+            sidecar: Some(l.sidecar.unwrap_or(false)),
+        }),
+        restart: Some(restart_spec(task.restart_policy(body))),
+        kill_timeout: Some(task.kill_timeout.unwrap_or(DEFAULT_KILL_TIMEOUT)),
+        kill_signal: Some(task.kill_signal.clone().unwrap_or_else(Signal::sigint)),
+        shutdown_delay: Some(task.shutdown_delay.unwrap_or(Duration::ZERO)),
+        logs: Some(LogsSpec {
+            max_files: Some(max_files),
+            max_file_size_mb: Some(max_file_size_mb),
+        }),
+        resources: resources.filter(|r| *r != ResourcesSpec::default()),
+    }
+}
+
+/// The hash of a normalized spec: same meaning, same revision; any change of meaning
+/// (other than `desiredStatus`, which stops and starts an alloc in place) changes it.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct Revision(String);
+
+impl Revision {
+    /// The revision of `spec`.
+    pub fn of(spec: &AllocSpec) -> Self {
+        let normalized = normalize(spec);
+        let canonical = serde_json::to_vec(&normalized)
+            .expect("spec types serialize to JSON: string keys, no non-finite floats");
+        Revision(hex(&Sha256::digest(&canonical)))
+    }
+
+    /// The full hash, 64 lowercase hex digits.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+
+    /// The first 8 hex digits, as used in alloc ids.
+    pub fn short(&self) -> &str {
+        &self.0[..8]
+    }
+}
+
+impl fmt::Display for Revision {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+fn hex(bytes: &[u8]) -> String {
+    use std::fmt::Write;
+    bytes
+        .iter()
+        .fold(String::with_capacity(bytes.len() * 2), |mut s, b| {
+            write!(s, "{b:02x}").expect("writing to a string cannot fail");
+            s
+        })
+}
+
+/// The id of one running instance of a spec revision: `<name>-<first 8 hex of revision>`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
+pub struct AllocId(String);
+
+impl AllocId {
+    /// The id of `revision` of the alloc named `name`.
+    pub fn new(name: &Name, revision: &Revision) -> Self {
+        AllocId(format!("{name}-{}", revision.short()))
+    }
+
+    /// The id as text; safe as a path component.
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for AllocId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn policy(attempts: u32, interval: u64, delay: u64, mode: RestartMode) -> RestartPolicy {
+        RestartPolicy {
+            attempts,
+            interval: Duration::from_secs(interval),
+            delay: Duration::from_secs(delay),
+            mode,
+            max_delay: None,
+        }
+    }
+
+    #[test]
+    fn restart_policy_rules_are_nomads() {
+        let fields =
+            |p: RestartPolicy| p.problems().into_iter().map(|(f, _)| f).collect::<Vec<_>>();
+        assert!(fields(RestartPolicy::default_for(AllocType::Service)).is_empty());
+        assert!(fields(RestartPolicy::default_for(AllocType::Batch)).is_empty());
+        assert!(fields(policy(0, 60, 1, RestartMode::Fail)).is_empty());
+        assert_eq!(fields(policy(0, 60, 1, RestartMode::Delay)), ["mode"]);
+        assert_eq!(fields(policy(1, 4, 1, RestartMode::Fail)), ["interval"]);
+        assert!(
+            fields(policy(5, 10, 2, RestartMode::Fail)).is_empty(),
+            "5 × 2s = 10s fits"
+        );
+        assert_eq!(fields(policy(6, 10, 2, RestartMode::Fail)), ["delay"]);
+        let mut capped = policy(1, 60, 10, RestartMode::Fail);
+        capped.max_delay = Some(Duration::from_secs(5));
+        assert_eq!(fields(capped), ["maxDelay"]);
+    }
+
+    #[test]
+    fn task_overrides_apply_field_by_field_over_group_and_type() {
+        let group = RestartSpec {
+            attempts: Some(5),
+            ..RestartSpec::default()
+        };
+        let task = RestartSpec {
+            delay: Some(Duration::from_secs(1)),
+            ..RestartSpec::default()
+        };
+        let effective = RestartPolicy::default_for(AllocType::Batch)
+            .overlay(Some(&group))
+            .overlay(Some(&task));
+        assert_eq!(effective.attempts, 5);
+        assert_eq!(effective.delay, Duration::from_secs(1));
+        assert_eq!(effective.interval, Duration::from_secs(24 * 3600));
+    }
+}

@@ -1,0 +1,681 @@
+//! The alloc spec, `apiVersion: stead/v1`, `kind: Alloc`, as typed data.
+//!
+//! Every optional field is an `Option`: an unset value and a zero value are different
+//! things (unset means "the default", which may change with the alloc type or the agent).
+//! Values of these types come only from [`crate::decode`], which validates them, or from
+//! code that builds them by hand; [`crate::normalize`] fills in the defaults.
+
+use std::borrow::Cow;
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use schemars::{JsonSchema, Schema, SchemaGenerator, json_schema};
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use crate::duration::Duration;
+
+/// The only `apiVersion` this version of stead reads.
+pub const API_VERSION: &str = "stead/v1";
+/// The `kind` of an alloc spec document.
+pub const KIND_ALLOC: &str = "Alloc";
+
+/// One alloc spec document.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(
+    title = "stead alloc spec",
+    description = "A group of tasks that live and die together on one node."
+)]
+pub struct AllocSpec {
+    /// Always `stead/v1`.
+    #[schemars(schema_with = "api_version_schema")]
+    pub api_version: String,
+    /// Always `Alloc`.
+    #[schemars(schema_with = "kind_schema")]
+    pub kind: String,
+    /// Name and labels.
+    pub metadata: Metadata,
+    /// What to run.
+    pub spec: AllocBody,
+}
+
+fn api_version_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "const": API_VERSION })
+}
+
+fn kind_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({ "const": KIND_ALLOC })
+}
+
+/// `metadata`: identity of the alloc.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct Metadata {
+    /// Unique on the node.
+    pub name: Name,
+    /// Free-form labels.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub labels: Option<BTreeMap<LabelKey, String>>,
+}
+
+/// `spec`: the group of tasks and its policies.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AllocBody {
+    /// `service` (default) or `batch`; sets restart defaults and whether successful exits restart.
+    #[serde(rename = "type", default, skip_serializing_if = "Option::is_none")]
+    pub alloc_type: Option<AllocType>,
+    /// `run` (default) or `stop`; `stop` keeps the alloc and stops its tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub desired_status: Option<DesiredStatus>,
+    /// The group's restart policy; tasks may override it field by field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<RestartSpec>,
+    /// The alloc's scratch disk.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ephemeral_disk: Option<EphemeralDiskSpec>,
+    /// Time between deregistration and the kill of the group's tasks.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown_delay: Option<Duration>,
+    /// The tasks; names are unique, at least one is a main task.
+    #[schemars(length(min = 1))]
+    pub tasks: Vec<TaskSpec>,
+}
+
+/// Whether the alloc is a long-running service or a run-to-completion batch job.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum AllocType {
+    /// Long-running: successful exits of main tasks restart.
+    Service,
+    /// Runs to completion: successful exits do not restart.
+    Batch,
+}
+
+/// Whether the alloc's tasks should run.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum DesiredStatus {
+    /// Run the tasks.
+    Run,
+    /// Stop the tasks, keep the alloc.
+    Stop,
+}
+
+/// A restart policy as written; unset fields take the group's value, then the type's default.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RestartSpec {
+    /// Failures allowed within `interval`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub attempts: Option<u32>,
+    /// The window in which failures are counted; at least 5s.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<Duration>,
+    /// Wait before a restart (plus up to a quarter of it, at random).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub delay: Option<Duration>,
+    /// What to do past `attempts`: `fail` the task, or `delay` until the window ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mode: Option<RestartMode>,
+    /// When set, the delay doubles per consecutive restart up to this.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_delay: Option<Duration>,
+}
+
+/// What a task does once it has used up its restart attempts.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum RestartMode {
+    /// The task fails.
+    Fail,
+    /// The task waits out the rest of the interval, then tries again.
+    Delay,
+}
+
+/// The alloc's scratch disk.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct EphemeralDiskSpec {
+    /// Size in megabytes; the tasks' logs must fit in it.
+    #[serde(rename = "sizeMB", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub size_mb: Option<u64>,
+    /// Carry `alloc/data` and each task's `local` over to the next revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sticky: Option<bool>,
+    /// Like `sticky`; kept for Nomad compatibility.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub migrate: Option<bool>,
+}
+
+/// One task of an alloc.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct TaskSpec {
+    /// Unique within the alloc.
+    pub name: Name,
+    /// Which driver runs the task.
+    pub driver: DriverKind,
+    /// The driver's options, validated by the driver's own schema.
+    pub config: DriverConfig,
+    /// Environment variables.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub env: Option<BTreeMap<EnvName, String>>,
+    /// The user the task runs as (a name or a numeric uid).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub user: Option<UserName>,
+    /// When the leader dies, the rest of the alloc is killed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub leader: Option<bool>,
+    /// Makes the task a prestart, poststart or poststop task instead of a main task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<LifecycleSpec>,
+    /// Overrides the group's restart policy field by field.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<RestartSpec>,
+    /// Time between `killSignal` and SIGKILL (capped by the agent's `maxKillTimeout`).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kill_timeout: Option<Duration>,
+    /// The signal sent first when the task is stopped.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kill_signal: Option<Signal>,
+    /// Time between the shutdown-delay event and the kill.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shutdown_delay: Option<Duration>,
+    /// Log rotation.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub logs: Option<LogsSpec>,
+    /// Resources the task needs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub resources: Option<ResourcesSpec>,
+}
+
+/// The drivers stead has.
+#[derive(
+    Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord, Serialize, Deserialize, JsonSchema,
+)]
+#[serde(rename_all = "lowercase")]
+pub enum DriverKind {
+    /// Real processes.
+    Exec,
+    /// In-process fake, for tests and benchmarks.
+    Mock,
+}
+
+impl DriverKind {
+    /// Every driver, in the order they are listed to users.
+    pub const ALL: [DriverKind; 2] = [DriverKind::Exec, DriverKind::Mock];
+
+    /// The name used in specs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DriverKind::Exec => "exec",
+            DriverKind::Mock => "mock",
+        }
+    }
+}
+
+impl fmt::Display for DriverKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// A task's driver options; which variant is allowed follows from the task's `driver`.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
+#[serde(untagged)]
+pub enum DriverConfig {
+    /// Options of the `exec` driver.
+    Exec(ExecConfig),
+    /// Options of the `mock` driver.
+    Mock(MockConfig),
+}
+
+/// Options of the `exec` driver.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExecConfig {
+    /// The program: an absolute path, or a name looked up in `PATH`.
+    #[schemars(length(min = 1))]
+    pub command: String,
+    /// Its arguments.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Vec<String>>,
+}
+
+/// Options of the `mock` driver (Nomad's mock driver, camelCased).
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct MockConfig {
+    /// How long the task runs before it exits by itself; unset runs until killed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub run_for: Option<Duration>,
+    /// The exit code when `runFor` ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_code: Option<i32>,
+    /// The signal the task reports having died of when `runFor` ends.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 64))]
+    pub exit_signal: Option<i32>,
+    /// An error reported on exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub exit_err_msg: Option<String>,
+    /// Starting fails with this error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_error: Option<String>,
+    /// Whether `startError` is recoverable (retried by the restart policy).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_error_recoverable: Option<bool>,
+    /// Starting blocks this long.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub start_block_for: Option<Duration>,
+    /// After a kill signal, the task takes this long to exit.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kill_after: Option<Duration>,
+    /// Signalling the task fails with this error.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal_error: Option<String>,
+    /// Written to stdout.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_string: Option<String>,
+    /// How many times `stdoutString` is written.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_repeat: Option<u32>,
+    /// The pause between repeats of `stdoutString`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stdout_repeat_duration: Option<Duration>,
+}
+
+/// When a non-main task runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LifecycleSpec {
+    /// The stage the task belongs to.
+    pub hook: LifecycleHook,
+    /// Keep running beside the main tasks (prestart and poststart only).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sidecar: Option<bool>,
+}
+
+/// Lifecycle stages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum LifecycleHook {
+    /// Before the main tasks.
+    Prestart,
+    /// Once the main tasks run.
+    Poststart,
+    /// After every other task is dead.
+    Poststop,
+}
+
+impl LifecycleHook {
+    /// The name used in specs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LifecycleHook::Prestart => "prestart",
+            LifecycleHook::Poststart => "poststart",
+            LifecycleHook::Poststop => "poststop",
+        }
+    }
+}
+
+/// Log rotation of one task.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LogsSpec {
+    /// How many files of each stream are kept.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub max_files: Option<u32>,
+    /// Size at which a file is rotated, in megabytes.
+    #[serde(
+        rename = "maxFileSizeMB",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(min = 1))]
+    pub max_file_size_mb: Option<u32>,
+}
+
+/// Resources of one task.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ResourcesSpec {
+    /// CPU shares (MHz-style); informational until limits land.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu: Option<u32>,
+    /// Memory in megabytes.
+    #[serde(rename = "memoryMB", default, skip_serializing_if = "Option::is_none")]
+    pub memory_mb: Option<u32>,
+    /// Devices to reserve.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<DeviceRequest>>,
+}
+
+/// A request for `count` instances of a device.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DeviceRequest {
+    /// `vendor/type` or `vendor/type/name`.
+    pub name: DeviceName,
+    /// How many instances (default 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub count: Option<u32>,
+}
+
+/// Declares a string newtype whose values are checked by `check` before it exists.
+macro_rules! checked_string {
+    ($(#[$meta:meta])* $name:ident, $schema:expr, $check:path) => {
+        $(#[$meta])*
+        #[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash)]
+        pub struct $name(String);
+
+        impl $name {
+            /// The text.
+            pub fn as_str(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl FromStr for $name {
+            type Err = String;
+            fn from_str(s: &str) -> Result<Self, String> {
+                $check(s).map(|()| $name(s.to_owned()))
+            }
+        }
+
+        impl fmt::Display for $name {
+            fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+                f.write_str(&self.0)
+            }
+        }
+
+        impl AsRef<str> for $name {
+            fn as_ref(&self) -> &str {
+                &self.0
+            }
+        }
+
+        impl Serialize for $name {
+            fn serialize<S: Serializer>(&self, serializer: S) -> Result<S::Ok, S::Error> {
+                serializer.serialize_str(&self.0)
+            }
+        }
+
+        impl<'de> Deserialize<'de> for $name {
+            fn deserialize<D: Deserializer<'de>>(deserializer: D) -> Result<Self, D::Error> {
+                let text = Cow::<'de, str>::deserialize(deserializer)?;
+                text.parse().map_err(serde::de::Error::custom)
+            }
+        }
+
+        impl JsonSchema for $name {
+            fn schema_name() -> Cow<'static, str> {
+                stringify!($name).into()
+            }
+            fn json_schema(_: &mut SchemaGenerator) -> Schema {
+                $schema
+            }
+        }
+    };
+}
+
+/// The pattern of alloc and task names (an RFC 1123 DNS label).
+pub const NAME_PATTERN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
+/// The longest alloc or task name.
+pub const NAME_MAX_LEN: usize = 63;
+
+checked_string!(
+    /// An alloc or task name: an RFC 1123 label, so it is safe in paths, env and URLs.
+    Name,
+    json_schema!({ "type": "string", "pattern": NAME_PATTERN, "minLength": 1, "maxLength": NAME_MAX_LEN }),
+    check_name
+);
+
+fn check_name(s: &str) -> Result<(), String> {
+    if s.is_empty() {
+        return Err("name is empty".to_owned());
+    }
+    if s.len() > NAME_MAX_LEN {
+        return Err(format!(
+            "name {s:?} is {} characters long; at most {NAME_MAX_LEN} are allowed",
+            s.chars().count()
+        ));
+    }
+    let bytes = s.as_bytes();
+    let inner_ok = bytes
+        .iter()
+        .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || *b == b'-');
+    let ends_ok = bytes[0] != b'-' && bytes[bytes.len() - 1] != b'-';
+    if inner_ok && ends_ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "name {s:?} is invalid; use lowercase letters, digits and '-', starting and ending with a letter or digit"
+        ))
+    }
+}
+
+checked_string!(
+    /// A label key: letters, digits, `-`, `_`, `.`, with an optional `prefix/`, at most 253 characters.
+    LabelKey,
+    json_schema!({ "type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", "maxLength": 253 }),
+    check_label_key
+);
+
+fn check_label_key(s: &str) -> Result<(), String> {
+    let (prefix, name) = match s.rsplit_once('/') {
+        Some((prefix, name)) => (Some(prefix), name),
+        None => (None, s),
+    };
+    let name_ok = !name.is_empty()
+        && name.len() <= 63
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+        && name.as_bytes()[0].is_ascii_alphanumeric()
+        && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
+    let prefix_ok = prefix.is_none_or(|p| {
+        !p.is_empty()
+            && p.len() <= 253
+            && p.bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'-' | b'.'))
+            && p.as_bytes()[0].is_ascii_alphanumeric()
+            && p.as_bytes()[p.len() - 1].is_ascii_alphanumeric()
+    });
+    if name_ok && prefix_ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "label key {s:?} is invalid; use an optional dns prefix and '/', then letters, digits, '-', '_' or '.' (at most 63)"
+        ))
+    }
+}
+
+checked_string!(
+    /// An environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, not starting with `STEAD_`.
+    EnvName,
+    json_schema!({ "type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$" }),
+    check_env_name
+);
+
+fn check_env_name(s: &str) -> Result<(), String> {
+    let valid = s
+        .chars()
+        .next()
+        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
+        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
+    if !valid {
+        return Err(format!(
+            "environment variable name {s:?} is invalid; use letters, digits and '_', not starting with a digit"
+        ));
+    }
+    if s.starts_with("STEAD_") {
+        return Err(format!(
+            "environment variable {s:?} is reserved; names starting with STEAD_ are set by the agent"
+        ));
+    }
+    Ok(())
+}
+
+checked_string!(
+    /// A user to run as: a POSIX user name or a numeric uid.
+    UserName,
+    json_schema!({ "type": "string", "pattern": "^([a-z_][a-z0-9_-]{0,31}|[0-9]+)$" }),
+    check_user_name
+);
+
+fn check_user_name(s: &str) -> Result<(), String> {
+    let numeric =
+        !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u32>().is_ok();
+    let named = !s.is_empty()
+        && s.len() <= 32
+        && (s.as_bytes()[0].is_ascii_lowercase() || s.as_bytes()[0] == b'_')
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'));
+    if numeric || named {
+        Ok(())
+    } else {
+        Err(format!(
+            "user {s:?} is invalid; use a user name (lowercase letters, digits, '_' and '-') or a numeric uid"
+        ))
+    }
+}
+
+checked_string!(
+    /// A device request name: `vendor/type` or `vendor/type/name`.
+    DeviceName,
+    json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9][-A-Za-z0-9_.]*/[A-Za-z0-9][-A-Za-z0-9_.]*(/[A-Za-z0-9][-A-Za-z0-9_.]*)?$" }),
+    check_device_name
+);
+
+fn check_device_name(s: &str) -> Result<(), String> {
+    let parts: Vec<&str> = s.split('/').collect();
+    let part_ok = |p: &&str| {
+        !p.is_empty()
+            && p.as_bytes()[0].is_ascii_alphanumeric()
+            && p.bytes()
+                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+    };
+    if (parts.len() == 2 || parts.len() == 3) && parts.iter().all(part_ok) {
+        Ok(())
+    } else {
+        Err(format!(
+            "device {s:?} is invalid; use vendor/type or vendor/type/name, such as \"nvidia/gpu\""
+        ))
+    }
+}
+
+impl DeviceName {
+    /// The vendor part.
+    pub fn vendor(&self) -> &str {
+        self.0
+            .split('/')
+            .next()
+            .expect("checked: three parts at most, two at least")
+    }
+
+    /// The device type part.
+    pub fn device_type(&self) -> &str {
+        self.0
+            .split('/')
+            .nth(1)
+            .expect("checked: two parts at least")
+    }
+
+    /// The model name part, when given.
+    pub fn model(&self) -> Option<&str> {
+        self.0.split('/').nth(2)
+    }
+}
+
+/// The signals a task may be stopped with, by name.
+pub const SIGNAL_NAMES: [&str; 13] = [
+    "SIGABRT", "SIGALRM", "SIGHUP", "SIGINT", "SIGKILL", "SIGQUIT", "SIGTERM", "SIGUSR1",
+    "SIGUSR2", "SIGWINCH", "SIGPWR", "SIGSTOP", "SIGCONT",
+];
+
+checked_string!(
+    /// A signal name such as `SIGINT`.
+    Signal,
+    json_schema!({ "enum": SIGNAL_NAMES }),
+    check_signal
+);
+
+fn check_signal(s: &str) -> Result<(), String> {
+    if SIGNAL_NAMES.contains(&s) {
+        Ok(())
+    } else {
+        Err(format!(
+            "unknown signal {s:?}; expected one of {}",
+            SIGNAL_NAMES.join(", ")
+        ))
+    }
+}
+
+impl Signal {
+    /// `SIGINT`, the default kill signal of the exec driver.
+    pub fn sigint() -> Self {
+        Signal("SIGINT".to_owned())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_dns_label_rules() {
+        for ok in ["web", "a", "web-2", "0abc", &"a".repeat(63)] {
+            assert!(ok.parse::<Name>().is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "../x",
+            "A_B",
+            "-web",
+            "web-",
+            "web.api",
+            "we b",
+            &"a".repeat(64),
+        ] {
+            assert!(bad.parse::<Name>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn device_names_split_into_vendor_type_and_model() {
+        let d: DeviceName = "nvidia/gpu/a100".parse().unwrap();
+        assert_eq!(
+            (d.vendor(), d.device_type(), d.model()),
+            ("nvidia", "gpu", Some("a100"))
+        );
+        let d: DeviceName = "acme/fpga".parse().unwrap();
+        assert_eq!(d.model(), None);
+        for bad in ["gpu", "a/b/c/d", "a//b", "/gpu"] {
+            assert!(bad.parse::<DeviceName>().is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn env_names_reserve_the_stead_prefix() {
+        assert!("PORT".parse::<EnvName>().is_ok());
+        assert!("_x1".parse::<EnvName>().is_ok());
+        assert!("1X".parse::<EnvName>().is_err());
+        assert!("STEAD_ALLOC_ID".parse::<EnvName>().is_err());
+    }
+
+    #[test]
+    fn label_keys_take_an_optional_prefix() {
+        for ok in ["team", "app.kubernetes.io/name", "Tier_1"] {
+            assert!(ok.parse::<LabelKey>().is_ok(), "{ok}");
+        }
+        for bad in ["", "-x", "a/", "/a", "UPPER.example/x"] {
+            assert!(bad.parse::<LabelKey>().is_err(), "{bad}");
+        }
+    }
+}

@@ -1,0 +1,378 @@
+//! Reading spec files: YAML documents into validated alloc specs, with every diagnostic.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+use crate::decode::{Decode, Decoder, Fields, decode_tasks, node_location};
+use crate::diagnostic::{Diagnostic, FieldPath, Location};
+use crate::normalize::{AllocId, Revision};
+use crate::spec::*;
+use crate::yaml::{Node, Value, parse_documents};
+
+/// A spec that passed validation, with its identity.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ValidSpec {
+    /// The spec as written (unset fields stay unset).
+    pub spec: AllocSpec,
+    /// The hash of its normalized form.
+    pub revision: Revision,
+    /// `<name>-<first 8 hex of revision>`.
+    pub id: AllocId,
+}
+
+impl ValidSpec {
+    /// Wraps a spec that has been validated, computing its revision and id.
+    fn new(spec: AllocSpec) -> Self {
+        let revision = Revision::of(&spec);
+        let id = AllocId::new(&spec.metadata.name, &revision);
+        ValidSpec { spec, revision, id }
+    }
+
+    /// The alloc's name.
+    pub fn name(&self) -> &Name {
+        &self.spec.metadata.name
+    }
+}
+
+/// One document of a spec file.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecDocument {
+    /// Where the document starts.
+    pub location: Location,
+    /// The alloc name, when one could be read even if the rest is invalid; this lets the
+    /// agent attach the diagnostics of a broken edit to the alloc that keeps running.
+    pub name: Option<Name>,
+    /// The spec, when the document is valid.
+    pub spec: Option<ValidSpec>,
+    /// Every problem found in this document; empty exactly when `spec` is set.
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+/// A parsed spec file: its documents, or the one problem that made it unreadable.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SpecFile {
+    /// The file's path, as given.
+    pub path: PathBuf,
+    /// The non-empty documents, in order.
+    pub documents: Vec<SpecDocument>,
+    /// Problems with the file as a whole (unreadable, not YAML, names declared twice).
+    pub diagnostics: Vec<Diagnostic>,
+}
+
+impl SpecFile {
+    /// Every diagnostic of the file, in file order.
+    pub fn all_diagnostics(&self) -> Vec<Diagnostic> {
+        let mut all: Vec<Diagnostic> = self
+            .diagnostics
+            .iter()
+            .chain(self.documents.iter().flat_map(|d| &d.diagnostics))
+            .cloned()
+            .collect();
+        all.sort();
+        all
+    }
+
+    /// The valid specs of the file.
+    pub fn specs(&self) -> impl Iterator<Item = &ValidSpec> {
+        self.documents.iter().filter_map(|d| d.spec.as_ref())
+    }
+
+    /// Whether the file has no problem at all.
+    pub fn is_valid(&self) -> bool {
+        self.diagnostics.is_empty() && self.documents.iter().all(|d| d.diagnostics.is_empty())
+    }
+}
+
+/// Parses and validates the spec file at `path` whose content is `source`.
+pub fn parse_spec_file(path: &Path, source: &str) -> SpecFile {
+    let mut file = SpecFile {
+        path: path.to_owned(),
+        documents: Vec::new(),
+        diagnostics: Vec::new(),
+    };
+    let nodes = match parse_documents(source) {
+        Ok(nodes) => nodes,
+        Err(error) => {
+            file.diagnostics
+                .push(Diagnostic::new(path, error.location, "", error.message));
+            return file;
+        }
+    };
+    if nodes.is_empty() {
+        file.diagnostics.push(Diagnostic::new(
+            path,
+            Location::START,
+            "",
+            "file has no documents; expected at least one alloc spec",
+        ));
+    }
+    let mut seen: BTreeMap<Name, Location> = BTreeMap::new();
+    for node in &nodes {
+        let document = decode_document(path, node);
+        if let Some(name) = &document.name {
+            if let Some(first) = seen.get(name) {
+                let location = name_location(node).unwrap_or(node.location);
+                file.diagnostics.push(Diagnostic::new(
+                    path,
+                    location,
+                    "metadata.name",
+                    format!("alloc {name:?} is already declared at line {}", first.line),
+                ));
+            } else {
+                seen.insert(name.clone(), name_location(node).unwrap_or(node.location));
+            }
+        }
+        file.documents.push(document);
+    }
+    file
+}
+
+fn name_location(document: &Node) -> Option<Location> {
+    let metadata = child(document, "metadata")?;
+    Some(node_location(metadata, "name"))
+}
+
+fn child<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
+    match &node.value {
+        Value::Mapping(entries) => entries
+            .iter()
+            .find(|(k, _)| k.value.key_text() == key)
+            .map(|(_, v)| v),
+        _ => None,
+    }
+}
+
+fn decode_document(path: &Path, node: &Node) -> SpecDocument {
+    let mut cx = Decoder::new(path);
+    let spec = decode_alloc(node, &mut cx);
+    let name = spec.as_ref().map(|s| s.metadata.name.clone()).or_else(|| {
+        let name = child(child(node, "metadata")?, "name")?;
+        match &name.value {
+            Value::String(s) => s.parse().ok(),
+            _ => None,
+        }
+    });
+    let spec = spec
+        .filter(|_| cx.diagnostics.is_empty())
+        .map(ValidSpec::new);
+    SpecDocument {
+        location: node.location,
+        name,
+        spec,
+        diagnostics: cx.diagnostics,
+    }
+}
+
+fn decode_alloc(node: &Node, cx: &mut Decoder<'_>) -> Option<AllocSpec> {
+    let root = FieldPath::root();
+    let mut fields = Fields::new(node, &root, &["apiVersion", "kind", "metadata", "spec"], cx)?;
+    let api_version = fields.required::<String>("apiVersion", cx);
+    let kind = fields.required::<String>("kind", cx);
+    if let Some(kind) = &kind
+        && kind != KIND_ALLOC
+    {
+        cx.report(
+            node_location(node, "kind"),
+            &root.field("kind"),
+            format!("unknown kind {kind:?}; expected {KIND_ALLOC:?}"),
+        );
+        return None;
+    }
+    if let Some(version) = &api_version
+        && version != API_VERSION
+    {
+        cx.report(
+            node_location(node, "apiVersion"),
+            &root.field("apiVersion"),
+            format!("unsupported apiVersion {version:?}; expected {API_VERSION:?}"),
+        );
+        return None;
+    }
+    let metadata = fields.required::<Metadata>("metadata", cx);
+    let body = match fields.node("spec") {
+        Some(body) => decode_body(body, &root.field("spec"), cx),
+        None => fields.required::<AllocBody>("spec", cx),
+    };
+    if !fields.finish(cx) {
+        return None;
+    }
+    Some(AllocSpec {
+        api_version: api_version?,
+        kind: kind?,
+        metadata: metadata?,
+        spec: body?,
+    })
+}
+
+impl Decode for AllocBody {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        decode_body(node, path, cx)
+    }
+}
+
+fn decode_body(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<AllocBody> {
+    const KNOWN: &[&str] = &[
+        "type",
+        "desiredStatus",
+        "restart",
+        "ephemeralDisk",
+        "shutdownDelay",
+        "tasks",
+    ];
+    let mut fields = Fields::new(node, path, KNOWN, cx)?;
+    let alloc_type = fields.optional::<AllocType>("type", cx);
+    let desired_status = fields.optional("desiredStatus", cx);
+    let restart = fields.optional::<RestartSpec>("restart", cx);
+    let ephemeral_disk = fields.optional::<EphemeralDiskSpec>("ephemeralDisk", cx);
+    let shutdown_delay = fields.optional("shutdownDelay", cx);
+    let tasks = match fields.node("tasks") {
+        Some(tasks) => decode_tasks(tasks, &path.field("tasks"), cx),
+        None => {
+            fields.required::<Vec<TaskSpec>>("tasks", cx);
+            None
+        }
+    };
+    let valid_fields = fields.finish(cx);
+    let tasks = tasks?;
+    // Cross-field rules run over whatever decoded, so their problems are reported
+    // together with the structural ones.
+    let mut body = AllocBody {
+        alloc_type,
+        desired_status,
+        restart,
+        ephemeral_disk,
+        shutdown_delay,
+        tasks: tasks.tasks.iter().map(|(_, t)| t.clone()).collect(),
+    };
+    let group_ok = check_body(node, path, &body, &tasks.tasks, tasks.complete, cx);
+    if !(valid_fields && tasks.complete && group_ok) {
+        return None;
+    }
+    body.tasks = tasks.tasks.into_iter().map(|(_, t)| t).collect();
+    Some(body)
+}
+
+/// The rules that relate fields to each other; true when all hold.
+fn check_body(
+    body_node: &Node,
+    path: &FieldPath,
+    body: &AllocBody,
+    tasks: &[(usize, TaskSpec)],
+    complete: bool,
+    cx: &mut Decoder<'_>,
+) -> bool {
+    let before = cx.diagnostics.len();
+    let tasks_node = child(body_node, "tasks");
+    let task_node = |index: usize| match tasks_node.map(|n| &n.value) {
+        Some(Value::Sequence(items)) => items.get(index),
+        _ => None,
+    };
+
+    // The group's restart policy, over the type's defaults.
+    if let Some(restart) = &body.restart {
+        let restart_node = child(body_node, "restart").expect("restart decoded from this node");
+        for (field, message) in body.group_restart_policy().problems() {
+            let field = written_field(restart, field);
+            cx.report(
+                node_location(restart_node, field),
+                &path.field("restart").field(field),
+                message,
+            );
+        }
+    }
+
+    let mut names: BTreeMap<&Name, usize> = BTreeMap::new();
+    let mut leader: Option<usize> = None;
+    for (index, task) in tasks {
+        let task_path = path.field("tasks").index(*index);
+        let Some(node) = task_node(*index) else {
+            continue;
+        };
+        if let Some(first) = names.insert(&task.name, *index) {
+            names.insert(&task.name, first);
+            cx.report(
+                node_location(node, "name"),
+                &task_path.field("name"),
+                format!(
+                    "task name {:?} is already used by {}",
+                    task.name.as_str(),
+                    path.field("tasks").index(first)
+                ),
+            );
+        }
+        if task.leader == Some(true) {
+            match leader {
+                Some(first) => cx.report(
+                    node_location(node, "leader"),
+                    &task_path.field("leader"),
+                    format!(
+                        "only one task may be the leader; {} already is",
+                        path.field("tasks").index(first)
+                    ),
+                ),
+                None => leader = Some(*index),
+            }
+        }
+        // A task's own restart block is checked as it applies: over the group's policy.
+        if let Some(restart) = &task.restart {
+            let restart_node = child(node, "restart").expect("restart decoded from this node");
+            for (field, message) in task.restart_policy(body).problems() {
+                let field = written_field(restart, field);
+                cx.report(
+                    node_location(restart_node, field),
+                    &task_path.field("restart").field(field),
+                    message,
+                );
+            }
+        }
+        let (max_files, max_file_size_mb) = task.effective_logs();
+        let logs_mb = u64::from(max_files) * u64::from(max_file_size_mb);
+        let disk_mb = body.effective_disk_size_mb();
+        if logs_mb >= disk_mb {
+            let (location, field_path) = match child(node, "logs") {
+                Some(logs) => (logs.location, task_path.field("logs")),
+                None => match child(body_node, "ephemeralDisk") {
+                    Some(disk) => (disk.location, path.field("ephemeralDisk")),
+                    None => (node.location, task_path.field("logs")),
+                },
+            };
+            cx.report(
+                location,
+                &field_path,
+                format!(
+                    "task {:?} may keep {logs_mb} MB of logs ({max_files} files of {max_file_size_mb} MB), which does not fit in the {disk_mb} MB ephemeral disk; logs must be smaller than the disk",
+                    task.name.as_str()
+                ),
+            );
+        }
+    }
+    if complete && !tasks.iter().any(|(_, t)| t.is_main()) {
+        cx.report(
+            tasks_node.map_or(body_node.location, |t| t.location),
+            &path.field("tasks"),
+            "an alloc needs at least one main task (a task without lifecycle)",
+        );
+    }
+    cx.diagnostics.len() == before
+}
+
+/// The field to point at for a restart problem: the named field if this block sets it,
+/// else the first related field it sets (so the diagnostic lands on what was written).
+fn written_field(spec: &RestartSpec, field: &'static str) -> &'static str {
+    let set = |f: &str| match f {
+        "attempts" => spec.attempts.is_some(),
+        "interval" => spec.interval.is_some(),
+        "delay" => spec.delay.is_some(),
+        "mode" => spec.mode.is_some(),
+        "maxDelay" => spec.max_delay.is_some(),
+        _ => false,
+    };
+    let related: &[&'static str] = match field {
+        "mode" => &["mode", "attempts"],
+        "interval" => &["interval"],
+        "delay" => &["delay", "attempts", "interval"],
+        "maxDelay" => &["maxDelay", "delay"],
+        _ => &[],
+    };
+    related.iter().copied().find(|f| set(f)).unwrap_or(field)
+}
