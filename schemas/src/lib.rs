@@ -15,7 +15,8 @@ pub mod yaml;
 pub use diagnostic::{Diagnostic, FieldPath, Location};
 pub use duration::Duration;
 pub use normalize::{AllocId, RestartPolicy, Revision, normalize};
-pub use validate::{SpecDocument, SpecFile, ValidSpec, parse_spec_file};
+pub use validate::{SpecDocument, SpecFile, ValidSpec, parse_spec_bytes, parse_spec_file};
+pub use yaml::MAX_SPEC_FILE_BYTES;
 
 /// The JSON Schema of an alloc spec document, for editors and CI.
 pub fn spec_json_schema() -> serde_json::Value {

@@ -7,7 +7,7 @@ use crate::decode::{Decode, Decoder, Fields, decode_tasks, node_location};
 use crate::diagnostic::{Diagnostic, FieldPath, Location};
 use crate::normalize::{AllocId, Revision};
 use crate::spec::*;
-use crate::yaml::{Node, Value, parse_documents};
+use crate::yaml::{MAX_SPEC_FILE_BYTES, Node, ParseError, Value, parse_documents};
 
 /// A spec that passed validation, with its identity.
 #[derive(Debug, Clone, PartialEq)]
@@ -83,6 +83,33 @@ impl SpecFile {
     }
 }
 
+/// Parses and validates the spec file at `path` whose raw content is `bytes`: text in
+/// UTF-8, at most [`MAX_SPEC_FILE_BYTES`] (a caller may pass only the first
+/// `MAX_SPEC_FILE_BYTES + 1` bytes of a larger file).
+pub fn parse_spec_bytes(path: &Path, bytes: &[u8]) -> SpecFile {
+    let failed = |error: ParseError| SpecFile {
+        path: path.to_owned(),
+        documents: Vec::new(),
+        diagnostics: vec![Diagnostic::new(path, error.location, "", error.message)],
+    };
+    if bytes.len() > MAX_SPEC_FILE_BYTES {
+        return failed(ParseError::too_large());
+    }
+    match std::str::from_utf8(bytes) {
+        Ok(source) => parse_spec_file(path, source),
+        Err(error) => {
+            let valid =
+                std::str::from_utf8(&bytes[..error.valid_up_to()]).expect("valid up to here");
+            let line = valid.matches('\n').count() + 1;
+            let column = valid.rsplit('\n').next().map_or(0, |l| l.chars().count()) + 1;
+            failed(ParseError {
+                location: Location::new(line as u64, column as u64),
+                message: "file is not valid utf-8 text".to_owned(),
+            })
+        }
+    }
+}
+
 /// Parses and validates the spec file at `path` whose content is `source`.
 pub fn parse_spec_file(path: &Path, source: &str) -> SpecFile {
     let mut file = SpecFile {
@@ -116,7 +143,11 @@ pub fn parse_spec_file(path: &Path, source: &str) -> SpecFile {
                     path,
                     location,
                     "metadata.name",
-                    format!("alloc {name:?} is already declared at line {}", first.line),
+                    format!(
+                        "alloc {:?} is already declared at line {}",
+                        name.as_str(),
+                        first.line
+                    ),
                 ));
             } else {
                 seen.insert(name.clone(), name_location(node).unwrap_or(node.location));

@@ -14,6 +14,9 @@ use crate::diagnostic::Location;
 /// mistake or an attack, and is refused before it is parsed.
 pub const MAX_SPEC_FILE_BYTES: usize = 1024 * 1024;
 
+/// The deepest nesting of sequences and mappings accepted; specs need about eight.
+const MAX_DEPTH: usize = 32;
+
 /// One YAML node and where it starts.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Node {
@@ -100,19 +103,25 @@ pub struct ParseError {
     pub message: String,
 }
 
+impl ParseError {
+    /// The error for a file over [`MAX_SPEC_FILE_BYTES`].
+    pub fn too_large() -> Self {
+        ParseError {
+            location: Location::START,
+            message: format!(
+                "file is larger than {MAX_SPEC_FILE_BYTES} bytes, the most a spec file may have"
+            ),
+        }
+    }
+}
+
 /// Parses every document of a YAML stream. Empty documents are skipped.
 ///
 /// Duplicate keys are errors, and a budget caps events, aliases and nesting, so that an
 /// alias-expansion bomb or a deeply nested file fails fast instead of eating memory.
 pub fn parse_documents(source: &str) -> Result<Vec<Node>, ParseError> {
     if source.len() > MAX_SPEC_FILE_BYTES {
-        return Err(ParseError {
-            location: Location::START,
-            message: format!(
-                "file is {} bytes, more than the {MAX_SPEC_FILE_BYTES} bytes a spec file may have",
-                source.len()
-            ),
-        });
+        return Err(ParseError::too_large());
     }
     let mut options = Options::default();
     options.duplicate_keys = DuplicateKeyPolicy::Error;
@@ -121,7 +130,7 @@ pub fn parse_documents(source: &str) -> Result<Vec<Node>, ParseError> {
     budget.max_events = 200_000;
     budget.max_aliases = 1_000;
     budget.max_anchors = 1_000;
-    budget.max_depth = 64;
+    budget.max_depth = MAX_DEPTH;
     options.budget = Some(budget);
     options.alias_limits.max_total_replayed_events = 100_000;
     let documents: Vec<Spanned<Value>> =
@@ -145,10 +154,41 @@ fn node_from_spanned(spanned: Spanned<Value>) -> Node {
     }
 }
 
-/// The parser's message without its location prefix, lowercase first letter, no final period.
+/// The parser's message in our words where we have better ones (budget breaches,
+/// duplicate keys), else its own message: one line, lowercase first letter, no location,
+/// no final period.
 fn plain_message(error: &serde_saphyr::Error) -> String {
-    let mut rendered = error.without_snippet().to_string();
-    // The rendered message may start with "line N column M: " or end with " at line N, column M".
+    use serde_saphyr::Error as E;
+    use serde_saphyr::budget::BudgetBreach as B;
+    let mut inner = error;
+    while let E::AliasError { error, .. } | E::WithSnippet { error, .. } = inner {
+        inner = error;
+    }
+    match inner {
+        E::DuplicateMappingKey { key: Some(key), .. } => {
+            return format!("duplicate key {key:?}; each key may appear once in a mapping");
+        }
+        E::DuplicateMappingKey { key: None, .. } => {
+            return "duplicate key; each key may appear once in a mapping".to_owned();
+        }
+        E::AliasReplayLimitExceeded { .. }
+        | E::AliasExpansionLimitExceeded { .. }
+        | E::AliasReplayStackDepthExceeded { .. }
+        | E::AliasReplayCounterOverflow { .. }
+        | E::Budget {
+            breach: B::Aliases { .. } | B::Anchors { .. },
+            ..
+        } => {
+            return "anchors and aliases expand too much; a spec may not use aliases to multiply its size".to_owned();
+        }
+        E::Budget {
+            breach: B::Depth { .. },
+            ..
+        } => return format!("nesting is deeper than {MAX_DEPTH} levels"),
+        E::Budget { .. } => return "file is too large or complex to be a spec".to_owned(),
+        _ => {}
+    }
+    let mut rendered = inner.to_string();
     if let Some(location) = error.location() {
         for suffix in [
             format!(" at line {}, column {}", location.line(), location.column()),

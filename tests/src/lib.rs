@@ -1,1 +1,54 @@
 //! Helpers shared by the scenario tests in `tests/tests/`.
+
+use std::path::{Path, PathBuf};
+
+/// The `tests/` package directory; fixtures live below it.
+pub fn package_dir() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// The workspace root.
+pub fn workspace_dir() -> PathBuf {
+    package_dir()
+        .parent()
+        .expect("the tests package sits in the workspace")
+        .to_owned()
+}
+
+/// Runs the `stead` CLI in-process with `args` (without the program name); returns the
+/// exit code, stdout and stderr.
+pub fn stead(args: &[&str]) -> (u8, String, String) {
+    let mut out = Vec::new();
+    let mut err = Vec::new();
+    let argv = std::iter::once("stead").chain(args.iter().copied());
+    let code = stead_controller::cli::run(argv, &mut out, &mut err);
+    (
+        code,
+        String::from_utf8(out).expect("the CLI prints utf-8"),
+        String::from_utf8(err).expect("the CLI prints utf-8"),
+    )
+}
+
+/// Compares `actual` with the snapshot file at `path`. With `UPDATE_EXPECT=1` in the
+/// environment the snapshot is (re)written instead; otherwise a missing or different
+/// snapshot is returned as a message describing the difference.
+pub fn check_snapshot(path: &Path, actual: &str) -> Result<(), String> {
+    if std::env::var_os("UPDATE_EXPECT").is_some() {
+        std::fs::write(path, actual).map_err(|e| format!("{}: {e}", path.display()))?;
+        return Ok(());
+    }
+    let expected = std::fs::read_to_string(path).map_err(|e| {
+        format!(
+            "{}: {e}; run with UPDATE_EXPECT=1 to create it, then review it",
+            path.display()
+        )
+    })?;
+    if expected == actual {
+        Ok(())
+    } else {
+        Err(format!(
+            "{} differs (UPDATE_EXPECT=1 rewrites it)\n--- expected\n{expected}\n--- actual\n{actual}",
+            path.display()
+        ))
+    }
+}

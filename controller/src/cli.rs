@@ -1,0 +1,192 @@
+//! The `stead` command line: argument parsing and the commands that need no agent.
+
+use std::collections::BTreeMap;
+use std::ffi::OsString;
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use serde_json::json;
+use stead_schemas::{Diagnostic, Location, MAX_SPEC_FILE_BYTES, SpecFile, parse_spec_bytes};
+
+use crate::spec_files::collect_spec_files;
+
+/// Exit code: everything was valid.
+pub const EXIT_OK: u8 = 0;
+/// Exit code: something was invalid or unreadable.
+pub const EXIT_INVALID: u8 = 1;
+/// Exit code: the command line itself was wrong.
+pub const EXIT_USAGE: u8 = 2;
+
+/// stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
+#[derive(Debug, Parser)]
+#[command(name = "stead", version, about, max_term_width = 100)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Check spec files (or directories of them) and print every problem found.
+    ///
+    /// Exits 0 when all are valid, 1 when any is not, 2 on a usage error.
+    Validate {
+        /// Files or directories; directories are searched recursively for *.yaml and *.yml,
+        /// skipping hidden files and editor temporaries.
+        #[arg(required = true)]
+        paths: Vec<PathBuf>,
+        /// Print the result as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Print the JSON Schema of the alloc spec, for editors.
+    Schema,
+}
+
+/// Runs the CLI with `args` (the first is the program name) and returns the exit code.
+pub fn run(
+    args: impl IntoIterator<Item = impl Into<OsString> + Clone>,
+    out: &mut dyn Write,
+    err: &mut dyn Write,
+) -> u8 {
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(error) => {
+            let code = if error.use_stderr() {
+                EXIT_USAGE
+            } else {
+                EXIT_OK
+            };
+            let rendered = error.render().to_string();
+            let target: &mut dyn Write = if error.use_stderr() { err } else { out };
+            // Nothing sensible is left to do when the terminal is gone.
+            let _ = target.write_all(rendered.as_bytes());
+            return code;
+        }
+    };
+    let result = match cli.command {
+        Command::Validate { paths, json } => validate(&paths, json, out),
+        Command::Schema => schema(out),
+    };
+    result.unwrap_or_else(|error| {
+        let _ = writeln!(err, "error: {error:#}");
+        EXIT_INVALID
+    })
+}
+
+fn schema(out: &mut dyn Write) -> anyhow::Result<u8> {
+    let schema = serde_json::to_string_pretty(&stead_schemas::spec_json_schema())?;
+    writeln!(out, "{schema}").context("writing the schema")?;
+    Ok(EXIT_OK)
+}
+
+/// Reads at most one byte more than a spec may have, so a huge file is refused cheaply.
+fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(MAX_SPEC_FILE_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let (files, unreadable) = collect_spec_files(paths);
+    let mut diagnostics: Vec<Diagnostic> = unreadable
+        .iter()
+        .map(|e| {
+            Diagnostic::new(
+                &e.path,
+                Location::START,
+                "",
+                format!("cannot read: {}", e.source),
+            )
+        })
+        .collect();
+    let mut parsed: Vec<SpecFile> = Vec::new();
+    for path in &files {
+        match read_spec(path) {
+            Ok(bytes) => parsed.push(parse_spec_bytes(path, &bytes)),
+            Err(error) => diagnostics.push(Diagnostic::new(
+                path,
+                Location::START,
+                "",
+                format!("cannot read: {error}"),
+            )),
+        }
+    }
+    // An alloc name may be declared once on a node, whichever file declares it.
+    let mut declared: BTreeMap<String, (PathBuf, Location)> = BTreeMap::new();
+    for file in &parsed {
+        diagnostics.extend(file.all_diagnostics());
+        for document in &file.documents {
+            let Some(name) = &document.name else { continue };
+            match declared.get(name.as_str()) {
+                Some((first, at)) if first != &file.path => diagnostics.push(Diagnostic::new(
+                    &file.path,
+                    document.location,
+                    "metadata.name",
+                    format!(
+                        "alloc {:?} is already declared in {}:{at}",
+                        name.as_str(),
+                        first.display()
+                    ),
+                )),
+                Some(_) => {}
+                None => {
+                    declared.insert(
+                        name.as_str().to_owned(),
+                        (file.path.clone(), document.location),
+                    );
+                }
+            }
+        }
+    }
+    let specs: Vec<_> = parsed
+        .iter()
+        .flat_map(|f| f.specs().map(move |s| (&f.path, s)))
+        .collect();
+    if as_json {
+        let document = json!({
+            "valid": diagnostics.is_empty(),
+            "files": files.len(),
+            "allocs": specs.iter().map(|(path, spec)| json!({
+                "file": path,
+                "name": spec.name().as_str(),
+                "id": spec.id.as_str(),
+                "revision": spec.revision.as_str(),
+            })).collect::<Vec<_>>(),
+            "diagnostics": diagnostics,
+        });
+        writeln!(out, "{}", serde_json::to_string_pretty(&document)?)?;
+    } else {
+        for diagnostic in &diagnostics {
+            writeln!(out, "{diagnostic}")?;
+        }
+        if diagnostics.is_empty() {
+            for (path, spec) in &specs {
+                writeln!(out, "{}: {} ok", path.display(), spec.id)?;
+            }
+        }
+        let problems = diagnostics.len();
+        writeln!(
+            out,
+            "{} {} checked, {} {} valid, {problems} {}",
+            files.len(),
+            plural(files.len(), "file", "files"),
+            specs.len(),
+            plural(specs.len(), "alloc", "allocs"),
+            plural(problems, "problem", "problems"),
+        )?;
+    }
+    Ok(if diagnostics.is_empty() {
+        EXIT_OK
+    } else {
+        EXIT_INVALID
+    })
+}
+
+fn plural<'a>(n: usize, one: &'a str, many: &'a str) -> &'a str {
+    if n == 1 { one } else { many }
+}

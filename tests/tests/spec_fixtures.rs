@@ -1,0 +1,90 @@
+//! Every invalid spec fixture yields exactly its snapshot of diagnostics, and every
+//! example in `deploy/examples` is valid.
+
+use std::path::Path;
+
+use stead_tests::{check_snapshot, package_dir, stead, workspace_dir};
+
+fn fixture_paths(dir: &Path) -> Vec<String> {
+    let mut names: Vec<String> = std::fs::read_dir(dir)
+        .expect("fixture directory exists")
+        .map(|e| {
+            e.expect("readable entry")
+                .file_name()
+                .into_string()
+                .expect("utf-8 name")
+        })
+        .filter(|n| n.ends_with(".yaml"))
+        .collect();
+    names.sort();
+    names
+}
+
+#[test]
+fn every_invalid_fixture_reports_exactly_its_expected_diagnostics() {
+    let dir = package_dir().join("fixtures/invalid");
+    let names = fixture_paths(&dir);
+    assert!(names.len() >= 40, "only {} invalid fixtures", names.len());
+    // Relative paths keep the snapshots independent of where the checkout lives.
+    std::env::set_current_dir(package_dir()).expect("the package dir exists");
+    let mut failures = Vec::new();
+    for name in &names {
+        let relative = format!("fixtures/invalid/{name}");
+        let (code, out, err) = stead(&["validate", &relative]);
+        if code != 1 {
+            failures.push(format!("{name}: exit code {code}, expected 1\n{out}{err}"));
+            continue;
+        }
+        let snapshot = dir.join(name.replace(".yaml", ".expected"));
+        if let Err(difference) = check_snapshot(&snapshot, &out) {
+            failures.push(difference);
+        }
+        // Every diagnostic carries a file, a line and a column.
+        for line in out.lines().filter(|l| l.starts_with("fixtures/")) {
+            let mut parts = line.splitn(4, ':');
+            let (_, line_no, column) = (parts.next(), parts.next(), parts.next());
+            let located = line_no.is_some_and(|l| l.parse::<u32>().is_ok_and(|l| l > 0))
+                && column.is_some_and(|c| c.parse::<u32>().is_ok_and(|c| c > 0));
+            if !located {
+                failures.push(format!(
+                    "{name}: diagnostic without line and column: {line}"
+                ));
+            }
+        }
+    }
+    assert!(failures.is_empty(), "{}", failures.join("\n\n"));
+}
+
+#[test]
+fn a_ten_megabyte_file_is_refused_without_being_parsed() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("huge.yaml");
+    let mut text =
+        String::from("apiVersion: stead/v1\nkind: Alloc\nmetadata:\n  name: huge\n  labels:\n");
+    let mut i = 0;
+    while text.len() < 10 * 1024 * 1024 {
+        text.push_str(&format!("    key{i}: \"{}\"\n", "x".repeat(100)));
+        i += 1;
+    }
+    std::fs::write(&path, &text).expect("write the file");
+    let (code, out, _) = stead(&["validate", path.to_str().expect("utf-8 path")]);
+    assert_eq!(code, 1);
+    assert!(
+        out.starts_with(&format!(
+            "{}:1:1: file is larger than 1048576 bytes, the most a spec file may have\n",
+            path.display()
+        )),
+        "{out}"
+    );
+}
+
+#[test]
+fn every_example_in_deploy_is_valid() {
+    let examples = workspace_dir().join("deploy/examples");
+    let (code, out, err) = stead(&["validate", examples.to_str().expect("utf-8 path")]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains("3 files checked, 3 allocs valid, 0 problems"),
+        "{out}"
+    );
+}
