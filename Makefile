@@ -1,0 +1,30 @@
+# stead: `make run` builds and starts the agent on deploy/examples; `make test` builds and
+# passes the whole suite. Both install the system packages they need first.
+
+CARGO ?= cargo
+SPECS ?= deploy/examples
+
+.PHONY: run test deps fmt-check clippy unit fuzz
+
+run: deps
+	$(CARGO) run --locked --bin stead -- validate $(SPECS)
+
+test: deps fmt-check clippy unit
+
+deps:
+	@scripts/install-deps.sh
+
+fmt-check:
+	$(CARGO) fmt --all -- --check
+
+clippy:
+	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+
+unit:
+	$(CARGO) test --locked --workspace
+
+# Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
+FUZZ_SECONDS ?= 60
+fuzz:
+	cd fuzz && mkdir -p corpus/parse_spec && \
+	  $(CARGO) +nightly fuzz run parse_spec corpus/parse_spec seeds/parse_spec -- -max_total_time=$(FUZZ_SECONDS)

@@ -1,0 +1,26 @@
+#!/usr/bin/env bash
+# Installs the Debian packages that building and testing stead need, when missing.
+# Uses sudo when not root. Safe to run repeatedly: it does nothing when all are present.
+set -euo pipefail
+
+# gcc/libc6-dev: the linker and C runtime for rustc and crates that build C;
+# pkg-config: locating system libraries from build scripts.
+packages=(gcc libc6-dev pkg-config)
+
+missing=()
+for package in "${packages[@]}"; do
+  if ! dpkg-query -W -f='${Status}' "$package" 2>/dev/null | grep -q 'install ok installed'; then
+    missing+=("$package")
+  fi
+done
+[ ${#missing[@]} -eq 0 ] && exit 0
+
+if ! command -v apt-get >/dev/null 2>&1; then
+  echo "install-deps: missing packages ${missing[*]}, and no apt-get to install them" >&2
+  exit 1
+fi
+sudo=()
+[ "$(id -u)" -eq 0 ] || sudo=(sudo)
+echo "install-deps: installing ${missing[*]}" >&2
+"${sudo[@]}" apt-get update -qq
+DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends "${missing[@]}"

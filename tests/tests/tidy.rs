@@ -1,0 +1,217 @@
+//! Enforces the invariants of ARCHITECTURE.md that the compiler does not.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+use stead_tests::workspace_dir;
+
+/// Every `.rs` file of the project, outside build output.
+fn rust_files() -> Vec<PathBuf> {
+    fn walk(dir: &Path, files: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("readable directory") {
+            let entry = entry.expect("readable entry");
+            let path = entry.path();
+            let name = entry.file_name();
+            let name = name.to_string_lossy();
+            if entry.file_type().expect("file type").is_dir() {
+                if !(name.starts_with('.')
+                    || name == "target"
+                    || name == "corpus"
+                    || name == "artifacts")
+                {
+                    walk(&path, files);
+                }
+            } else if name.ends_with(".rs") {
+                files.push(path);
+            }
+        }
+    }
+    let mut files = Vec::new();
+    walk(&workspace_dir(), &mut files);
+    files.sort();
+    files
+}
+
+fn relative(path: &Path) -> String {
+    path.strip_prefix(workspace_dir())
+        .expect("inside the workspace")
+        .display()
+        .to_string()
+}
+
+#[test]
+fn every_rust_file_opens_with_a_module_doc_line() {
+    let offenders: Vec<String> = rust_files()
+        .into_iter()
+        .filter(|path| {
+            let text = std::fs::read_to_string(path).expect("readable source");
+            !text.starts_with("//!")
+        })
+        .map(|p| relative(&p))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "files without a leading `//!` line: {offenders:?}"
+    );
+}
+
+/// The transitive normal (non-dev, non-build) dependencies of each workspace package.
+fn dependency_closure() -> BTreeMap<String, BTreeSet<String>> {
+    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .args([
+            "metadata",
+            "--format-version",
+            "1",
+            "--locked",
+            "--manifest-path",
+        ])
+        .arg(workspace_dir().join("Cargo.toml"))
+        .output()
+        .expect("cargo metadata runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    let names: BTreeMap<&str, &str> = metadata["packages"]
+        .as_array()
+        .expect("packages")
+        .iter()
+        .map(|p| {
+            (
+                p["id"].as_str().expect("id"),
+                p["name"].as_str().expect("name"),
+            )
+        })
+        .collect();
+    let mut edges: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for node in metadata["resolve"]["nodes"]
+        .as_array()
+        .expect("resolve nodes")
+    {
+        let id = node["id"].as_str().expect("id");
+        let normal = node["deps"]
+            .as_array()
+            .expect("deps")
+            .iter()
+            .filter(|dep| {
+                dep["dep_kinds"]
+                    .as_array()
+                    .expect("dep kinds")
+                    .iter()
+                    .any(|k| k["kind"].is_null())
+            })
+            .map(|dep| dep["pkg"].as_str().expect("pkg"))
+            .collect();
+        edges.insert(id, normal);
+    }
+    let mut closure = BTreeMap::new();
+    for member in metadata["workspace_members"].as_array().expect("members") {
+        let root = member.as_str().expect("member id");
+        let mut seen = BTreeSet::new();
+        let mut stack = vec![root];
+        while let Some(id) = stack.pop() {
+            for dep in edges.get(id).into_iter().flatten() {
+                if seen.insert(names[dep].to_owned()) {
+                    stack.push(dep);
+                }
+            }
+        }
+        closure.insert(names[root].to_owned(), seen);
+    }
+    closure
+}
+
+#[test]
+fn reconcilers_depend_on_no_runtime_storage_web_or_anyhow_crate() {
+    let closure = dependency_closure();
+    let reconcilers = &closure["stead-reconcilers"];
+    let forbidden: Vec<&String> = reconcilers
+        .iter()
+        .filter(|dep| {
+            [
+                "tokio",
+                "rocksdb",
+                "librocksdb-sys",
+                "axum",
+                "hyper",
+                "anyhow",
+                "mio",
+                "notify",
+            ]
+            .contains(&dep.as_str())
+        })
+        .collect();
+    assert!(
+        forbidden.is_empty(),
+        "stead-reconcilers depends on {forbidden:?}"
+    );
+}
+
+#[test]
+fn serde_derives_appear_only_in_schemas() {
+    let format_free = [
+        workspace_dir().join("reconcilers"),
+        workspace_dir().join("controller"),
+    ];
+    let offenders: Vec<String> = rust_files()
+        .into_iter()
+        .filter(|path| format_free.iter().any(|dir| path.starts_with(dir)))
+        .filter(|path| {
+            let text = std::fs::read_to_string(path).expect("readable source");
+            text.lines().any(|line| {
+                line.trim_start().starts_with("#[derive(")
+                    && (line.contains("Serialize") || line.contains("Deserialize"))
+            })
+        })
+        .map(|p| relative(&p))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "only stead-schemas defines formats, yet serde derives appear in {offenders:?}"
+    );
+}
+
+#[test]
+fn only_the_clock_module_reads_the_clock() {
+    let clock = workspace_dir().join("controller/src/clock.rs");
+    let offenders: Vec<String> = rust_files()
+        .into_iter()
+        .filter(|path| path != &clock && !path.starts_with(workspace_dir().join("tests")))
+        .filter(|path| {
+            let text = std::fs::read_to_string(path).expect("readable source");
+            [
+                "Instant::now(",
+                "SystemTime::now(",
+                "Utc::now(",
+                "Local::now(",
+            ]
+            .iter()
+            .any(|needle| text.contains(needle))
+        })
+        .map(|p| relative(&p))
+        .collect();
+    assert!(
+        offenders.is_empty(),
+        "clock reads outside controller/src/clock.rs: {offenders:?}"
+    );
+}
+
+#[test]
+fn reconcilers_clippy_config_forbids_clocks_io_and_sleep() {
+    let config = std::fs::read_to_string(workspace_dir().join("reconcilers/clippy.toml"))
+        .expect("reconcilers/clippy.toml exists");
+    for needle in [
+        "std::time::Instant::now",
+        "std::time::SystemTime::now",
+        "std::thread::sleep",
+        "std::fs::",
+    ] {
+        assert!(
+            config.contains(needle),
+            "reconcilers/clippy.toml does not disallow {needle}"
+        );
+    }
+}
