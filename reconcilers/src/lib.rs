@@ -1,4 +1,15 @@
 //! stead's pure decisions: `fn(desired, observed, now) -> Plan`, with no IO, no async and
 //! no clock reads, so every decision is a deterministic function that tests can table.
+//!
+//! - [`restart`]: the restart tracker (Nomad's rules, plus `maxDelay`).
+//! - [`task`]: one task's state and its steps towards running or dead.
+//! - [`alloc`]: lifecycle stages, leader and sibling deaths, kill order, client status.
+//! - [`event`]: task events with Nomad's type strings and messages.
 
+pub mod alloc;
+pub mod event;
+pub mod exit;
 pub mod restart;
+pub mod task;
+
+pub use stead_schemas::Timestamp;

@@ -13,56 +13,10 @@
 //! The tracker is plain data: time and randomness are inputs, so decisions are deterministic.
 
 use std::fmt;
-use std::ops::Add;
 use std::time::Duration;
 
-use stead_schemas::RestartPolicy;
 use stead_schemas::spec::RestartMode;
-
-/// A point in time, as an offset from a fixed epoch.
-///
-/// The crate never reads a clock: callers pass `now`. All timestamps compared with each other
-/// must share one epoch; timestamps that are persisted need one that survives agent restarts,
-/// such as the Unix epoch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Default)]
-pub struct Timestamp(Duration);
-
-impl Timestamp {
-    /// The epoch itself.
-    pub const EPOCH: Timestamp = Timestamp(Duration::ZERO);
-
-    /// The point `offset` after the epoch.
-    pub const fn from_since_epoch(offset: Duration) -> Self {
-        Timestamp(offset)
-    }
-
-    /// How long after the epoch this point is.
-    pub const fn since_epoch(self) -> Duration {
-        self.0
-    }
-
-    /// How long after `earlier` this point is, or zero when it is not after it.
-    pub fn saturating_duration_since(self, earlier: Timestamp) -> Duration {
-        self.0.saturating_sub(earlier.0)
-    }
-}
-
-impl Add<Duration> for Timestamp {
-    type Output = Timestamp;
-
-    /// The point `offset` later.
-    ///
-    /// # Panics
-    ///
-    /// When the result does not fit, as `std::time::Instant` does.
-    fn add(self, offset: Duration) -> Timestamp {
-        Timestamp(
-            self.0
-                .checked_add(offset)
-                .expect("timestamp overflow: offsets are bounded far below Duration::MAX"),
-        )
-    }
-}
+use stead_schemas::{RestartPolicy, Timestamp};
 
 /// A uniformly random fraction in `[0, 1)` that sets the jitter of a restart delay.
 ///

@@ -8,13 +8,17 @@ mod decode;
 pub mod diagnostic;
 pub mod duration;
 pub mod normalize;
+pub mod record;
 pub mod spec;
+pub mod status;
+pub mod time;
 mod validate;
 pub mod yaml;
 
 pub use diagnostic::{Diagnostic, FieldPath, Location};
 pub use duration::Duration;
 pub use normalize::{AllocId, RestartPolicy, Revision, normalize};
+pub use time::Timestamp;
 pub use validate::{SpecDocument, SpecFile, ValidSpec, parse_spec_bytes, parse_spec_file};
 pub use yaml::MAX_SPEC_FILE_BYTES;
 

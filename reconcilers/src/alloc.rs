@@ -1,0 +1,756 @@
+//! The alloc reconciler: lifecycle stages, leader and sibling deaths, the kill order, and
+//! the alloc's client status.
+//!
+//! `AllocState::reconcile(&desired, now)` is level-triggered: it looks at the whole state,
+//! decides for every task whether it should run or die, lets each task take its next
+//! step, and returns the effects for the shell plus when it wants to be woken. What the
+//! shell observes comes back through `AllocState::observe`.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::time::Duration;
+
+use stead_schemas::Timestamp;
+use stead_schemas::spec::{AllocBody, LifecycleHook, Name, Signal};
+
+use crate::event::{TaskEvent, TaskEventType};
+use crate::exit::ExitResult;
+use crate::restart::Jitter;
+use crate::task::{Effect, KillReason, TaskPhase, TaskSettings, TaskState};
+
+/// Limits the agent puts on every alloc.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Limits {
+    /// The longest kill timeout any task gets.
+    pub max_kill_timeout: Duration,
+    /// How many events are kept per task.
+    pub max_events: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits {
+            max_kill_timeout: Duration::from_secs(30),
+            max_events: 50,
+        }
+    }
+}
+
+/// What the alloc should be: its tasks' settings, and whether it should run.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocDesired {
+    /// The tasks, in spec order.
+    pub tasks: Vec<TaskSettings>,
+    /// Run the tasks (`desiredStatus: run`, and the alloc is neither replaced nor removed).
+    pub run: bool,
+    /// The group's shutdown delay, waited once before a stop kills anything.
+    pub shutdown_delay: Duration,
+    /// Events kept per task.
+    pub max_events: usize,
+}
+
+impl AllocDesired {
+    /// The desired state of `spec`; `run` says whether its tasks should run.
+    pub fn new(spec: &AllocBody, run: bool, limits: Limits) -> Self {
+        AllocDesired {
+            tasks: spec
+                .tasks
+                .iter()
+                .map(|t| TaskSettings::new(t, spec, limits.max_kill_timeout))
+                .collect(),
+            run,
+            shutdown_delay: spec.shutdown_delay.map(|d| d.get()).unwrap_or_default(),
+            max_events: limits.max_events,
+        }
+    }
+
+    /// The settings of task `name`.
+    pub fn task(&self, name: &Name) -> Option<&TaskSettings> {
+        self.tasks.iter().find(|t| &t.name == name)
+    }
+}
+
+/// Why the whole alloc is shutting down.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum ShutdownReason {
+    /// It was asked to stop.
+    Stop,
+    /// A task failed.
+    TaskFailed(Name),
+    /// The leader died.
+    LeaderDead,
+}
+
+/// A shutdown in progress.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct Shutdown {
+    /// Why.
+    pub reason: ShutdownReason,
+    /// When it began.
+    pub at: Timestamp,
+}
+
+/// The alloc's overall status, Nomad's `clientStatus`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum ClientStatus {
+    /// Some task is pending and none runs or failed.
+    Pending,
+    /// Some task runs and none failed.
+    Running,
+    /// Every task is dead and none failed.
+    Complete,
+    /// Some task failed.
+    Failed,
+}
+
+impl ClientStatus {
+    /// `pending`, `running`, `complete` or `failed`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ClientStatus::Pending => "pending",
+            ClientStatus::Running => "running",
+            ClientStatus::Complete => "complete",
+            ClientStatus::Failed => "failed",
+        }
+    }
+}
+
+impl fmt::Display for ClientStatus {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a reconcile asks of the shell.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Plan {
+    /// Effects to carry out, in order.
+    pub effects: Vec<Effect>,
+    /// When to reconcile again at the latest, if anything is due.
+    pub wake_at: Option<Timestamp>,
+}
+
+/// Something the shell observed about a task.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Observation {
+    /// The driver started it.
+    Started,
+    /// The driver could not start it.
+    StartFailed {
+        /// The driver's error.
+        message: String,
+        /// Whether trying again may succeed.
+        recoverable: bool,
+    },
+    /// An in-flight start was abandoned.
+    StartCancelled,
+    /// Its process ended.
+    Exited(ExitResult),
+    /// After an agent restart, it could not be reattached.
+    RecoverFailed {
+        /// Why.
+        message: String,
+    },
+}
+
+/// A user command that cannot be carried out.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CommandRefusal {
+    /// The alloc has no such task.
+    UnknownTask(Name),
+    /// The task (or, for a whole-alloc restart, every task) is not running.
+    TaskNotRunning,
+}
+
+impl fmt::Display for CommandRefusal {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            CommandRefusal::UnknownTask(task) => write!(f, "unknown task {:?}", task.as_str()),
+            // Nomad's wording, which operators know.
+            CommandRefusal::TaskNotRunning => f.write_str("Task not running"),
+        }
+    }
+}
+
+impl std::error::Error for CommandRefusal {}
+
+/// The state of one alloc revision; everything in it is persisted.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocState {
+    /// Each task's state, by name.
+    pub tasks: BTreeMap<Name, TaskState>,
+    /// The shutdown in progress, if any.
+    pub shutdown: Option<Shutdown>,
+    /// Whether the prestart stage completed, so main tasks may run (latched).
+    pub main_released: bool,
+    /// Whether every main task has run, so poststart tasks may run (latched).
+    pub poststart_released: bool,
+}
+
+impl AllocState {
+    /// A freshly received alloc: every task pending with a `Received` event.
+    pub fn new(desired: &AllocDesired, now: Timestamp) -> Self {
+        AllocState {
+            tasks: desired
+                .tasks
+                .iter()
+                .map(|t| (t.name.clone(), TaskState::new(now)))
+                .collect(),
+            shutdown: None,
+            main_released: false,
+            poststart_released: false,
+        }
+    }
+
+    /// Nomad's client status: failed if any task failed, else running if any runs, else
+    /// pending if any is pending, else complete.
+    pub fn client_status(&self) -> ClientStatus {
+        let tasks = || self.tasks.values();
+        if tasks().any(|t| t.failed) {
+            ClientStatus::Failed
+        } else if tasks().any(|t| t.phase == TaskPhase::Running) {
+            ClientStatus::Running
+        } else if tasks().any(|t| t.phase == TaskPhase::Pending) {
+            ClientStatus::Pending
+        } else {
+            ClientStatus::Complete
+        }
+    }
+
+    /// Whether every task is dead and no process is left.
+    pub fn is_terminal(&self) -> bool {
+        self.tasks.values().all(|t| t.is_dead() && !t.has_process())
+    }
+
+    /// One level-triggered pass: decide what every task should do and let it act.
+    pub fn reconcile(&mut self, desired: &AllocDesired, now: Timestamp) -> Plan {
+        let mut plan = Plan::default();
+        self.update_shutdown(desired, now);
+        let want_run = match self.shutdown.clone() {
+            None => self.run_stages(desired, now),
+            Some(shutdown) => self.stop_stages(desired, &shutdown, now, &mut plan.wake_at),
+        };
+        for settings in &desired.tasks {
+            let Some(task) = self.tasks.get_mut(&settings.name) else {
+                continue;
+            };
+            let run = want_run.get(&settings.name).copied().unwrap_or(false);
+            task.drive(
+                settings,
+                run,
+                now,
+                desired.max_events,
+                &mut plan.effects,
+                &mut plan.wake_at,
+            );
+        }
+        plan
+    }
+
+    /// Starts a shutdown when the alloc should stop, a task failed or the leader died;
+    /// ends a stop once everything is dead and the alloc should run again.
+    fn update_shutdown(&mut self, desired: &AllocDesired, now: Timestamp) {
+        if let Some(shutdown) = &self.shutdown {
+            if shutdown.reason == ShutdownReason::Stop && desired.run && self.is_terminal() {
+                // Stopped, then asked to run again: run in place.
+                for task in self.tasks.values_mut() {
+                    task.reset_for_rerun(now);
+                }
+                self.shutdown = None;
+                self.main_released = false;
+                self.poststart_released = false;
+            }
+            return;
+        }
+        let reason = if !desired.run {
+            Some(ShutdownReason::Stop)
+        } else if let Some((name, _)) = self.tasks.iter().find(|(_, t)| t.failed) {
+            Some(ShutdownReason::TaskFailed(name.clone()))
+        } else if desired
+            .tasks
+            .iter()
+            .filter(|s| s.leader)
+            .any(|s| self.tasks.get(&s.name).is_some_and(TaskState::is_dead))
+        {
+            Some(ShutdownReason::LeaderDead)
+        } else {
+            None
+        };
+        self.shutdown = reason.map(|reason| Shutdown { reason, at: now });
+    }
+
+    /// Which tasks should run while the alloc runs, by lifecycle stage.
+    fn run_stages(&mut self, desired: &AllocDesired, now: Timestamp) -> BTreeMap<Name, bool> {
+        let state = |name: &Name| self.tasks.get(name);
+        let prestart_done = desired
+            .tasks
+            .iter()
+            .filter(|s| s.hook == Some(LifecycleHook::Prestart))
+            .all(|s| match state(&s.name) {
+                Some(t) if s.sidecar => t.is_running(),
+                Some(t) => t.is_dead() && !t.failed,
+                None => true,
+            });
+        if prestart_done {
+            self.main_released = true;
+        }
+        let mains = || desired.tasks.iter().filter(|s| s.is_main());
+        if self.main_released
+            && mains().all(|s| {
+                self.tasks
+                    .get(&s.name)
+                    .is_some_and(|t| t.started_at.is_some())
+            })
+        {
+            self.poststart_released = true;
+        }
+        let all_mains_dead =
+            mains().all(|s| self.tasks.get(&s.name).is_none_or(TaskState::is_dead));
+        let cap = desired.max_events;
+
+        if all_mains_dead {
+            // Only helpers are left: sidecars go, ephemeral hooks that never ran never will.
+            for settings in &desired.tasks {
+                let Some(task) = self.tasks.get_mut(&settings.name) else {
+                    continue;
+                };
+                if settings.is_sidecar() {
+                    task.request_kill(settings, KillReason::MainTasksDead, now, cap);
+                } else if settings.is_ephemeral_hook() && task.started_at.is_none() {
+                    task.request_kill(settings, KillReason::Stop, now, cap);
+                }
+            }
+        }
+        let others_dead = desired
+            .tasks
+            .iter()
+            .filter(|s| s.hook != Some(LifecycleHook::Poststop))
+            .all(|s| self.tasks.get(&s.name).is_none_or(TaskState::is_dead));
+        desired
+            .tasks
+            .iter()
+            .map(|s| {
+                let run = match s.hook {
+                    Some(LifecycleHook::Prestart) => true,
+                    None => self.main_released,
+                    Some(LifecycleHook::Poststart) => self.poststart_released && !all_mains_dead,
+                    Some(LifecycleHook::Poststop) => self.main_released && others_dead,
+                };
+                (s.name.clone(), run)
+            })
+            .collect()
+    }
+
+    /// Which tasks should run while the alloc shuts down, and which kills to start: the
+    /// leader first, then the other main tasks and ephemeral hooks, then sidecars, then
+    /// poststop tasks run.
+    fn stop_stages(
+        &mut self,
+        desired: &AllocDesired,
+        shutdown: &Shutdown,
+        now: Timestamp,
+        wake_at: &mut Option<Timestamp>,
+    ) -> BTreeMap<Name, bool> {
+        let cap = desired.max_events;
+        let reason = match &shutdown.reason {
+            ShutdownReason::Stop => KillReason::Stop,
+            ShutdownReason::TaskFailed(task) => KillReason::SiblingFailed(task.clone()),
+            ShutdownReason::LeaderDead => KillReason::LeaderDead,
+        };
+        let mut want_run: BTreeMap<Name, bool> = desired
+            .tasks
+            .iter()
+            .map(|s| (s.name.clone(), false))
+            .collect();
+
+        // Tasks with no process do not start any more.
+        for settings in desired
+            .tasks
+            .iter()
+            .filter(|s| s.hook != Some(LifecycleHook::Poststop))
+        {
+            if let Some(task) = self.tasks.get_mut(&settings.name)
+                && !task.has_process()
+            {
+                task.request_kill(settings, reason.clone(), now, cap);
+            }
+        }
+
+        // The group's shutdown delay comes before any kill of a stop.
+        if shutdown.reason == ShutdownReason::Stop && !desired.shutdown_delay.is_zero() {
+            let until = shutdown.at + desired.shutdown_delay;
+            if now < until {
+                *wake_at = Some(wake_at.map_or(until, |w| w.min(until)));
+                if shutdown.at == now {
+                    let message = format!(
+                        "Waiting for shutdown delay of {} before killing the task",
+                        stead_schemas::Duration::from(desired.shutdown_delay)
+                    );
+                    for task in self.tasks.values_mut().filter(|t| t.is_running()) {
+                        task.push_event(
+                            TaskEvent::new(
+                                TaskEventType::WaitingShutdownDelay,
+                                now,
+                                message.clone(),
+                            ),
+                            cap,
+                        );
+                    }
+                }
+                return want_run;
+            }
+        }
+
+        let live = |tasks: &BTreeMap<Name, TaskState>, s: &TaskSettings| {
+            tasks.get(&s.name).is_some_and(|t| !t.is_dead())
+        };
+        let stages: [&dyn Fn(&TaskSettings) -> bool; 3] = [
+            &|s| s.leader,
+            &|s| s.is_main() || s.is_ephemeral_hook(),
+            &|s| s.is_sidecar(),
+        ];
+        for in_stage in stages {
+            let members: Vec<&TaskSettings> =
+                desired.tasks.iter().filter(|s| in_stage(s)).collect();
+            for settings in &members {
+                if let Some(task) = self.tasks.get_mut(&settings.name) {
+                    task.request_kill(settings, reason.clone(), now, cap);
+                }
+            }
+            if members.iter().any(|s| live(&self.tasks, s)) {
+                return want_run;
+            }
+        }
+
+        // Everything else is dead: poststop tasks run, if the alloc ever ran.
+        for settings in desired
+            .tasks
+            .iter()
+            .filter(|s| s.hook == Some(LifecycleHook::Poststop))
+        {
+            if self.main_released {
+                want_run.insert(settings.name.clone(), true);
+            } else if let Some(task) = self.tasks.get_mut(&settings.name) {
+                task.request_kill(settings, KillReason::Stop, now, cap);
+            }
+        }
+        want_run
+    }
+
+    /// Records what the shell observed about `task`.
+    pub fn observe(
+        &mut self,
+        desired: &AllocDesired,
+        task: &Name,
+        observation: Observation,
+        jitter: Jitter,
+        now: Timestamp,
+    ) {
+        let (Some(settings), Some(state)) = (desired.task(task), self.tasks.get_mut(task)) else {
+            return;
+        };
+        let cap = desired.max_events;
+        match observation {
+            Observation::Started => state.observe_started(now, cap),
+            Observation::StartFailed {
+                message,
+                recoverable,
+            } => state.observe_start_failed(settings, &message, recoverable, jitter, now, cap),
+            Observation::StartCancelled => state.observe_start_cancelled(now),
+            Observation::Exited(result) => {
+                state.observe_exited(settings, &result, jitter, now, cap)
+            }
+            Observation::RecoverFailed { message } => {
+                state.observe_recover_failed(settings, &message, jitter, now, cap);
+            }
+        }
+    }
+
+    /// A user asks to restart `task`, or every running task when `None`. Restarts are
+    /// free: they do not count against the restart policy.
+    pub fn request_restart(
+        &mut self,
+        desired: &AllocDesired,
+        task: Option<&Name>,
+        now: Timestamp,
+    ) -> Result<(), CommandRefusal> {
+        let targets: Vec<&TaskSettings> = match task {
+            Some(name) => {
+                let settings = desired
+                    .task(name)
+                    .ok_or_else(|| CommandRefusal::UnknownTask(name.clone()))?;
+                vec![settings]
+            }
+            None => desired.tasks.iter().collect(),
+        };
+        let running: Vec<&TaskSettings> = targets
+            .into_iter()
+            .filter(|s| {
+                self.tasks
+                    .get(&s.name)
+                    .is_some_and(|t| t.is_running() && t.kill.is_none())
+            })
+            .collect();
+        if running.is_empty() || self.shutdown.is_some() {
+            return Err(CommandRefusal::TaskNotRunning);
+        }
+        for settings in running {
+            let state = self
+                .tasks
+                .get_mut(&settings.name)
+                .expect("filtered on presence");
+            state.push_event(
+                TaskEvent::new(
+                    TaskEventType::RestartSignaled,
+                    now,
+                    "User requested restart",
+                ),
+                desired.max_events,
+            );
+            state.request_kill(settings, KillReason::UserRestart, now, desired.max_events);
+        }
+        Ok(())
+    }
+
+    /// A user asks to send `signal` to `task`; the effect to carry out.
+    pub fn request_signal(
+        &mut self,
+        desired: &AllocDesired,
+        task: &Name,
+        signal: Signal,
+        now: Timestamp,
+    ) -> Result<Effect, CommandRefusal> {
+        if desired.task(task).is_none() {
+            return Err(CommandRefusal::UnknownTask(task.clone()));
+        }
+        let state = self
+            .tasks
+            .get_mut(task)
+            .filter(|t| t.is_running())
+            .ok_or(CommandRefusal::TaskNotRunning)?;
+        state.push_event(
+            TaskEvent::new(
+                TaskEventType::Signaling,
+                now,
+                format!("Task being sent signal {signal}"),
+            ),
+            desired.max_events,
+        );
+        Ok(Effect::Signal {
+            task: task.clone(),
+            signal,
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::Path;
+
+    use super::*;
+
+    fn at(millis: u64) -> Timestamp {
+        Timestamp::from_since_epoch(Duration::from_millis(millis))
+    }
+
+    fn name(s: &str) -> Name {
+        s.parse().expect("valid name")
+    }
+
+    fn desired(yaml: &str) -> AllocDesired {
+        let file = stead_schemas::parse_spec_file(Path::new("t.yaml"), yaml);
+        assert!(file.is_valid(), "{:?}", file.all_diagnostics());
+        let spec = file.specs().next().expect("one spec").clone();
+        AllocDesired::new(&spec.spec.spec, true, Limits::default())
+    }
+
+    /// A node that carries out effects at once, as an ideal driver would, and records them.
+    struct Sim {
+        desired: AllocDesired,
+        state: AllocState,
+        now: Timestamp,
+        log: Vec<String>,
+    }
+
+    impl Sim {
+        fn new(yaml: &str) -> Self {
+            let desired = desired(yaml);
+            let state = AllocState::new(&desired, at(0));
+            Sim {
+                desired,
+                state,
+                now: at(0),
+                log: Vec::new(),
+            }
+        }
+
+        /// Reconciles; starts succeed and kill signals end tasks at once.
+        fn step(&mut self) -> Option<Timestamp> {
+            let plan = self.state.reconcile(&self.desired, self.now);
+            for effect in plan.effects.clone() {
+                match effect {
+                    Effect::Start { task } => {
+                        self.log.push(format!("start {task}"));
+                        self.observe(&task, Observation::Started);
+                    }
+                    Effect::Signal { task, signal } => {
+                        self.log.push(format!("signal {task} {signal}"));
+                        self.observe(
+                            &task,
+                            Observation::Exited(ExitResult {
+                                exit_code: 130,
+                                signal: Some(2),
+                                error: None,
+                            }),
+                        );
+                    }
+                    other => self.log.push(format!("{other:?}")),
+                }
+            }
+            plan.wake_at
+        }
+
+        fn settle(&mut self) {
+            for _ in 0..20 {
+                self.step();
+            }
+        }
+
+        fn observe(&mut self, task: &Name, observation: Observation) {
+            self.state
+                .observe(&self.desired, task, observation, Jitter::ZERO, self.now);
+        }
+
+        fn exit(&mut self, task: &str, code: i32) {
+            self.log.push(format!("exit {task} {code}"));
+            self.observe(
+                &name(task),
+                Observation::Exited(ExitResult {
+                    exit_code: code,
+                    signal: None,
+                    error: None,
+                }),
+            );
+        }
+
+        fn events(&self, task: &str) -> Vec<&'static str> {
+            self.state.tasks[&name(task)]
+                .events
+                .iter()
+                .map(|e| e.event_type.as_str())
+                .collect()
+        }
+    }
+
+    const LIFECYCLE: &str = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: init, driver: mock, config: {}, lifecycle: {hook: prestart}}\n    - {name: proxy, driver: mock, config: {}, lifecycle: {hook: prestart, sidecar: true}}\n    - {name: main, driver: mock, config: {}, leader: true}\n    - {name: other, driver: mock, config: {}}\n    - {name: after, driver: mock, config: {}, lifecycle: {hook: poststart}}\n    - {name: cleanup, driver: mock, config: {}, lifecycle: {hook: poststop}}\n";
+
+    #[test]
+    fn main_tasks_start_only_after_prestart_succeeded_and_poststart_after_main_runs() {
+        let mut sim = Sim::new(LIFECYCLE);
+        sim.step();
+        assert_eq!(sim.log, ["start init", "start proxy"]);
+        sim.settle();
+        assert_eq!(sim.log.len(), 2, "main waits for init: {:?}", sim.log);
+        sim.exit("init", 0);
+        sim.step();
+        sim.step();
+        assert_eq!(sim.log[3..], ["start main", "start other", "start after"]);
+        assert_eq!(sim.state.client_status(), ClientStatus::Running);
+    }
+
+    #[test]
+    fn stopping_kills_the_leader_first_then_main_tasks_then_sidecars_then_runs_poststop() {
+        let mut sim = Sim::new(LIFECYCLE);
+        sim.step();
+        sim.exit("init", 0);
+        sim.settle();
+        sim.exit("after", 0);
+        sim.settle();
+        sim.log.clear();
+        sim.desired.run = false;
+        sim.settle();
+        assert_eq!(
+            sim.log,
+            [
+                "signal main SIGINT",
+                "signal other SIGINT",
+                "signal proxy SIGINT",
+                "start cleanup"
+            ]
+        );
+        assert_eq!(
+            sim.state.client_status(),
+            ClientStatus::Running,
+            "poststop runs"
+        );
+        sim.exit("cleanup", 0);
+        sim.settle();
+        assert!(sim.state.is_terminal());
+        assert_eq!(sim.state.client_status(), ClientStatus::Complete);
+    }
+
+    #[test]
+    fn a_failed_prestart_task_fails_the_alloc_without_starting_main() {
+        let mut sim = Sim::new(&LIFECYCLE.replace("spec:\n", "spec:\n  restart: {attempts: 0}\n"));
+        sim.step();
+        sim.exit("init", 1);
+        sim.settle();
+        assert!(!sim.log.iter().any(|l| l == "start main"), "{:?}", sim.log);
+        assert_eq!(
+            sim.events("proxy"),
+            [
+                "Received",
+                "Task Setup",
+                "Started",
+                "Sibling Task Failed",
+                "Killing",
+                "Terminated",
+                "Killed"
+            ]
+        );
+        assert_eq!(sim.state.client_status(), ClientStatus::Failed);
+        assert!(sim.state.is_terminal());
+    }
+
+    #[test]
+    fn reconcile_is_idempotent_at_one_instant() {
+        let mut sim = Sim::new(LIFECYCLE);
+        sim.step();
+        let before = sim.state.clone();
+        let plan = sim.state.reconcile(&sim.desired, sim.now);
+        assert!(plan.effects.is_empty(), "{:?}", plan.effects);
+        assert_eq!(sim.state, before);
+    }
+
+    #[test]
+    fn a_kill_waits_out_the_timeout_before_forcing() {
+        let yaml = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {}, killTimeout: 3s}\n";
+        let desired = desired(yaml);
+        let mut state = AllocState::new(&desired, at(0));
+        let plan = state.reconcile(&desired, at(0));
+        assert_eq!(plan.effects, [Effect::Start { task: name("main") }]);
+        state.observe(
+            &desired,
+            &name("main"),
+            Observation::Started,
+            Jitter::ZERO,
+            at(1),
+        );
+        let stopping = AllocDesired {
+            run: false,
+            ..desired
+        };
+        let plan = state.reconcile(&stopping, at(10));
+        assert_eq!(
+            plan.effects,
+            [Effect::Signal {
+                task: name("main"),
+                signal: Signal::sigint()
+            }]
+        );
+        assert_eq!(plan.wake_at, Some(at(3_010)));
+        assert!(state.reconcile(&stopping, at(3_009)).effects.is_empty());
+        let plan = state.reconcile(&stopping, at(3_010));
+        assert_eq!(plan.effects, [Effect::ForceKill { task: name("main") }]);
+    }
+}

@@ -1,0 +1,69 @@
+//! What the agent shows about allocs and tasks: the documents of `GET /v1/allocs/{name}`
+//! and `stead alloc status --json`. camelCase; times are RFC 3339.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::time::Timestamp;
+
+/// One alloc, as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocStatus {
+    /// The alloc's name.
+    pub name: String,
+    /// `<name>-<first 8 hex of revision>`.
+    pub id: String,
+    /// The full revision hash.
+    pub revision: String,
+    /// `run` or `stop` (a removed spec shows `stop`).
+    pub desired_status: String,
+    /// `pending`, `running`, `complete` or `failed`.
+    pub client_status: String,
+    /// The diagnostics of a broken edit while the last good revision keeps running.
+    pub spec_error: Option<String>,
+    /// Each task, by name.
+    pub tasks: BTreeMap<String, TaskStatus>,
+}
+
+/// One task, as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskStatus {
+    /// `pending`, `running` or `dead`.
+    pub state: String,
+    /// Whether the task failed.
+    pub failed: bool,
+    /// Restarts so far.
+    pub restarts: u32,
+    /// When it last restarted.
+    pub last_restart: Option<Timestamp>,
+    /// When it last started.
+    pub started_at: Option<Timestamp>,
+    /// When it died for good.
+    pub finished_at: Option<Timestamp>,
+    /// The process id, for drivers that have one.
+    pub pid: Option<u32>,
+    /// History, oldest first.
+    pub events: Vec<TaskEventStatus>,
+}
+
+/// One task event, as the API shows it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskEventStatus {
+    /// Nomad's event type string, such as `Terminated`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// When it happened.
+    pub time: Timestamp,
+    /// Nomad's description.
+    pub message: String,
+    /// For `Terminated`: the exit code.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub exit_code: Option<i32>,
+    /// For `Terminated`: the signal.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub signal: Option<i32>,
+}
