@@ -132,7 +132,7 @@ pub fn parse_documents(source: &str) -> Result<Vec<Node>, ParseError> {
     budget.max_anchors = 1_000;
     budget.max_depth = MAX_DEPTH;
     options.budget = Some(budget);
-    options.alias_limits.max_total_replayed_events = 100_000;
+    options.alias_limits.max_total_replayed_events = 10_000;
     let documents: Vec<Spanned<Value>> =
         serde_saphyr::from_str_multiple_with_options(source, options).map_err(|error| {
             let location = error
