@@ -80,9 +80,14 @@ fn the_duration_pattern_agrees_with_the_duration_parser() {
         "pattern": stead_schemas::duration::DURATION_PATTERN,
     });
     let validator = jsonschema::validator_for(&schema).expect("a valid pattern");
-    for text in ["0", "15s", "1h30m", "1.5s", "250ms", "2us", "7ns", "15", "5d", "-1s", "s", "1h 30m", ""] {
+    for text in [
+        "0", "15s", "1h30m", "1.5s", "250ms", "2us", "7ns", "15", "5d", "-1s", "s", "1h 30m", "",
+    ] {
         let parses = text.parse::<stead_schemas::Duration>().is_ok();
         let matches = validator.is_valid(&serde_json::json!(text));
-        assert_eq!(parses, matches, "{text:?}: parser says {parses}, pattern says {matches}");
+        assert_eq!(
+            parses, matches,
+            "{text:?}: parser says {parses}, pattern says {matches}"
+        );
     }
 }

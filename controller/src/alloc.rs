@@ -1,0 +1,719 @@
+//! The alloc worker: one tokio task per alloc that owns that alloc's state.
+//!
+//! It takes inputs from its [`Mailbox`], runs the pure reconciler, carries out the plan
+//! by spawning driver operations (so a slow driver call never blocks the worker), feeds
+//! what the operations report back into the state, persists it and publishes a status
+//! snapshot. One worker per alloc means at most one reconcile of an alloc at a time.
+//!
+//! ```text
+//! mailbox ─▶ target ─┐
+//! op reports ────────┼─▶ AllocState::observe / reconcile ─▶ effects ─▶ spawned driver ops
+//! wake-up / tick ────┘                                                    │
+//!          ▲───────────────────────────── op reports ◀────────────────────┘
+//! ```
+
+use std::collections::BTreeMap;
+use std::sync::Arc;
+use std::time::Duration;
+
+use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Observation};
+use stead_reconcilers::exit::ExitResult;
+use stead_reconcilers::restart::Jitter;
+use stead_reconcilers::task::{Effect, Process};
+use stead_schemas::record::{ALLOC_RECORD_VERSION, AllocRecord};
+use stead_schemas::spec::{DesiredStatus, DriverConfig, Name};
+use stead_schemas::status::{AllocStatus, TaskEventStatus, TaskStatus};
+use stead_schemas::{Timestamp, ValidSpec};
+use thiserror::Error;
+use tokio::sync::{mpsc, oneshot};
+use tokio_util::sync::CancellationToken;
+
+use crate::driver::{Driver, DriverError, StartRequest, TaskHandle};
+use crate::node::Shared;
+use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
+use crate::store;
+
+/// Why a user command failed.
+#[derive(Debug, Error)]
+pub enum CommandError {
+    /// No alloc has that name.
+    #[error("alloc {name:?} not found")]
+    UnknownAlloc {
+        /// The name asked for.
+        name: String,
+    },
+    /// The alloc refused it (unknown task, task not running).
+    #[error(transparent)]
+    Refused(#[from] CommandRefusal),
+    /// The driver failed to carry it out.
+    #[error("signalling task {task:?} failed")]
+    Driver {
+        /// The task.
+        task: String,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// The alloc's worker is gone (the agent is shutting down).
+    #[error("alloc {name:?} is shutting down")]
+    ShuttingDown {
+        /// The alloc.
+        name: String,
+    },
+}
+
+/// What a spawned driver operation reports.
+#[derive(Debug)]
+enum OpReport {
+    Started(TaskHandle),
+    StartFailed(DriverError),
+    StartCancelled,
+    Exited(ExitResult),
+    RecoverFailed(DriverError),
+}
+
+/// The driver operations in flight for one run of a task.
+#[derive(Debug)]
+struct TaskOps {
+    run: u64,
+    cancel_start: CancellationToken,
+    cancel_wait: CancellationToken,
+}
+
+/// The revision the worker runs now.
+struct Current {
+    spec: Arc<ValidSpec>,
+    desired: AllocDesired,
+    state: AllocState,
+    handles: BTreeMap<Name, TaskHandle>,
+    /// The state as last persisted and published, to skip both when nothing changed.
+    saved: Option<(AllocState, BTreeMap<Name, TaskHandle>, bool)>,
+}
+
+/// Where a worker starts from.
+pub(crate) enum Start {
+    /// A new alloc.
+    Fresh(Target),
+    /// An alloc restored from the store after an agent restart.
+    Restored {
+        /// The spec it ran.
+        spec: Arc<ValidSpec>,
+        /// Its state.
+        state: AllocState,
+        /// Its tasks' driver handles.
+        handles: BTreeMap<Name, TaskHandle>,
+        /// Whether its spec was removed.
+        removed: bool,
+    },
+}
+
+/// One alloc's worker.
+pub(crate) struct Worker {
+    shared: Arc<Shared>,
+    name: Name,
+    mailbox: Mailbox,
+    target: Target,
+    current: Option<Current>,
+    shutdown: Option<Shutdown>,
+    ops: BTreeMap<Name, TaskOps>,
+    next_run: u64,
+    reports_tx: mpsc::UnboundedSender<(Name, u64, OpReport)>,
+    reports_rx: mpsc::UnboundedReceiver<(Name, u64, OpReport)>,
+    rng: fastrand::Rng,
+}
+
+impl Worker {
+    pub(crate) fn new(shared: Arc<Shared>, name: Name, mailbox: Mailbox, start: Start) -> Self {
+        let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+        let rng = match shared.config.seed {
+            Some(seed) => fastrand::Rng::with_seed(seed ^ hash_name(&name)),
+            None => fastrand::Rng::new(),
+        };
+        let mut worker = Worker {
+            shared,
+            name,
+            mailbox,
+            target: Target::Absent,
+            current: None,
+            shutdown: None,
+            ops: BTreeMap::new(),
+            next_run: 0,
+            reports_tx,
+            reports_rx,
+            rng,
+        };
+        match start {
+            Start::Fresh(target) => worker.target = target,
+            Start::Restored {
+                spec,
+                state,
+                handles,
+                removed,
+            } => worker.restore(spec, state, handles, removed),
+        }
+        worker
+    }
+
+    fn restore(
+        &mut self,
+        spec: Arc<ValidSpec>,
+        mut state: AllocState,
+        handles: BTreeMap<Name, TaskHandle>,
+        removed: bool,
+    ) {
+        self.target = if removed {
+            Target::Absent
+        } else {
+            Target::Spec(spec.clone())
+        };
+        let desired = self.desired_for(&spec);
+        for (task, task_state) in &mut state.tasks {
+            // A start in flight when the agent died has no handle: its outcome is unknown,
+            // so the task starts again.
+            if task_state.process != Process::Idle && !handles.contains_key(task) {
+                task_state.process = Process::Idle;
+            }
+        }
+        let mut current = Current {
+            spec: spec.clone(),
+            desired,
+            state,
+            handles: BTreeMap::new(),
+            saved: None,
+        };
+        for (task, handle) in handles {
+            let Some(driver) = self.shared.drivers.get(handle.driver) else {
+                continue;
+            };
+            current.handles.insert(task.clone(), handle.clone());
+            let ops = self.new_ops(&task);
+            let tx = self.reports_tx.clone();
+            let run = ops.run;
+            tokio::spawn(async move {
+                match driver.recover(&handle).await {
+                    Ok(()) => watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await,
+                    Err(error) => {
+                        let _ = tx.send((task, run, OpReport::RecoverFailed(error)));
+                    }
+                }
+            });
+        }
+        self.current = Some(current);
+    }
+
+    /// Runs until the alloc is destroyed or the agent leaves.
+    pub(crate) async fn run(mut self) {
+        loop {
+            let now = self.shared.clock.now();
+            let pending = self.mailbox.take();
+            if let Some(target) = pending.target {
+                self.target = target;
+            }
+            if let Some(how) = pending.shutdown {
+                self.shutdown = Some(self.shutdown.map_or(how, |s| s.max(how)));
+            }
+            while let Ok((task, run, report)) = self.reports_rx.try_recv() {
+                self.apply_report(task, run, report, now);
+            }
+            for command in pending.commands {
+                self.handle_command(command, now);
+            }
+            if self.shutdown == Some(Shutdown::Detach) {
+                self.persist_and_publish();
+                for ops in self.ops.values() {
+                    ops.cancel_start.cancel();
+                    ops.cancel_wait.cancel();
+                }
+                return;
+            }
+            let wake_at = match self.step(now) {
+                Step::Exit => return,
+                Step::Again => continue,
+                Step::Wait(wake_at) => wake_at,
+            };
+            self.persist_and_publish();
+            let tick_at = now + self.shared.config.tick;
+            let wake_at = wake_at.map_or(tick_at, |w| w.min(tick_at));
+            let sleep = tokio::time::sleep_until(self.shared.clock.instant_at(wake_at));
+            tokio::select! {
+                () = self.mailbox.changed() => {}
+                Some((task, run, report)) = self.reports_rx.recv() => {
+                    let now = self.shared.clock.now();
+                    self.apply_report(task, run, report, now);
+                }
+                () = sleep => {}
+            }
+        }
+    }
+
+    /// One reconcile of the current revision, and the transitions between revisions.
+    fn step(&mut self, now: Timestamp) -> Step {
+        if self.current.is_none() {
+            match (&self.target, self.shutdown) {
+                (Target::Spec(spec), None) => {
+                    let spec = spec.clone();
+                    let desired = self.desired_for(&spec);
+                    let state = AllocState::new(&desired, now);
+                    self.current = Some(Current {
+                        spec,
+                        desired,
+                        state,
+                        handles: BTreeMap::new(),
+                        saved: None,
+                    });
+                }
+                // Nothing runs: nothing to drain, nothing to keep.
+                (_, Some(_)) => return Step::Exit,
+                (Target::Absent, None) => return self.finish_destroy(),
+            }
+        }
+        let run = self.should_run();
+        let current = self.current.as_mut().expect("set above");
+        if let Target::Spec(spec) = &self.target
+            && spec.revision == current.spec.revision
+        {
+            // Same revision, maybe another desiredStatus: adopt it in place.
+            current.spec = spec.clone();
+        }
+        current.desired.run = run;
+        let plan = current.state.reconcile(&current.desired, now);
+        self.execute(plan.effects, now);
+        let current = self.current.as_ref().expect("still set");
+        if !current.desired.run && current.state.is_terminal() && self.ops.is_empty() {
+            if self.shutdown == Some(Shutdown::Drain) {
+                self.persist_and_publish();
+                return Step::Exit;
+            }
+            match &self.target {
+                Target::Absent => return self.destroy(),
+                Target::Spec(spec) if spec.revision != current.spec.revision => {
+                    // The old revision is terminal: the new one may start now.
+                    self.persist_and_publish();
+                    self.current = None;
+                    return Step::Again;
+                }
+                Target::Spec(_) => {}
+            }
+        }
+        Step::Wait(plan.wake_at)
+    }
+
+    /// Whether the current revision's tasks should run.
+    fn should_run(&self) -> bool {
+        let Some(current) = &self.current else {
+            return false;
+        };
+        self.shutdown.is_none()
+            && match &self.target {
+                Target::Spec(spec) => {
+                    spec.revision == current.spec.revision
+                        && spec.spec.spec.desired_status != Some(DesiredStatus::Stop)
+                }
+                Target::Absent => false,
+            }
+    }
+
+    fn desired_for(&self, spec: &ValidSpec) -> AllocDesired {
+        AllocDesired::new(&spec.spec.spec, true, self.shared.config.limits)
+    }
+
+    fn new_ops(&mut self, task: &Name) -> TaskOps {
+        self.next_run += 1;
+        let ops = TaskOps {
+            run: self.next_run,
+            cancel_start: CancellationToken::new(),
+            cancel_wait: CancellationToken::new(),
+        };
+        if let Some(old) = self.ops.insert(
+            task.clone(),
+            TaskOps {
+                run: ops.run,
+                cancel_start: ops.cancel_start.clone(),
+                cancel_wait: ops.cancel_wait.clone(),
+            },
+        ) {
+            old.cancel_start.cancel();
+            old.cancel_wait.cancel();
+        }
+        ops
+    }
+
+    fn execute(&mut self, effects: Vec<Effect>, now: Timestamp) {
+        for effect in effects {
+            match effect {
+                Effect::Start { task } => self.start_task(task, now),
+                Effect::CancelStart { task } => {
+                    if let Some(ops) = self.ops.get(&task) {
+                        ops.cancel_start.cancel();
+                    }
+                }
+                Effect::Signal { task, signal } => {
+                    if let Some((driver, handle)) = self.driver_and_handle(&task) {
+                        tokio::spawn(async move {
+                            // A failed kill signal is covered by the force kill at the timeout.
+                            let _ = driver.signal(&handle, &signal).await;
+                        });
+                    }
+                }
+                Effect::ForceKill { task } => {
+                    if let Some((driver, handle)) = self.driver_and_handle(&task) {
+                        tokio::spawn(async move {
+                            let _ = driver.kill(&handle).await;
+                        });
+                    }
+                }
+                Effect::Forget { task } => {
+                    if let Some(ops) = self.ops.remove(&task) {
+                        ops.cancel_wait.cancel();
+                    }
+                    if let Some((driver, handle)) = self.driver_and_handle(&task) {
+                        tokio::spawn(async move { driver.destroy(&handle).await });
+                    }
+                    if let Some(current) = &mut self.current {
+                        current.handles.remove(&task);
+                    }
+                }
+            }
+        }
+    }
+
+    fn driver_and_handle(&self, task: &Name) -> Option<(Arc<dyn Driver>, TaskHandle)> {
+        let handle = self.current.as_ref()?.handles.get(task)?.clone();
+        let driver = self.shared.drivers.get(handle.driver)?;
+        Some((driver, handle))
+    }
+
+    fn start_task(&mut self, task: Name, now: Timestamp) {
+        let Some(current) = &self.current else { return };
+        let Some(spec) = current.spec.spec.spec.tasks.iter().find(|t| t.name == task) else {
+            return;
+        };
+        let mut env: BTreeMap<String, String> = spec
+            .env
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.as_str().to_owned(), v.clone()))
+            .collect();
+        env.insert("STEAD_ALLOC_ID".to_owned(), current.spec.id.to_string());
+        env.insert("STEAD_ALLOC_NAME".to_owned(), self.name.to_string());
+        env.insert("STEAD_TASK_NAME".to_owned(), task.to_string());
+        let request = StartRequest {
+            alloc_id: current.spec.id.clone(),
+            task: task.clone(),
+            config: spec.config.clone(),
+            env,
+            user: spec.user.as_ref().map(|u| u.to_string()),
+        };
+        let kind = match &spec.config {
+            DriverConfig::Exec(_) => stead_schemas::spec::DriverKind::Exec,
+            DriverConfig::Mock(_) => stead_schemas::spec::DriverKind::Mock,
+        };
+        let ops = self.new_ops(&task);
+        let tx = self.reports_tx.clone();
+        let run = ops.run;
+        let Some(driver) = self.shared.drivers.get(kind) else {
+            let message = format!("driver {kind} is not enabled on this agent");
+            let current = self.current.as_mut().expect("checked above");
+            let jitter = Jitter::from_bits(self.rng.u32(..));
+            current.state.observe(
+                &current.desired,
+                &task,
+                Observation::StartFailed {
+                    message,
+                    recoverable: false,
+                },
+                jitter,
+                now,
+            );
+            self.ops.remove(&task);
+            return;
+        };
+        tokio::spawn(async move {
+            let started = tokio::select! {
+                result = driver.start(request) => Some(result),
+                () = ops.cancel_start.cancelled() => None,
+            };
+            match started {
+                None => {
+                    let _ = tx.send((task, run, OpReport::StartCancelled));
+                }
+                Some(Err(error)) => {
+                    let _ = tx.send((task, run, OpReport::StartFailed(error)));
+                }
+                Some(Ok(handle)) => {
+                    let _ = tx.send((task.clone(), run, OpReport::Started(handle.clone())));
+                    watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
+                }
+            }
+        });
+    }
+
+    fn apply_report(&mut self, task: Name, run: u64, report: OpReport, now: Timestamp) {
+        if self.ops.get(&task).is_none_or(|ops| ops.run != run) {
+            return; // a report from an abandoned run
+        }
+        let jitter = Jitter::from_bits(self.rng.u32(..));
+        let Some(current) = &mut self.current else {
+            return;
+        };
+        let observation = match report {
+            OpReport::Started(handle) => {
+                current.handles.insert(task.clone(), handle);
+                Observation::Started
+            }
+            OpReport::StartFailed(error) => {
+                self.ops.remove(&task);
+                let recoverable = error.is_recoverable();
+                Observation::StartFailed {
+                    message: error_chain(&error),
+                    recoverable,
+                }
+            }
+            OpReport::StartCancelled => {
+                self.ops.remove(&task);
+                Observation::StartCancelled
+            }
+            OpReport::Exited(result) => {
+                self.ops.remove(&task);
+                if let Some(handle) = current.handles.remove(&task)
+                    && let Some(driver) = self.shared.drivers.get(handle.driver)
+                {
+                    tokio::spawn(async move { driver.destroy(&handle).await });
+                }
+                Observation::Exited(result)
+            }
+            OpReport::RecoverFailed(error) => {
+                self.ops.remove(&task);
+                current.handles.remove(&task);
+                Observation::RecoverFailed {
+                    message: format!("failed to reattach to the task: {}", error_chain(&error)),
+                }
+            }
+        };
+        current
+            .state
+            .observe(&current.desired, &task, observation, jitter, now);
+    }
+
+    fn handle_command(&mut self, command: UserCommand, now: Timestamp) {
+        let Some(current) = &mut self.current else {
+            let error = CommandError::Refused(CommandRefusal::TaskNotRunning);
+            match command {
+                UserCommand::Restart { reply, .. } | UserCommand::Signal { reply, .. } => {
+                    let _ = reply.send(Err(error));
+                }
+            }
+            return;
+        };
+        match command {
+            UserCommand::Restart { task, reply } => {
+                let result = current
+                    .state
+                    .request_restart(&current.desired, task.as_ref(), now)
+                    .map_err(CommandError::from);
+                let _ = reply.send(result);
+            }
+            UserCommand::Signal {
+                task,
+                signal,
+                reply,
+            } => {
+                let result =
+                    current
+                        .state
+                        .request_signal(&current.desired, &task, signal.clone(), now);
+                match result {
+                    Err(refusal) => {
+                        let _ = reply.send(Err(refusal.into()));
+                    }
+                    Ok(_) => match self.driver_and_handle(&task) {
+                        Some((driver, handle)) => {
+                            tokio::spawn(async move {
+                                let result =
+                                    driver.signal(&handle, &signal).await.map_err(|source| {
+                                        CommandError::Driver {
+                                            task: task.to_string(),
+                                            source,
+                                        }
+                                    });
+                                let _ = reply.send(result);
+                            });
+                        }
+                        None => {
+                            let _ = reply.send(Err(CommandRefusal::TaskNotRunning.into()));
+                        }
+                    },
+                }
+            }
+        }
+    }
+
+    /// The alloc is terminal and its spec is gone: release everything and leave.
+    fn destroy(&mut self) -> Step {
+        if let Some(current) = self.current.take() {
+            for handle in current.handles.into_values() {
+                if let Some(driver) = self.shared.drivers.get(handle.driver) {
+                    tokio::spawn(async move { driver.destroy(&handle).await });
+                }
+            }
+        }
+        self.finish_destroy()
+    }
+
+    /// Removes the alloc from the store, the status map and the registry, unless a new
+    /// spec arrived meanwhile.
+    fn finish_destroy(&mut self) -> Step {
+        if let Err(error) = self.shared.store.delete_alloc(&self.name) {
+            self.shared.report_store_error(&self.name, &error);
+        }
+        if self.shared.retire(&self.name, &self.mailbox) {
+            Step::Exit
+        } else {
+            Step::Again
+        }
+    }
+
+    /// Writes the record and publishes the status when either changed.
+    fn persist_and_publish(&mut self) {
+        let removed = matches!(self.target, Target::Absent);
+        let Some(current) = &mut self.current else {
+            return;
+        };
+        let snapshot = (current.state.clone(), current.handles.clone(), removed);
+        if current.saved.as_ref() == Some(&snapshot) {
+            return;
+        }
+        let record = AllocRecord {
+            version: ALLOC_RECORD_VERSION,
+            name: self.name.clone(),
+            spec: current.spec.spec.clone(),
+            revision: current.spec.revision.to_string(),
+            removed,
+            state: store::state_to_record(&current.state),
+            handles: current
+                .handles
+                .iter()
+                .map(|(task, handle)| (task.to_string(), store::handle_to_record(handle)))
+                .collect(),
+        };
+        match self.shared.store.put_alloc(&record) {
+            Ok(()) => current.saved = Some(snapshot),
+            Err(error) => self.shared.report_store_error(&self.name, &error),
+        }
+        let status = status_of(&self.name, current, removed);
+        self.shared.publish(&self.name, status);
+    }
+}
+
+/// What the loop does after a step.
+enum Step {
+    /// Wait for input, the wake-up time or the tick.
+    Wait(Option<Timestamp>),
+    /// Step again at once.
+    Again,
+    /// Leave.
+    Exit,
+}
+
+/// Waits for the task to exit and reports it, unless cancelled first: a driver is never
+/// trusted to end its wait after a kill.
+async fn watch_exit(
+    driver: Arc<dyn Driver>,
+    handle: TaskHandle,
+    cancel: CancellationToken,
+    tx: mpsc::UnboundedSender<(Name, u64, OpReport)>,
+    task: Name,
+    run: u64,
+) {
+    tokio::select! {
+        result = driver.wait(handle) => {
+            let _ = tx.send((task, run, OpReport::Exited(result)));
+        }
+        () = cancel.cancelled() => {}
+    }
+}
+
+/// An error with its sources, `outer: inner: innermost`.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+fn hash_name(name: &Name) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    name.hash(&mut hasher);
+    hasher.finish()
+}
+
+/// The API's view of the current revision.
+fn status_of(name: &Name, current: &Current, removed: bool) -> AllocStatus {
+    let desired_status =
+        if removed || current.spec.spec.spec.desired_status == Some(DesiredStatus::Stop) {
+            "stop"
+        } else {
+            "run"
+        };
+    AllocStatus {
+        name: name.to_string(),
+        id: current.spec.id.to_string(),
+        revision: current.spec.revision.to_string(),
+        desired_status: desired_status.to_owned(),
+        client_status: current.state.client_status().as_str().to_owned(),
+        spec_error: None,
+        tasks: current
+            .state
+            .tasks
+            .iter()
+            .map(|(task, state)| {
+                let status = TaskStatus {
+                    state: state.phase.as_str().to_owned(),
+                    failed: state.failed,
+                    restarts: state.restarts,
+                    last_restart: state.last_restart,
+                    started_at: state.started_at,
+                    finished_at: state.finished_at,
+                    pid: current.handles.get(task).and_then(|h| h.pid),
+                    events: state
+                        .events
+                        .iter()
+                        .map(|e| TaskEventStatus {
+                            event_type: e.event_type.as_str().to_owned(),
+                            time: e.time,
+                            message: e.message.clone(),
+                            exit_code: e.exit_code,
+                            signal: e.signal,
+                        })
+                        .collect(),
+                };
+                (task.to_string(), status)
+            })
+            .collect(),
+    }
+}
+
+/// How long a user command may wait for its alloc's worker.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Sends `command` built around a reply channel and waits for the answer.
+pub(crate) async fn ask(
+    mailbox: &Mailbox,
+    name: &str,
+    build: impl FnOnce(oneshot::Sender<Result<(), CommandError>>) -> UserCommand,
+) -> Result<(), CommandError> {
+    let (reply, answer) = oneshot::channel();
+    mailbox.push_command(build(reply));
+    let gone = || CommandError::ShuttingDown {
+        name: name.to_owned(),
+    };
+    match tokio::time::timeout(COMMAND_TIMEOUT, answer).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) | Err(_) => Err(gone()),
+    }
+}

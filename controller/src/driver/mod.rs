@@ -1,0 +1,280 @@
+//! Drivers: the narrow seam between the agent and whatever runs a task.
+//!
+//! A [`Driver`] starts, signals, kills, waits for, recovers and destroys tasks, and
+//! fingerprints itself. Callers never trust a driver to finish a call or to close a
+//! wait: every lifecycle call is raced with the caller's own cancellation or timeout.
+//! [`Drivers`] is the registry the agent looks drivers up in, by [`DriverKind`].
+
+pub mod mock;
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::future::Future;
+use std::pin::Pin;
+use std::sync::Arc;
+
+use stead_reconcilers::exit::ExitResult;
+use stead_schemas::spec::{DriverConfig, DriverKind, Name, Signal};
+use stead_schemas::{AllocId, Timestamp};
+
+/// A boxed future that can move between threads; what [`Driver`] methods return.
+pub type BoxFuture<'a, T> = Pin<Box<dyn Future<Output = T> + Send + 'a>>;
+
+/// What a driver needs to start one task.
+#[derive(Debug, Clone, PartialEq)]
+pub struct StartRequest {
+    /// The alloc the task belongs to.
+    pub alloc_id: AllocId,
+    /// The task's name, unique within the alloc.
+    pub task: Name,
+    /// The task's driver options; a driver rejects options of another driver.
+    pub config: DriverConfig,
+    /// The task's full environment (spec env plus what the agent sets).
+    pub env: BTreeMap<String, String>,
+    /// The user to run as; `None` runs as the agent's user.
+    pub user: Option<String>,
+}
+
+/// A started task, as the driver identifies it; persisted so a later agent can recover it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskHandle {
+    /// The driver that started the task.
+    pub driver: DriverKind,
+    /// The driver's id of this run of the task; unique per run, never reused.
+    pub id: String,
+    /// The process id, for drivers that run processes.
+    pub pid: Option<u32>,
+    /// When the driver started the task.
+    pub started_at: Timestamp,
+}
+
+/// Whether a driver can run tasks, as its fingerprint says.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Health {
+    /// The driver works.
+    Healthy,
+    /// The driver is present but broken.
+    Unhealthy,
+    /// The driver is not available on this node.
+    Undetected,
+}
+
+impl Health {
+    /// The lowercase name shown to users: `healthy`, `unhealthy` or `undetected`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Health::Healthy => "healthy",
+            Health::Unhealthy => "unhealthy",
+            Health::Undetected => "undetected",
+        }
+    }
+}
+
+impl fmt::Display for Health {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+/// What a driver reports about itself; re-taken periodically so health changes reach the node.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// Whether the driver can run tasks.
+    pub health: Health,
+    /// Why it has that health, for operators.
+    pub description: String,
+    /// Facts about the driver (versions, capabilities), shown by `stead node status`.
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// A driver call that failed.
+#[derive(Debug, thiserror::Error)]
+pub enum DriverError {
+    /// Starting failed; `recoverable` says whether trying again may work.
+    #[error("starting task {task} of alloc {alloc_id} failed: {message}")]
+    Start {
+        /// The alloc of the task.
+        alloc_id: AllocId,
+        /// The task that did not start.
+        task: Name,
+        /// What went wrong.
+        message: String,
+        /// Whether a later attempt may succeed (the restart policy retries only these).
+        recoverable: bool,
+    },
+    /// The handle names no task this driver knows (e.g. after a restart the process is gone).
+    #[error("task {id} is unknown to the driver")]
+    UnknownTask {
+        /// The handle's id.
+        id: String,
+    },
+    /// Sending a signal failed.
+    #[error("sending {signal} to task {id} failed: {message}")]
+    Signal {
+        /// The handle's id.
+        id: String,
+        /// The signal's name.
+        signal: String,
+        /// What went wrong.
+        message: String,
+    },
+    /// Killing the task failed.
+    #[error("killing task {id} failed: {message}")]
+    Kill {
+        /// The handle's id.
+        id: String,
+        /// What went wrong.
+        message: String,
+    },
+}
+
+impl DriverError {
+    /// Whether trying the same call again may succeed: only recoverable start errors.
+    pub fn is_recoverable(&self) -> bool {
+        matches!(
+            self,
+            DriverError::Start {
+                recoverable: true,
+                ..
+            }
+        )
+    }
+}
+
+/// Runs tasks. One value per driver kind, shared by every alloc's worker.
+///
+/// Methods borrow `self` only while they run; callers race every call with their own
+/// cancellation, so a driver that hangs hurts only the alloc that called it.
+pub trait Driver: Send + Sync + 'static {
+    /// Which driver this is.
+    fn kind(&self) -> DriverKind;
+
+    /// Reports the driver's health and attributes.
+    fn fingerprint(&self) -> BoxFuture<'_, Fingerprint>;
+
+    /// Starts the task; may take long (or forever for a broken driver): callers race it
+    /// with their own cancellation.
+    fn start(&self, request: StartRequest) -> BoxFuture<'_, Result<TaskHandle, DriverError>>;
+
+    /// Resolves when the task exits, with how it ended. Callers never trust it to resolve
+    /// after a kill: they also wait on their own cancellation or timeout.
+    fn wait(&self, handle: TaskHandle) -> BoxFuture<'static, ExitResult>;
+
+    /// Sends `signal` to the task (its whole process group for real processes).
+    fn signal(
+        &self,
+        handle: &TaskHandle,
+        signal: &Signal,
+    ) -> BoxFuture<'_, Result<(), DriverError>>;
+
+    /// Kills the task at once (SIGKILL to the whole group).
+    fn kill(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<(), DriverError>>;
+
+    /// Reattaches to a task started by an earlier agent; `UnknownTask` when it is gone.
+    fn recover(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<(), DriverError>>;
+
+    /// Releases everything held for the task; the task is dead.
+    fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()>;
+}
+
+/// The Linux number of `signal` (`SIGINT` is 2, `SIGKILL` 9).
+pub fn signal_number(signal: &Signal) -> i32 {
+    match signal.as_str() {
+        "SIGHUP" => 1,
+        "SIGINT" => 2,
+        "SIGQUIT" => 3,
+        "SIGABRT" => 6,
+        "SIGKILL" => 9,
+        "SIGUSR1" => 10,
+        "SIGUSR2" => 12,
+        "SIGALRM" => 14,
+        "SIGTERM" => 15,
+        "SIGCONT" => 18,
+        "SIGSTOP" => 19,
+        "SIGWINCH" => 28,
+        "SIGPWR" => 30,
+        other => unreachable!("Signal holds only names in SIGNAL_NAMES, not {other:?}"),
+    }
+}
+
+/// The drivers the agent runs, by kind.
+#[derive(Clone, Default)]
+pub struct Drivers {
+    by_kind: BTreeMap<DriverKind, Arc<dyn Driver>>,
+}
+
+impl Drivers {
+    /// A registry of `drivers`, keyed by their [`Driver::kind`]; of two drivers of one
+    /// kind, the later one is kept.
+    pub fn new(drivers: impl IntoIterator<Item = Arc<dyn Driver>>) -> Self {
+        Drivers {
+            by_kind: drivers
+                .into_iter()
+                .map(|driver| (driver.kind(), driver))
+                .collect(),
+        }
+    }
+
+    /// The driver of `kind`, when it is enabled.
+    pub fn get(&self, kind: DriverKind) -> Option<Arc<dyn Driver>> {
+        self.by_kind.get(&kind).cloned()
+    }
+
+    /// Every driver, in [`DriverKind`] order.
+    pub fn iter(&self) -> impl Iterator<Item = (DriverKind, &Arc<dyn Driver>)> + '_ {
+        self.by_kind.iter().map(|(kind, driver)| (*kind, driver))
+    }
+}
+
+impl fmt::Debug for Drivers {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_set().entries(self.by_kind.keys()).finish()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::collections::BTreeSet;
+
+    use stead_schemas::spec::SIGNAL_NAMES;
+
+    use super::*;
+    use crate::clock::Clock;
+
+    #[test]
+    fn signal_numbers_are_distinct_linux_numbers_for_every_signal_name() {
+        let numbers: BTreeSet<i32> = SIGNAL_NAMES
+            .iter()
+            .map(|name| signal_number(&name.parse().expect("a known signal name")))
+            .collect();
+        assert_eq!(numbers.len(), SIGNAL_NAMES.len());
+        assert_eq!(signal_number(&Signal::sigint()), 2);
+        assert_eq!(signal_number(&"SIGTERM".parse().expect("known")), 15);
+    }
+
+    #[test]
+    fn health_displays_lowercase() {
+        let shown: Vec<String> = [Health::Healthy, Health::Unhealthy, Health::Undetected]
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        assert_eq!(shown, ["healthy", "unhealthy", "undetected"]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn drivers_are_found_by_kind() {
+        let mock: Arc<dyn Driver> =
+            Arc::new(mock::MockDriver::new(Clock::starting_at(Timestamp::EPOCH)));
+        let drivers = Drivers::new([mock]);
+        assert!(drivers.get(DriverKind::Exec).is_none());
+        let found = drivers
+            .get(DriverKind::Mock)
+            .expect("the mock is registered");
+        assert_eq!(found.kind(), DriverKind::Mock);
+        assert_eq!(
+            drivers.iter().map(|(kind, _)| kind).collect::<Vec<_>>(),
+            [DriverKind::Mock]
+        );
+        assert_eq!(format!("{drivers:?}"), "{Mock}");
+    }
+}

@@ -1,0 +1,303 @@
+//! The node dispatcher: the registry of allocs and their workers.
+//!
+//! It owns only the registry. Every input for an alloc goes into that alloc's mailbox,
+//! which never blocks, so the dispatcher never waits on a worker; readers get published
+//! status snapshots and never wait either. Locks here are held for a map operation,
+//! never across an `.await`.
+
+use std::collections::{BTreeMap, HashMap};
+use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::time::Duration;
+
+use stead_reconcilers::alloc::Limits;
+use stead_schemas::ValidSpec;
+use stead_schemas::spec::{Name, Signal};
+use stead_schemas::status::AllocStatus;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::alloc::{CommandError, Start, Worker, ask};
+use crate::clock::Clock;
+use crate::driver::Drivers;
+use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
+use crate::store::{self, Store, StoreError};
+
+/// How the node runs its allocs.
+#[derive(Debug, Clone, Copy)]
+pub struct NodeConfig {
+    /// Limits applied to every alloc.
+    pub limits: Limits,
+    /// The level re-check period of every worker.
+    pub tick: Duration,
+    /// Seeds restart jitter, for reproducible tests; `None` draws it at random.
+    pub seed: Option<u64>,
+}
+
+impl Default for NodeConfig {
+    fn default() -> Self {
+        NodeConfig {
+            limits: Limits::default(),
+            tick: Duration::from_secs(1),
+            seed: None,
+        }
+    }
+}
+
+struct Entry {
+    mailbox: Mailbox,
+    join: JoinHandle<()>,
+}
+
+/// What workers share with the dispatcher.
+pub(crate) struct Shared {
+    pub(crate) config: NodeConfig,
+    pub(crate) drivers: Drivers,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) clock: Clock,
+    registry: Mutex<HashMap<Name, Entry>>,
+    statuses: RwLock<BTreeMap<Name, Arc<AllocStatus>>>,
+    version: watch::Sender<u64>,
+    store_errors: Mutex<u64>,
+}
+
+impl Shared {
+    fn registry(&self) -> MutexGuard<'_, HashMap<Name, Entry>> {
+        self.registry.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Publishes an alloc's status snapshot.
+    pub(crate) fn publish(&self, name: &Name, status: AllocStatus) {
+        self.statuses
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), Arc::new(status));
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// Counts a failed store write; the worker retries on its next change.
+    pub(crate) fn report_store_error(&self, _name: &Name, _error: &StoreError) {
+        *self.store_errors.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+    }
+
+    /// A destroyed alloc's worker leaves the registry, unless new input arrived for it
+    /// meanwhile (then it carries on); true when it left.
+    pub(crate) fn retire(&self, name: &Name, mailbox: &Mailbox) -> bool {
+        let mut registry = self.registry();
+        if mailbox.has_target() {
+            return false;
+        }
+        registry.remove(name);
+        self.statuses
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        self.version.send_modify(|v| *v += 1);
+        true
+    }
+}
+
+/// What restoring from the store found.
+#[derive(Debug, Default)]
+pub struct RestoreReport {
+    /// Allocs whose workers resumed.
+    pub restored: usize,
+    /// Records that could not be read, with why (each fails only its own alloc).
+    pub corrupt: Vec<store::CorruptRecord>,
+}
+
+/// The node: its allocs, their workers and their published statuses.
+pub struct Node {
+    shared: Arc<Shared>,
+}
+
+impl Node {
+    /// A node with no allocs yet.
+    pub fn new(config: NodeConfig, drivers: Drivers, store: Arc<dyn Store>, clock: Clock) -> Self {
+        let (version, _) = watch::channel(0);
+        Node {
+            shared: Arc::new(Shared {
+                config,
+                drivers,
+                store,
+                clock,
+                registry: Mutex::new(HashMap::new()),
+                statuses: RwLock::new(BTreeMap::new()),
+                version,
+                store_errors: Mutex::new(0),
+            }),
+        }
+    }
+
+    /// Resumes every alloc in the store: running tasks are reattached, not restarted.
+    pub fn restore(&self) -> Result<RestoreReport, StoreError> {
+        let mut report = RestoreReport::default();
+        for loaded in self.shared.store.load_allocs()? {
+            let record = match loaded {
+                Ok(record) => record,
+                Err(corrupt) => {
+                    report.corrupt.push(corrupt);
+                    continue;
+                }
+            };
+            let name = record.name.clone();
+            match store::restore_record(record) {
+                Ok((spec, state, handles, removed)) => {
+                    self.spawn(
+                        &mut self.shared.registry(),
+                        name,
+                        Start::Restored {
+                            spec: Arc::new(spec),
+                            state,
+                            handles,
+                            removed,
+                        },
+                    );
+                    report.restored += 1;
+                }
+                Err(corrupt) => report.corrupt.push(corrupt),
+            }
+        }
+        Ok(report)
+    }
+
+    /// Starts a worker for `name`; the caller holds the registry lock, so a retiring
+    /// worker and a new input cannot cross.
+    fn spawn(&self, registry: &mut HashMap<Name, Entry>, name: Name, start: Start) {
+        let mailbox = Mailbox::default();
+        let worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
+        let join = tokio::spawn(worker.run());
+        registry.insert(name, Entry { mailbox, join });
+    }
+
+    fn mailbox(&self, name: &str) -> Option<Mailbox> {
+        let name: Name = name.parse().ok()?;
+        self.shared.registry().get(&name).map(|e| e.mailbox.clone())
+    }
+
+    /// Declares that `spec` should exist: adds the alloc, or updates it (only the newest
+    /// update is ever applied). Never waits.
+    pub fn apply(&self, spec: ValidSpec) {
+        let name = spec.name().clone();
+        let target = Target::Spec(Arc::new(spec));
+        let mut registry = self.shared.registry();
+        match registry.get(&name) {
+            Some(entry) => entry.mailbox.set_target(target),
+            None => self.spawn(&mut registry, name, Start::Fresh(target)),
+        }
+    }
+
+    /// Declares that the alloc `name` should no longer exist: it is stopped, then
+    /// destroyed. Never waits.
+    pub fn remove(&self, name: &Name) {
+        if let Some(entry) = self.shared.registry().get(name) {
+            entry.mailbox.set_target(Target::Absent);
+        }
+    }
+
+    /// Restarts `task` of alloc `name`, or all its running tasks.
+    pub async fn restart(&self, name: &str, task: Option<Name>) -> Result<(), CommandError> {
+        let mailbox = self
+            .mailbox(name)
+            .ok_or_else(|| CommandError::UnknownAlloc {
+                name: name.to_owned(),
+            })?;
+        ask(&mailbox, name, |reply| UserCommand::Restart { task, reply }).await
+    }
+
+    /// Sends `signal` to `task` of alloc `name`.
+    pub async fn signal(&self, name: &str, task: Name, signal: Signal) -> Result<(), CommandError> {
+        let mailbox = self
+            .mailbox(name)
+            .ok_or_else(|| CommandError::UnknownAlloc {
+                name: name.to_owned(),
+            })?;
+        ask(&mailbox, name, |reply| UserCommand::Signal {
+            task,
+            signal,
+            reply,
+        })
+        .await
+    }
+
+    /// The published status of alloc `name`.
+    pub fn status(&self, name: &str) -> Option<Arc<AllocStatus>> {
+        let name: Name = name.parse().ok()?;
+        self.shared
+            .statuses
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+            .cloned()
+    }
+
+    /// Every published status, by name.
+    pub fn statuses(&self) -> Vec<Arc<AllocStatus>> {
+        self.shared
+            .statuses
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .values()
+            .cloned()
+            .collect()
+    }
+
+    /// How many allocs have a worker.
+    pub fn alloc_count(&self) -> usize {
+        self.shared.registry().len()
+    }
+
+    /// Pending spec updates replaced by newer ones before being applied, over all allocs.
+    pub fn coalesced_updates(&self) -> u64 {
+        self.shared
+            .registry()
+            .values()
+            .map(|e| e.mailbox.coalesced())
+            .sum()
+    }
+
+    /// Store writes that failed.
+    pub fn store_errors(&self) -> u64 {
+        *self
+            .shared
+            .store_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Waits until `condition` holds for the node, re-checking whenever a status is
+    /// published; false when `deadline` passes first.
+    pub async fn wait_until(
+        &self,
+        deadline: Duration,
+        mut condition: impl FnMut(&Node) -> bool,
+    ) -> bool {
+        let mut version = self.shared.version.subscribe();
+        let wait = async {
+            loop {
+                if condition(self) {
+                    return;
+                }
+                if version.changed().await.is_err() {
+                    return;
+                }
+            }
+        };
+        tokio::time::timeout(deadline, wait).await.is_ok() && condition(self)
+    }
+
+    /// Leaves: with `Detach` the tasks keep running for the next agent; with `Drain`
+    /// every alloc is stopped, all in parallel. Returns when every worker is done.
+    pub async fn shutdown(self, how: Shutdown) {
+        let joins: Vec<JoinHandle<()>> = {
+            let mut registry = self.shared.registry();
+            for entry in registry.values() {
+                entry.mailbox.shutdown(how);
+            }
+            registry.drain().map(|(_, entry)| entry.join).collect()
+        };
+        for join in joins {
+            // A worker that panicked has nothing left to stop.
+            let _ = join.await;
+        }
+    }
+}
