@@ -12,8 +12,8 @@
 //!          ▲───────────────────────────── op reports ◀────────────────────┘
 //! ```
 
-use std::collections::BTreeMap;
-use std::sync::Arc;
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Observation};
@@ -25,7 +25,7 @@ use stead_schemas::spec::{DesiredStatus, DriverConfig, Name};
 use stead_schemas::status::{AllocStatus, TaskEventStatus, TaskStatus};
 use stead_schemas::{Timestamp, ValidSpec};
 use thiserror::Error;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::driver::{Driver, DriverError, StartRequest, TaskHandle};
@@ -72,6 +72,28 @@ enum OpReport {
     RecoverFailed(DriverError),
 }
 
+/// The reports of a worker's driver operations: a queue that wakes the worker through
+/// its mailbox. (A channel per worker would hold a block of slots for every alloc.)
+#[derive(Clone)]
+struct Reports {
+    queue: Arc<Mutex<VecDeque<(Name, u64, OpReport)>>>,
+    mailbox: Mailbox,
+}
+
+impl Reports {
+    fn send(&self, task: Name, run: u64, report: OpReport) {
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back((task, run, report));
+        self.mailbox.wake();
+    }
+
+    fn take(&self) -> VecDeque<(Name, u64, OpReport)> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
 /// The driver operations in flight for one run of a task.
 #[derive(Debug)]
 struct TaskOps {
@@ -86,8 +108,8 @@ struct Current {
     desired: AllocDesired,
     state: AllocState,
     handles: BTreeMap<Name, TaskHandle>,
-    /// The state as last persisted and published, to skip both when nothing changed.
-    saved: Option<(AllocState, BTreeMap<Name, TaskHandle>, bool)>,
+    /// A hash of what was last persisted and published, to skip both when nothing changed.
+    saved: Option<u64>,
 }
 
 /// Where a worker starts from.
@@ -117,14 +139,16 @@ pub(crate) struct Worker {
     shutdown: Option<Shutdown>,
     ops: BTreeMap<Name, TaskOps>,
     next_run: u64,
-    reports_tx: mpsc::UnboundedSender<(Name, u64, OpReport)>,
-    reports_rx: mpsc::UnboundedReceiver<(Name, u64, OpReport)>,
+    reports: Reports,
     rng: fastrand::Rng,
 }
 
 impl Worker {
     pub(crate) fn new(shared: Arc<Shared>, name: Name, mailbox: Mailbox, start: Start) -> Self {
-        let (reports_tx, reports_rx) = mpsc::unbounded_channel();
+        let reports = Reports {
+            queue: Arc::default(),
+            mailbox: mailbox.clone(),
+        };
         let rng = match shared.config.seed {
             Some(seed) => fastrand::Rng::with_seed(seed ^ hash_name(&name)),
             None => fastrand::Rng::new(),
@@ -138,8 +162,7 @@ impl Worker {
             shutdown: None,
             ops: BTreeMap::new(),
             next_run: 0,
-            reports_tx,
-            reports_rx,
+            reports,
             rng,
         };
         match start {
@@ -187,14 +210,12 @@ impl Worker {
             };
             current.handles.insert(task.clone(), handle.clone());
             let ops = self.new_ops(&task);
-            let tx = self.reports_tx.clone();
+            let tx = self.reports.clone();
             let run = ops.run;
             tokio::spawn(async move {
                 match driver.recover(&handle).await {
                     Ok(()) => watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await,
-                    Err(error) => {
-                        let _ = tx.send((task, run, OpReport::RecoverFailed(error)));
-                    }
+                    Err(error) => tx.send(task, run, OpReport::RecoverFailed(error)),
                 }
             });
         }
@@ -212,7 +233,7 @@ impl Worker {
             if let Some(how) = pending.shutdown {
                 self.shutdown = Some(self.shutdown.map_or(how, |s| s.max(how)));
             }
-            while let Ok((task, run, report)) = self.reports_rx.try_recv() {
+            for (task, run, report) in self.reports.take() {
                 self.apply_report(task, run, report, now);
             }
             for command in pending.commands {
@@ -237,10 +258,6 @@ impl Worker {
             let sleep = tokio::time::sleep_until(self.shared.clock.instant_at(wake_at));
             tokio::select! {
                 () = self.mailbox.changed() => {}
-                Some((task, run, report)) = self.reports_rx.recv() => {
-                    let now = self.shared.clock.now();
-                    self.apply_report(task, run, report, now);
-                }
                 () = sleep => {}
             }
         }
@@ -409,7 +426,7 @@ impl Worker {
             DriverConfig::Mock(_) => stead_schemas::spec::DriverKind::Mock,
         };
         let ops = self.new_ops(&task);
-        let tx = self.reports_tx.clone();
+        let tx = self.reports.clone();
         let run = ops.run;
         let Some(driver) = self.shared.drivers.get(kind) else {
             let message = format!("driver {kind} is not enabled on this agent");
@@ -434,14 +451,10 @@ impl Worker {
                 () = ops.cancel_start.cancelled() => None,
             };
             match started {
-                None => {
-                    let _ = tx.send((task, run, OpReport::StartCancelled));
-                }
-                Some(Err(error)) => {
-                    let _ = tx.send((task, run, OpReport::StartFailed(error)));
-                }
+                None => tx.send(task, run, OpReport::StartCancelled),
+                Some(Err(error)) => tx.send(task, run, OpReport::StartFailed(error)),
                 Some(Ok(handle)) => {
-                    let _ = tx.send((task.clone(), run, OpReport::Started(handle.clone())));
+                    tx.send(task.clone(), run, OpReport::Started(handle.clone()));
                     watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
                 }
             }
@@ -579,8 +592,13 @@ impl Worker {
         let Some(current) = &mut self.current else {
             return;
         };
-        let snapshot = (current.state.clone(), current.handles.clone(), removed);
-        if current.saved.as_ref() == Some(&snapshot) {
+        let fingerprint = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            (&current.state, &current.handles, removed).hash(&mut hasher);
+            hasher.finish()
+        };
+        if current.saved == Some(fingerprint) {
             return;
         }
         let record = AllocRecord {
@@ -597,7 +615,7 @@ impl Worker {
                 .collect(),
         };
         match self.shared.store.put_alloc(&record) {
-            Ok(()) => current.saved = Some(snapshot),
+            Ok(()) => current.saved = Some(fingerprint),
             Err(error) => self.shared.report_store_error(&self.name, &error),
         }
         let status = status_of(&self.name, current, removed);
@@ -621,14 +639,12 @@ async fn watch_exit(
     driver: Arc<dyn Driver>,
     handle: TaskHandle,
     cancel: CancellationToken,
-    tx: mpsc::UnboundedSender<(Name, u64, OpReport)>,
+    tx: Reports,
     task: Name,
     run: u64,
 ) {
     tokio::select! {
-        result = driver.wait(handle) => {
-            let _ = tx.send((task, run, OpReport::Exited(result)));
-        }
+        result = driver.wait(handle) => tx.send(task, run, OpReport::Exited(result)),
         () = cancel.cancelled() => {}
     }
 }

@@ -86,7 +86,8 @@ impl Mailbox {
         self.inner.0.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    fn wake(&self) {
+    /// Wakes the worker without queueing anything (for inputs kept elsewhere).
+    pub(crate) fn wake(&self) {
         self.inner.1.notify_one();
     }
 

@@ -175,7 +175,7 @@ impl fmt::Display for CommandRefusal {
 impl std::error::Error for CommandRefusal {}
 
 /// The state of one alloc revision; everything in it is persisted.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct AllocState {
     /// Each task's state, by name.
     pub tasks: BTreeMap<Name, TaskState>,
@@ -230,11 +230,10 @@ impl AllocState {
             None => self.run_stages(desired, now),
             Some(shutdown) => self.stop_stages(desired, &shutdown, now, &mut plan.wake_at),
         };
-        for settings in &desired.tasks {
+        for (settings, run) in desired.tasks.iter().zip(want_run) {
             let Some(task) = self.tasks.get_mut(&settings.name) else {
                 continue;
             };
-            let run = want_run.get(&settings.name).copied().unwrap_or(false);
             task.drive(
                 settings,
                 run,
@@ -279,8 +278,8 @@ impl AllocState {
         self.shutdown = reason.map(|reason| Shutdown { reason, at: now });
     }
 
-    /// Which tasks should run while the alloc runs, by lifecycle stage.
-    fn run_stages(&mut self, desired: &AllocDesired, now: Timestamp) -> BTreeMap<Name, bool> {
+    /// Which tasks should run while the alloc runs, by lifecycle stage, in task order.
+    fn run_stages(&mut self, desired: &AllocDesired, now: Timestamp) -> Vec<bool> {
         let state = |name: &Name| self.tasks.get(name);
         let prestart_done = desired
             .tasks
@@ -329,14 +328,11 @@ impl AllocState {
         desired
             .tasks
             .iter()
-            .map(|s| {
-                let run = match s.hook {
-                    Some(LifecycleHook::Prestart) => true,
-                    None => self.main_released,
-                    Some(LifecycleHook::Poststart) => self.poststart_released && !all_mains_dead,
-                    Some(LifecycleHook::Poststop) => self.main_released && others_dead,
-                };
-                (s.name.clone(), run)
+            .map(|s| match s.hook {
+                Some(LifecycleHook::Prestart) => true,
+                None => self.main_released,
+                Some(LifecycleHook::Poststart) => self.poststart_released && !all_mains_dead,
+                Some(LifecycleHook::Poststop) => self.main_released && others_dead,
             })
             .collect()
     }
@@ -350,18 +346,14 @@ impl AllocState {
         shutdown: &Shutdown,
         now: Timestamp,
         wake_at: &mut Option<Timestamp>,
-    ) -> BTreeMap<Name, bool> {
+    ) -> Vec<bool> {
         let cap = desired.max_events;
         let reason = match &shutdown.reason {
             ShutdownReason::Stop => KillReason::Stop,
             ShutdownReason::TaskFailed(task) => KillReason::SiblingFailed(task.clone()),
             ShutdownReason::LeaderDead => KillReason::LeaderDead,
         };
-        let mut want_run: BTreeMap<Name, bool> = desired
-            .tasks
-            .iter()
-            .map(|s| (s.name.clone(), false))
-            .collect();
+        let mut want_run = vec![false; desired.tasks.len()];
 
         // Tasks with no process do not start any more.
         for settings in desired
@@ -423,13 +415,12 @@ impl AllocState {
         }
 
         // Everything else is dead: poststop tasks run, if the alloc ever ran.
-        for settings in desired
-            .tasks
-            .iter()
-            .filter(|s| s.hook == Some(LifecycleHook::Poststop))
-        {
+        for (index, settings) in desired.tasks.iter().enumerate() {
+            if settings.hook != Some(LifecycleHook::Poststop) {
+                continue;
+            }
             if self.main_released {
-                want_run.insert(settings.name.clone(), true);
+                want_run[index] = true;
             } else if let Some(task) = self.tasks.get_mut(&settings.name) {
                 task.request_kill(settings, KillReason::Stop, now, cap);
             }

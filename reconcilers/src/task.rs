@@ -198,7 +198,7 @@ pub enum Effect {
 }
 
 /// The state of one task of an alloc; everything in it is persisted.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TaskState {
     /// Pending, running or dead.
     pub phase: TaskPhase,
@@ -356,14 +356,14 @@ impl TaskState {
         wake_at: &mut Option<Timestamp>,
     ) {
         let mut wake = |at: Timestamp| *wake_at = Some(wake_at.map_or(at, |w| w.min(at)));
-        let task = settings.name.clone();
+        let task = || settings.name.clone();
         if let Some(kill) = &mut self.kill {
             match self.process {
                 Process::Idle => {}
                 Process::Starting { .. } => {
                     if !kill.cancel_requested {
                         kill.cancel_requested = true;
-                        effects.push(Effect::CancelStart { task });
+                        effects.push(Effect::CancelStart { task: task() });
                     }
                 }
                 Process::Running { .. } => match (kill.signalled_at, kill.forced_at) {
@@ -371,7 +371,7 @@ impl TaskState {
                     (None, _) => {
                         kill.signalled_at = Some(now);
                         effects.push(Effect::Signal {
-                            task,
+                            task: task(),
                             signal: settings.kill_signal.clone(),
                         });
                         self.push_event(TaskEvent::killing(now, settings.kill_timeout), cap);
@@ -383,7 +383,7 @@ impl TaskState {
                             wake(force_at);
                         } else {
                             kill.forced_at = Some(now);
-                            effects.push(Effect::ForceKill { task });
+                            effects.push(Effect::ForceKill { task: task() });
                             wake(now + FORCE_KILL_GRACE);
                         }
                     }
@@ -392,7 +392,7 @@ impl TaskState {
                         if now < give_up_at {
                             wake(give_up_at);
                         } else {
-                            effects.push(Effect::Forget { task });
+                            effects.push(Effect::Forget { task: task() });
                             self.process = Process::Idle;
                             self.push_event(
                                 TaskEvent::new(
@@ -421,7 +421,7 @@ impl TaskState {
                     self.push_event(TaskEvent::task_setup(now), cap);
                 }
                 self.process = Process::Starting { since: now };
-                effects.push(Effect::Start { task });
+                effects.push(Effect::Start { task: task() });
             }
         }
     }

@@ -36,7 +36,7 @@ pub struct StartRequest {
 }
 
 /// A started task, as the driver identifies it; persisted so a later agent can recover it.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TaskHandle {
     /// The driver that started the task.
     pub driver: DriverKind,
