@@ -21,7 +21,7 @@ clippy:
 	$(CARGO) clippy --locked --workspace --all-targets -- -D warnings
 
 unit:
-	$(CARGO) test --locked --workspace
+	scripts/cargo-test-summary.sh --locked --workspace
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

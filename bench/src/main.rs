@@ -72,13 +72,16 @@ async fn time_until(
     Ok(start.elapsed())
 }
 
-async fn core(allocs: usize, idle: Duration) -> anyhow::Result<()> {
+async fn core(allocs: usize, idle: Duration, tick: Duration) -> anyhow::Result<()> {
     let clock = Clock::system();
     let mock = MockDriver::new(clock);
     let store = MemoryStore::default();
     let drivers = Drivers::new([Arc::new(mock.clone()) as Arc<dyn Driver>]);
     let node = Node::new(
-        NodeConfig::default(),
+        NodeConfig {
+            tick,
+            ..NodeConfig::default()
+        },
         drivers,
         Arc::new(store.clone()),
         clock,
@@ -138,7 +141,10 @@ async fn core(allocs: usize, idle: Duration) -> anyhow::Result<()> {
 
     let per_alloc = (rss_after.saturating_sub(rss_before)) as f64 / allocs as f64;
     let idle_share = cpu_idle.as_secs_f64() / idle.as_secs_f64() * 100.0;
-    println!("stead-bench core: {allocs} allocs x 2 mock tasks, tick 1s");
+    println!(
+        "stead-bench core: {allocs} allocs x 2 mock tasks, tick {}ms",
+        tick.as_millis()
+    );
     println!(
         "  all {tasks} tasks running after submit   {:>9.3} s  (target < 2 s)",
         all_running.as_secs_f64()
@@ -173,11 +179,12 @@ fn main() -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or(10_000);
     let idle = Duration::from_secs(args.next().map(|a| a.parse()).transpose()?.unwrap_or(10));
+    let tick = Duration::from_millis(args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_000));
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
     match what.as_str() {
-        "core" => runtime.block_on(core(allocs, idle)),
-        other => bail!("unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS]`"),
+        "core" => runtime.block_on(core(allocs, idle, tick)),
+        other => bail!("unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]`"),
     }
 }

@@ -253,12 +253,19 @@ impl Worker {
                 Step::Wait(wake_at) => wake_at,
             };
             self.persist_and_publish();
-            let tick_at = now + self.shared.config.tick;
-            let wake_at = wake_at.map_or(tick_at, |w| w.min(tick_at));
-            let sleep = tokio::time::sleep_until(self.shared.clock.instant_at(wake_at));
+            // The node's ticker wakes every worker once per tick through its mailbox, so
+            // an idle worker holds no timer of its own; a timer is armed only when the
+            // reconciler has something due.
+            let clock = self.shared.clock;
+            let due = async move {
+                match wake_at {
+                    Some(at) => tokio::time::sleep_until(clock.instant_at(at)).await,
+                    None => std::future::pending().await,
+                }
+            };
             tokio::select! {
                 () = self.mailbox.changed() => {}
-                () = sleep => {}
+                () = due => {}
             }
         }
     }
@@ -592,12 +599,7 @@ impl Worker {
         let Some(current) = &mut self.current else {
             return;
         };
-        let fingerprint = {
-            use std::hash::{Hash, Hasher};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
-            (&current.state, &current.handles, removed).hash(&mut hasher);
-            hasher.finish()
-        };
+        let fingerprint = fingerprint(&current.state, &current.handles, removed);
         if current.saved == Some(fingerprint) {
             return;
         }
@@ -631,6 +633,38 @@ enum Step {
     Again,
     /// Leave.
     Exit,
+}
+
+/// A hash of everything a record holds, computed on every pass to skip unchanged writes.
+/// Events only ever append (dropping the oldest at the cap), so their count, oldest and
+/// newest stand for all of them: hashing whole histories on every tick would cost more
+/// than the rest of the pass.
+fn fingerprint(state: &AllocState, handles: &BTreeMap<Name, TaskHandle>, removed: bool) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    removed.hash(&mut hasher);
+    handles.hash(&mut hasher);
+    state.shutdown.hash(&mut hasher);
+    state.main_released.hash(&mut hasher);
+    state.poststart_released.hash(&mut hasher);
+    for (name, task) in &state.tasks {
+        name.hash(&mut hasher);
+        task.phase.hash(&mut hasher);
+        task.failed.hash(&mut hasher);
+        task.restarts.hash(&mut hasher);
+        task.last_restart.hash(&mut hasher);
+        task.started_at.hash(&mut hasher);
+        task.finished_at.hash(&mut hasher);
+        task.tracker.hash(&mut hasher);
+        task.process.hash(&mut hasher);
+        task.restart_at.hash(&mut hasher);
+        task.kill.hash(&mut hasher);
+        task.set_up.hash(&mut hasher);
+        task.events.len().hash(&mut hasher);
+        task.events.front().hash(&mut hasher);
+        task.events.back().hash(&mut hasher);
+    }
+    hasher.finish()
 }
 
 /// Waits for the task to exit and reports it, unless cancelled first: a driver is never

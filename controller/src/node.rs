@@ -96,6 +96,26 @@ impl Shared {
     }
 }
 
+/// The level re-check: wakes every worker once per tick, until the node is gone. One
+/// timer for the node instead of one per alloc keeps an idle node cheap.
+async fn tick(shared: std::sync::Weak<Shared>) {
+    let Some(period) = shared.upgrade().map(|s| s.config.tick) else {
+        return;
+    };
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval.tick().await;
+    loop {
+        interval.tick().await;
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        for entry in shared.registry().values() {
+            entry.mailbox.wake();
+        }
+    }
+}
+
 /// What restoring from the store found.
 #[derive(Debug, Default)]
 pub struct RestoreReport {
@@ -111,10 +131,10 @@ pub struct Node {
 }
 
 impl Node {
-    /// A node with no allocs yet.
+    /// A node with no allocs yet; call from within a tokio runtime (it starts the ticker).
     pub fn new(config: NodeConfig, drivers: Drivers, store: Arc<dyn Store>, clock: Clock) -> Self {
         let (version, _) = watch::channel(0);
-        Node {
+        let node = Node {
             shared: Arc::new(Shared {
                 config,
                 drivers,
@@ -125,7 +145,9 @@ impl Node {
                 version,
                 store_errors: Mutex::new(0),
             }),
-        }
+        };
+        tokio::spawn(tick(Arc::downgrade(&node.shared)));
+        node
     }
 
     /// Resumes every alloc in the store: running tasks are reattached, not restarted.
