@@ -4,7 +4,7 @@
 CARGO ?= cargo
 SPECS ?= deploy/examples
 
-.PHONY: run test deps fmt-check clippy unit fuzz
+.PHONY: run test deps fmt-check clippy unit bench fuzz
 
 run: deps
 	$(CARGO) run --locked --bin stead -- validate $(SPECS)
@@ -22,6 +22,13 @@ clippy:
 
 unit:
 	scripts/cargo-test-summary.sh --locked --workspace
+
+# Benchmarks (release build; figures, not pass/fail). ALLOCS and IDLE_SECONDS scale the core one.
+ALLOCS ?= 10000
+IDLE_SECONDS ?= 10
+bench: deps
+	$(CARGO) build --locked --release -p stead-bench
+	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60
