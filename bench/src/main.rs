@@ -5,6 +5,9 @@
 //! alloc; convergence after every spec changes at once; and a drain of every alloc whose
 //! tasks take a second to exit. Real time, release build, the machine's two cores.
 
+mod api;
+mod exec;
+
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -185,6 +188,10 @@ fn main() -> anyhow::Result<()> {
         .build()?;
     match what.as_str() {
         "core" => runtime.block_on(core(allocs, idle, tick)),
-        other => bail!("unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]`"),
+        "api" => api::run(&runtime),
+        "exec" => exec::run(&runtime),
+        other => bail!(
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]`"
+        ),
     }
 }

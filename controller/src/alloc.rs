@@ -28,7 +28,7 @@ use thiserror::Error;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::driver::{Driver, DriverError, StartRequest, TaskHandle};
+use crate::driver::{Driver, DriverError, LogLimits, StartRequest, TaskHandle};
 use crate::node::Shared;
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store;
@@ -110,6 +110,8 @@ struct Current {
     handles: BTreeMap<Name, TaskHandle>,
     /// A hash of what was last persisted and published, to skip both when nothing changed.
     saved: Option<u64>,
+    /// Restarts and failed tasks already counted in the metrics.
+    counted: (u64, u64),
 }
 
 /// Where a worker starts from.
@@ -197,12 +199,14 @@ impl Worker {
                 task_state.process = Process::Idle;
             }
         }
+        let counted = outcomes(&state);
         let mut current = Current {
             spec: spec.clone(),
             desired,
             state,
             handles: BTreeMap::new(),
             saved: None,
+            counted,
         };
         for (task, handle) in handles {
             let Some(driver) = self.shared.drivers.get(handle.driver) else {
@@ -284,6 +288,7 @@ impl Worker {
                         state,
                         handles: BTreeMap::new(),
                         saved: None,
+                        counted: (0, 0),
                     });
                 }
                 // Nothing runs: nothing to drain, nothing to keep.
@@ -300,8 +305,11 @@ impl Worker {
             current.spec = spec.clone();
         }
         current.desired.run = run;
+        let began = self.shared.clock.instant();
         let plan = current.state.reconcile(&current.desired, now);
+        tracing::trace!(effects = plan.effects.len(), wake_at = ?plan.wake_at, "reconciled");
         self.execute(plan.effects, now);
+        crate::metrics::reconciled(began.elapsed());
         let current = self.current.as_ref().expect("still set");
         if !current.desired.run && current.state.is_terminal() && self.ops.is_empty() {
             if self.shutdown == Some(Shutdown::Drain) {
@@ -421,12 +429,17 @@ impl Worker {
         env.insert("STEAD_ALLOC_ID".to_owned(), current.spec.id.to_string());
         env.insert("STEAD_ALLOC_NAME".to_owned(), self.name.to_string());
         env.insert("STEAD_TASK_NAME".to_owned(), task.to_string());
+        let (max_files, max_file_size_mb) = spec.effective_logs();
         let request = StartRequest {
             alloc_id: current.spec.id.clone(),
             task: task.clone(),
             config: spec.config.clone(),
             env,
             user: spec.user.as_ref().map(|u| u.to_string()),
+            logs: LogLimits {
+                max_files,
+                max_file_size_mb,
+            },
         };
         let kind = match &spec.config {
             DriverConfig::Exec(_) => stead_schemas::spec::DriverKind::Exec,
@@ -452,7 +465,8 @@ impl Worker {
             self.ops.remove(&task);
             return;
         };
-        tokio::spawn(async move {
+        let span = tracing::info_span!("task", task = %task, run);
+        let operation = async move {
             let started = tokio::select! {
                 result = driver.start(request) => Some(result),
                 () = ops.cancel_start.cancelled() => None,
@@ -465,7 +479,8 @@ impl Worker {
                     watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
                 }
             }
-        });
+        };
+        tokio::spawn(tracing::Instrument::instrument(operation, span));
     }
 
     fn apply_report(&mut self, task: Name, run: u64, report: OpReport, now: Timestamp) {
@@ -478,10 +493,13 @@ impl Worker {
         };
         let observation = match report {
             OpReport::Started(handle) => {
+                tracing::info!(task = %task, pid = ?handle.pid, "task started");
+                crate::metrics::task_started();
                 current.handles.insert(task.clone(), handle);
                 Observation::Started
             }
             OpReport::StartFailed(error) => {
+                tracing::warn!(task = %task, error = %error_chain(&error), "task failed to start");
                 self.ops.remove(&task);
                 let recoverable = error.is_recoverable();
                 Observation::StartFailed {
@@ -494,6 +512,13 @@ impl Worker {
                 Observation::StartCancelled
             }
             OpReport::Exited(result) => {
+                tracing::info!(
+                    task = %task,
+                    exit_code = result.exit_code,
+                    signal = ?result.signal,
+                    error = ?result.error,
+                    "task exited"
+                );
                 self.ops.remove(&task);
                 if let Some(handle) = current.handles.remove(&task)
                     && let Some(driver) = self.shared.drivers.get(handle.driver)
@@ -599,6 +624,12 @@ impl Worker {
         let Some(current) = &mut self.current else {
             return;
         };
+        let (restarts, failures) = outcomes(&current.state);
+        crate::metrics::task_outcomes(
+            restarts.saturating_sub(current.counted.0),
+            failures.saturating_sub(current.counted.1),
+        );
+        current.counted = (restarts, failures);
         let fingerprint = fingerprint(&current.state, &current.handles, removed);
         if current.saved == Some(fingerprint) {
             return;
@@ -621,7 +652,8 @@ impl Worker {
             Err(error) => self.shared.report_store_error(&self.name, &error),
         }
         let status = status_of(&self.name, current, removed);
-        self.shared.publish(&self.name, status);
+        self.shared
+            .publish(&self.name, status, current.handles.clone());
     }
 }
 
@@ -667,6 +699,19 @@ fn fingerprint(state: &AllocState, handles: &BTreeMap<Name, TaskHandle>, removed
     hasher.finish()
 }
 
+/// Restarts over all tasks, and how many tasks failed: what the metrics count.
+fn outcomes(state: &AllocState) -> (u64, u64) {
+    state
+        .tasks
+        .values()
+        .fold((0, 0), |(restarts, failures), task| {
+            (
+                restarts + u64::from(task.restarts),
+                failures + u64::from(task.failed),
+            )
+        })
+}
+
 /// Waits for the task to exit and reports it, unless cancelled first: a driver is never
 /// trusted to end its wait after a kill.
 async fn watch_exit(
@@ -684,7 +729,7 @@ async fn watch_exit(
 }
 
 /// An error with its sources, `outer: inner: innermost`.
-fn error_chain(error: &dyn std::error::Error) -> String {
+pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {

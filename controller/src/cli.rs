@@ -1,4 +1,8 @@
-//! The `stead` command line: argument parsing and the commands that need no agent.
+//! The `stead` command line: argument parsing, the commands that need no agent
+//! (`validate`, `schema`), and the commands that ask a running agent over its HTTP API
+//! (`alloc …`, `node status`).
+//!
+//! [`run`] is the entry point: tests call it in-process with their own output buffers.
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
@@ -11,6 +15,10 @@ use serde_json::json;
 use stead_schemas::{Diagnostic, Location, MAX_SPEC_FILE_BYTES, SpecFile, parse_spec_bytes};
 
 use crate::spec_files::collect_spec_files;
+
+mod client;
+mod remote;
+mod render;
 
 /// Exit code: everything was valid.
 pub const EXIT_OK: u8 = 0;
@@ -43,6 +51,22 @@ enum Command {
     },
     /// Print the JSON Schema of the alloc spec, for editors.
     Schema,
+    /// Inspect and act on the agent's allocs.
+    Alloc {
+        #[command(flatten)]
+        client: remote::ClientArgs,
+        #[command(subcommand)]
+        command: remote::AllocCommand,
+    },
+    /// Inspect the node the agent runs on.
+    Node {
+        #[command(flatten)]
+        client: remote::ClientArgs,
+        #[command(subcommand)]
+        command: remote::NodeCommand,
+    },
+    /// Run the agent: keep the allocs declared in the specs directory running.
+    Agent(crate::agent::AgentArgs),
 }
 
 /// Runs the CLI with `args` (the first is the program name) and returns the exit code.
@@ -69,6 +93,9 @@ pub fn run(
     let result = match cli.command {
         Command::Validate { paths, json } => validate(&paths, json, out),
         Command::Schema => schema(out),
+        Command::Alloc { client, command } => remote::alloc(&client, command, out, err),
+        Command::Node { client, command } => remote::node(&client, command, out),
+        Command::Agent(args) => crate::agent::main(&args),
     };
     result.unwrap_or_else(|error| {
         let _ = writeln!(err, "error: {error:#}");

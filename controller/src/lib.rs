@@ -1,11 +1,17 @@
 //! stead's shell: everything that touches the world (files, processes, the network,
 //! the clock) around the pure decisions of `stead-reconcilers`, and the `stead` CLI.
 
+pub mod agent;
 pub mod alloc;
+pub mod allocdir;
+pub mod api;
 pub mod cli;
 pub mod clock;
 pub mod driver;
+pub mod logging;
+pub mod metrics;
 pub mod node;
 pub mod queue;
+pub mod source;
 pub mod spec_files;
 pub mod store;

@@ -3,9 +3,11 @@
 use std::process::ExitCode;
 
 fn main() -> ExitCode {
-    let stdout = std::io::stdout();
-    let stderr = std::io::stderr();
-    let code =
-        stead_controller::cli::run(std::env::args_os(), &mut stdout.lock(), &mut stderr.lock());
+    // Unlocked handles: the agent logs to stderr from other threads while `run` lasts.
+    let code = stead_controller::cli::run(
+        std::env::args_os(),
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    );
     ExitCode::from(code)
 }

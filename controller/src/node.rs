@@ -18,7 +18,7 @@ use tokio::task::JoinHandle;
 
 use crate::alloc::{CommandError, Start, Worker, ask};
 use crate::clock::Clock;
-use crate::driver::Drivers;
+use crate::driver::{Drivers, TaskHandle};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store::{self, Store, StoreError};
 
@@ -56,6 +56,8 @@ pub(crate) struct Shared {
     pub(crate) clock: Clock,
     registry: Mutex<HashMap<Name, Entry>>,
     statuses: RwLock<BTreeMap<Name, Arc<AllocStatus>>>,
+    /// The driver handles of each alloc's tasks, published with its status (for stats).
+    handles: RwLock<HashMap<Name, Arc<BTreeMap<Name, TaskHandle>>>>,
     version: watch::Sender<u64>,
     store_errors: Mutex<u64>,
 }
@@ -65,8 +67,17 @@ impl Shared {
         self.registry.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Publishes an alloc's status snapshot.
-    pub(crate) fn publish(&self, name: &Name, status: AllocStatus) {
+    /// Publishes an alloc's status snapshot and its tasks' driver handles.
+    pub(crate) fn publish(
+        &self,
+        name: &Name,
+        status: AllocStatus,
+        handles: BTreeMap<Name, TaskHandle>,
+    ) {
+        self.handles
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), Arc::new(handles));
         self.statuses
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -88,6 +99,10 @@ impl Shared {
         }
         registry.remove(name);
         self.statuses
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        self.handles
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
@@ -142,6 +157,7 @@ impl Node {
                 clock,
                 registry: Mutex::new(HashMap::new()),
                 statuses: RwLock::new(BTreeMap::new()),
+                handles: RwLock::new(HashMap::new()),
                 version,
                 store_errors: Mutex::new(0),
             }),
@@ -187,7 +203,8 @@ impl Node {
     fn spawn(&self, registry: &mut HashMap<Name, Entry>, name: Name, start: Start) {
         let mailbox = Mailbox::default();
         let worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
-        let join = tokio::spawn(worker.run());
+        let span = tracing::info_span!("alloc", alloc = %name);
+        let join = tokio::spawn(tracing::Instrument::instrument(worker.run(), span));
         registry.insert(name, Entry { mailbox, join });
     }
 
@@ -252,6 +269,17 @@ impl Node {
             .cloned()
     }
 
+    /// The driver handles of alloc `name`'s started tasks, as last published.
+    pub fn task_handles(&self, name: &str) -> Option<Arc<BTreeMap<Name, TaskHandle>>> {
+        let name: Name = name.parse().ok()?;
+        self.shared
+            .handles
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .get(&name)
+            .cloned()
+    }
+
     /// Every published status, by name.
     pub fn statuses(&self) -> Vec<Arc<AllocStatus>> {
         self.shared
@@ -275,6 +303,25 @@ impl Node {
             .values()
             .map(|e| e.mailbox.coalesced())
             .sum()
+    }
+
+    /// Inputs waiting in alloc mailboxes, over all allocs.
+    pub fn queue_depth(&self) -> usize {
+        self.shared
+            .registry()
+            .values()
+            .map(|e| e.mailbox.depth())
+            .sum()
+    }
+
+    /// What the store did since it was opened.
+    pub fn store_metrics(&self) -> store::StoreMetrics {
+        self.shared.store.metrics()
+    }
+
+    /// The node's clock.
+    pub fn clock(&self) -> Clock {
+        self.shared.clock
     }
 
     /// Store writes that failed.
@@ -309,7 +356,7 @@ impl Node {
 
     /// Leaves: with `Detach` the tasks keep running for the next agent; with `Drain`
     /// every alloc is stopped, all in parallel. Returns when every worker is done.
-    pub async fn shutdown(self, how: Shutdown) {
+    pub async fn shutdown(&self, how: Shutdown) {
         let joins: Vec<JoinHandle<()>> = {
             let mut registry = self.shared.registry();
             for entry in registry.values() {

@@ -93,11 +93,14 @@ impl Mailbox {
 
     /// Sets the desired state; a pending one is replaced (and counted as coalesced).
     pub fn set_target(&self, target: Target) {
-        {
+        let coalesced = {
             let mut inner = self.lock();
-            if inner.pending.target.replace(target).is_some() {
-                inner.coalesced += 1;
-            }
+            let coalesced = inner.pending.target.replace(target).is_some();
+            inner.coalesced += u64::from(coalesced);
+            coalesced
+        };
+        if coalesced {
+            crate::metrics::coalesced_update();
         }
         self.wake();
     }
@@ -134,6 +137,14 @@ impl Mailbox {
     /// Whether a new desired state is waiting to be taken.
     pub fn has_target(&self) -> bool {
         self.lock().pending.target.is_some()
+    }
+
+    /// How many inputs wait to be taken: a target, user commands, a shutdown.
+    pub fn depth(&self) -> usize {
+        let inner = self.lock();
+        usize::from(inner.pending.target.is_some())
+            + inner.pending.commands.len()
+            + usize::from(inner.pending.shutdown.is_some())
     }
 
     /// How many pending spec updates were replaced by newer ones before being applied.

@@ -4,6 +4,8 @@
 //! This is the only crate with serde derives: everything that reaches the wire or the
 //! disk is defined here, and a change here is reviewed as a format change.
 
+pub mod api;
+pub mod config;
 mod decode;
 pub mod diagnostic;
 pub mod duration;

@@ -252,6 +252,15 @@ impl Revision {
         Revision(hex(&Sha256::digest(&canonical)))
     }
 
+    /// A revision read back from its text (64 lowercase hex digits), as stored or shown.
+    pub fn from_hex(text: &str) -> Option<Self> {
+        let valid = text.len() == 64
+            && text
+                .bytes()
+                .all(|b| b.is_ascii_digit() || (b'a'..=b'f').contains(&b));
+        valid.then(|| Revision(text.to_owned()))
+    }
+
     /// The full hash, 64 lowercase hex digits.
     pub fn as_str(&self) -> &str {
         &self.0

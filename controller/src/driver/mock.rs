@@ -603,6 +603,10 @@ mod tests {
             config: DriverConfig::Mock(config),
             env: BTreeMap::new(),
             user: None,
+            logs: crate::driver::LogLimits {
+                max_files: 10,
+                max_file_size_mb: 10,
+            },
         }
     }
 

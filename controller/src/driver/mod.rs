@@ -5,6 +5,7 @@
 //! wait: every lifecycle call is raced with the caller's own cancellation or timeout.
 //! [`Drivers`] is the registry the agent looks drivers up in, by [`DriverKind`].
 
+pub mod exec;
 pub mod mock;
 
 use std::collections::BTreeMap;
@@ -33,6 +34,35 @@ pub struct StartRequest {
     pub env: BTreeMap<String, String>,
     /// The user to run as; `None` runs as the agent's user.
     pub user: Option<String>,
+    /// How much of the task's output to keep (`logs` with its defaults applied).
+    pub logs: LogLimits,
+}
+
+/// How much output a task keeps, per stream: `max_files` files of `max_file_size_mb`
+/// MiB each (the task's `logs.maxFiles` and `logs.maxFileSizeMB`, defaults applied).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct LogLimits {
+    /// How many files of each stream are kept; the newest is written.
+    pub max_files: u32,
+    /// The size at which a file is rotated, in MiB.
+    pub max_file_size_mb: u32,
+}
+
+/// What a task's processes use, as a driver measures it.
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub struct TaskStats {
+    /// CPU use since the previous measurement of this task (or, on the first, since it
+    /// started), in percent of one core.
+    pub cpu_percent: f64,
+    /// CPU time used so far by the task's live processes and the children they reaped
+    /// (user plus system), in clock ticks.
+    pub cpu_ticks: u64,
+    /// Clock ticks per second, to turn `cpu_ticks` into time.
+    pub ticks_per_second: u64,
+    /// Resident memory of the task's processes, in bytes.
+    pub rss_bytes: u64,
+    /// How many processes the task has.
+    pub processes: u32,
 }
 
 /// A started task, as the driver identifies it; persisted so a later agent can recover it.
@@ -175,6 +205,13 @@ pub trait Driver: Send + Sync + 'static {
 
     /// Releases everything held for the task; the task is dead.
     fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()>;
+
+    /// Measures what the task's processes use; `None` for a driver that does not measure
+    /// its tasks (the default).
+    fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {
+        let _ = handle;
+        Box::pin(async { Ok(None) })
+    }
 }
 
 /// The Linux number of `signal` (`SIGINT` is 2, `SIGKILL` 9).

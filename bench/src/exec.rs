@@ -1,0 +1,298 @@
+//! `stead-bench exec [TASKS] [RESTARTS] [ROUNDS]`: the exec driver against a bare
+//! fork/exec loop, with real processes.
+//!
+//! In one run: the time to start TASKS (default 500) `sleep 3600` tasks until every one
+//! shows running, against a loop that spawns the same processes and nothing else (median
+//! of ROUNDS rounds each, default 3); the supervision memory per task, the PSS
+//! (`/proc/<pid>/smaps_rollup`) of every process stead runs besides the tasks (the
+//! supervisors; the agent excluded), while all the tasks run; and the latency from
+//! `kill -9` of a task with restart delay 0 until its new process runs (p50, p90).
+//!
+//! It needs `stead-supervisor` next to `stead-bench` (`cargo build --release -p
+//! stead-supervisor -p stead-bench`) or its path in `STEAD_SUPERVISOR`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use stead_controller::clock::Clock;
+use stead_controller::driver::exec::{ExecDriver, ExecDriverConfig, default_supervisor_path};
+use stead_controller::driver::{Driver, Drivers};
+use stead_controller::node::{Node, NodeConfig};
+use stead_controller::queue::Shutdown;
+use stead_controller::store::MemoryStore;
+use stead_schemas::ValidSpec;
+use tokio::runtime::Runtime;
+
+/// How long any phase may take before the benchmark gives up.
+const LIMIT: Duration = Duration::from_secs(300);
+
+fn spec(name: &str, restart: &str) -> anyhow::Result<ValidSpec> {
+    let yaml = format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n{restart}  tasks:\n    - {{name: main, driver: exec, config: {{command: sleep, args: [\"3600\"]}}}}\n"
+    );
+    let file = stead_schemas::parse_spec_file(std::path::Path::new("bench.yaml"), &yaml);
+    match file.specs().next() {
+        Some(spec) => Ok(spec.clone()),
+        None => bail!("invalid bench spec: {:?}", file.all_diagnostics()),
+    }
+}
+
+fn median(values: &mut [Duration]) -> Duration {
+    values.sort();
+    values[values.len() / 2]
+}
+
+fn percentile(values: &mut [Duration], p: f64) -> Duration {
+    values.sort();
+    let index = ((values.len() as f64 - 1.0) * p).round() as usize;
+    values[index.min(values.len() - 1)]
+}
+
+/// Spawns `tasks` `sleep 3600` in a loop, as bare as it gets; the time it took.
+fn bare_loop(clock: &Clock, tasks: usize) -> anyhow::Result<Duration> {
+    use std::os::unix::process::CommandExt;
+    let start = clock.instant();
+    let mut children = Vec::with_capacity(tasks);
+    for _ in 0..tasks {
+        children.push(
+            std::process::Command::new("sleep")
+                .arg("3600")
+                .process_group(0)
+                .spawn()
+                .context("spawning sleep")?,
+        );
+    }
+    let took = start.elapsed();
+    for child in &mut children {
+        let _ = child.kill();
+    }
+    for child in &mut children {
+        let _ = child.wait();
+    }
+    Ok(took)
+}
+
+/// A field of `/proc/<pid>/smaps_rollup`, in KiB.
+fn smaps_field(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    text.lines()
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The parent of `pid`.
+fn parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+fn running(node: &Node, tasks: usize) -> bool {
+    node.statuses()
+        .iter()
+        .filter(|s| {
+            s.tasks
+                .values()
+                .all(|t| t.state == "running" && t.pid.is_some())
+        })
+        .count()
+        >= tasks
+}
+
+struct Round {
+    all_running: Duration,
+    pss_kib: Option<(u64, u64, u64, usize)>,
+    restarts: Vec<Duration>,
+    drained: Duration,
+}
+
+async fn stead_round(
+    round: usize,
+    clock: Clock,
+    supervisor: PathBuf,
+    tasks: usize,
+    restarts: usize,
+    measure: bool,
+) -> anyhow::Result<Round> {
+    let data =
+        std::env::temp_dir().join(format!("stead-bench-exec-{}-{round}", std::process::id()));
+    std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
+    let config = ExecDriverConfig {
+        data_dir: data.clone(),
+        allow_root: true,
+        supervisor,
+    };
+    let driver = ExecDriver::new(config, clock);
+    let drivers = Drivers::new([Arc::new(driver) as Arc<dyn Driver>]);
+    let node = Node::new(
+        NodeConfig::default(),
+        drivers,
+        Arc::new(MemoryStore::default()),
+        clock,
+    );
+    let specs: Vec<ValidSpec> = (0..tasks)
+        .map(|i| spec(&format!("sleep-{i}"), ""))
+        .collect::<anyhow::Result<_>>()?;
+
+    let start = clock.instant();
+    for spec in specs {
+        node.apply(spec);
+    }
+    if !node.wait_until(LIMIT, |node| running(node, tasks)).await {
+        bail!("not all {tasks} tasks ran within {LIMIT:?}");
+    }
+    let all_running = start.elapsed();
+
+    let mut pss_kib = None;
+    let mut latencies = Vec::new();
+    if measure {
+        // Let the supervisors settle (their log files opened, their pipes idle).
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        let supervisors: Vec<u32> = node
+            .statuses()
+            .iter()
+            .filter_map(|s| s.tasks.get("main")?.pid)
+            .filter_map(parent)
+            .collect();
+        let sum = |field: &str| -> u64 {
+            supervisors
+                .iter()
+                .filter_map(|pid| smaps_field(*pid, field))
+                .sum()
+        };
+        pss_kib = Some((
+            sum("Pss"),
+            sum("Rss"),
+            sum("Private_Dirty"),
+            supervisors.len(),
+        ));
+
+        node.apply(spec(
+            "restarter",
+            "  restart: {attempts: 100000, delay: 0s, interval: 24h, mode: fail}\n",
+        )?);
+        let pid_of = |node: &Node| {
+            node.status("restarter")
+                .and_then(|s| s.tasks.get("main").filter(|t| t.state == "running")?.pid)
+        };
+        if !node.wait_until(LIMIT, |node| pid_of(node).is_some()).await {
+            bail!("the restarter never ran");
+        }
+        for _ in 0..restarts {
+            let old = pid_of(&node).context("the restarter runs")?;
+            let began = clock.instant();
+            std::process::Command::new("kill")
+                .args(["-9", &old.to_string()])
+                .status()
+                .context("kill -9")?;
+            let restarted = node
+                .wait_until(LIMIT, |node| pid_of(node).is_some_and(|pid| pid != old))
+                .await;
+            if !restarted {
+                bail!("the restarter did not come back");
+            }
+            latencies.push(began.elapsed());
+        }
+    }
+
+    let began = clock.instant();
+    node.shutdown(Shutdown::Drain).await;
+    let drained = began.elapsed();
+    let _ = std::fs::remove_dir_all(&data);
+    Ok(Round {
+        all_running,
+        pss_kib,
+        restarts: latencies,
+        drained,
+    })
+}
+
+/// Runs the benchmark: `exec [TASKS] [RESTARTS] [ROUNDS]`.
+pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(2);
+    let tasks: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(500);
+    let restarts: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(50);
+    let rounds: usize = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(3)
+        .max(1);
+    let supervisor = std::env::var_os("STEAD_SUPERVISOR")
+        .map(PathBuf::from)
+        .unwrap_or_else(default_supervisor_path);
+    if !supervisor.is_file() {
+        bail!(
+            "no supervisor at {}; build it (`cargo build --release -p stead-supervisor`) or set STEAD_SUPERVISOR",
+            supervisor.display()
+        );
+    }
+    let clock = runtime.block_on(async { Clock::system() });
+
+    let mut bare = Vec::new();
+    let mut stead = Vec::new();
+    let mut measured = None;
+    for round in 0..rounds {
+        bare.push(bare_loop(&clock, tasks)?);
+        let last = round + 1 == rounds;
+        let result = runtime.block_on(stead_round(
+            round,
+            clock,
+            supervisor.clone(),
+            tasks,
+            restarts,
+            last,
+        ))?;
+        stead.push(result.all_running);
+        if last {
+            measured = Some(result);
+        }
+    }
+    let measured = measured.context("at least one round")?;
+    let bare_median = median(&mut bare);
+    let stead_median = median(&mut stead);
+    println!(
+        "stead-bench exec: {tasks} `sleep 3600` tasks, {rounds} rounds, supervisor {}",
+        supervisor.display()
+    );
+    println!(
+        "  bare fork/exec loop, all spawned        {:>9.3} s  (median)",
+        bare_median.as_secs_f64()
+    );
+    println!(
+        "  stead, all running after submit        {:>9.3} s  (median; {:.2}x the loop, target <= 2x)",
+        stead_median.as_secs_f64(),
+        stead_median.as_secs_f64() / bare_median.as_secs_f64()
+    );
+    if let Some((pss, rss, dirty, count)) = measured.pss_kib {
+        let per = |kib: u64| kib as f64 / count.max(1) as f64;
+        println!(
+            "  supervision PSS per task               {:>9.1} KiB  (target <= 256 KiB; {count} supervisors; RSS {:.0} KiB, private dirty {:.0} KiB each)",
+            per(pss),
+            per(rss),
+            per(dirty)
+        );
+    }
+    if !measured.restarts.is_empty() {
+        let mut latencies = measured.restarts.clone();
+        println!(
+            "  restart after kill -9, delay 0          {:>9.2} ms p50  ({:.2} ms p90, {} restarts; target p50 <= 5 ms)",
+            percentile(&mut latencies, 0.5).as_secs_f64() * 1000.0,
+            percentile(&mut latencies, 0.9).as_secs_f64() * 1000.0,
+            latencies.len()
+        );
+    }
+    println!(
+        "  drain of every task                    {:>9.3} s",
+        measured.drained.as_secs_f64()
+    );
+    Ok(())
+}

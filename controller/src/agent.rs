@@ -1,0 +1,362 @@
+//! `stead agent`: configuration, start-up, the specs-directory loop and shutdown.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use clap::Args;
+use stead_reconcilers::alloc::Limits;
+use stead_schemas::config::{AgentConfig, ShutdownMode};
+use thiserror::Error;
+use tokio::signal::unix::{SignalKind, signal};
+
+use crate::api::{ApiState, bind_tcp, bind_unix, router, serve_tcp, serve_unix};
+use crate::clock::Clock;
+use crate::driver::mock::MockDriver;
+use crate::driver::{Driver, Drivers};
+use crate::logging::{LogFormat, init_logging};
+use crate::metrics::Metrics;
+use crate::node::{Node, NodeConfig};
+use crate::queue::Shutdown;
+use crate::source::{Syncer, list_specs};
+use crate::store::{MemoryStore, Store};
+
+/// `stead agent` flags; each overrides the config file's key of the same meaning.
+#[derive(Debug, Clone, Args)]
+pub struct AgentArgs {
+    /// The agent config file (YAML).
+    #[arg(long)]
+    pub config: Option<PathBuf>,
+    /// The directory of alloc specs.
+    #[arg(long)]
+    pub specs: Option<PathBuf>,
+    /// Where state and alloc directories live.
+    #[arg(long)]
+    pub data_dir: Option<PathBuf>,
+    /// The API's address.
+    #[arg(long)]
+    pub listen: Option<String>,
+    /// Stop every alloc on exit instead of leaving tasks running.
+    #[arg(long)]
+    pub drain: bool,
+}
+
+/// The agent's settings after defaults, the config file and flags.
+#[derive(Debug, Clone)]
+pub struct Settings {
+    /// The directory of alloc specs.
+    pub specs_dir: PathBuf,
+    /// Where state and alloc directories live.
+    pub data_dir: PathBuf,
+    /// The API's address.
+    pub listen: String,
+    /// The full re-listing period.
+    pub resync: Duration,
+    /// Node settings.
+    pub node: NodeConfig,
+    /// What happens to tasks on exit.
+    pub shutdown: Shutdown,
+    /// Whether the mock driver runs.
+    pub mock_driver: bool,
+    /// Also serve the API on this unix socket.
+    pub socket: Option<PathBuf>,
+    /// The bearer token the API requires.
+    pub token: Option<String>,
+    /// Log format, when configured.
+    pub log_format: Option<stead_schemas::config::LogFormat>,
+}
+
+/// Why the agent could not start or run.
+#[derive(Debug, Error)]
+pub enum AgentError {
+    /// The config file is unreadable or invalid.
+    #[error(transparent)]
+    Config(#[from] stead_schemas::config::ConfigError),
+    /// A directory could not be created.
+    #[error("cannot create {}", path.display())]
+    CreateDir {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Another agent holds the data dir.
+    #[error("data dir {} is in use by another stead agent", path.display())]
+    Locked {
+        /// The data dir.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// Signal handlers could not be installed.
+    #[error("cannot install signal handlers")]
+    Signals(#[source] std::io::Error),
+    /// Reading the store at start-up failed.
+    #[error("cannot restore state")]
+    Restore(#[source] crate::store::StoreError),
+    /// The API could not be served.
+    #[error(transparent)]
+    Api(#[from] crate::api::ServeError),
+    /// A runtime or thread could not be started.
+    #[error("cannot start the api runtime")]
+    Runtime(#[source] std::io::Error),
+    /// The metrics recorder could not be installed.
+    #[error("cannot install the metrics recorder")]
+    Metrics(#[source] crate::metrics::MetricsError),
+    /// A token file could not be read.
+    #[error("cannot read token file {}", path.display())]
+    TokenFile {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+impl Settings {
+    /// Defaults, overlaid by the config file, overlaid by flags.
+    pub fn resolve(args: &AgentArgs) -> Result<Settings, AgentError> {
+        let config = match &args.config {
+            Some(path) => AgentConfig::load(path)?,
+            None => AgentConfig::default(),
+        };
+        let defaults = Limits::default();
+        let limits = Limits {
+            max_kill_timeout: config
+                .max_kill_timeout
+                .map_or(defaults.max_kill_timeout, |d| d.get()),
+            max_events: config
+                .max_task_events
+                .map_or(defaults.max_events, |n| n as usize),
+        };
+        let drain = args.drain || config.shutdown == Some(ShutdownMode::Drain);
+        let token = match (&config.token, &config.token_file) {
+            (Some(token), _) => Some(token.clone()),
+            (None, Some(path)) => Some(
+                std::fs::read_to_string(path)
+                    .map_err(|source| AgentError::TokenFile {
+                        path: path.clone(),
+                        source,
+                    })?
+                    .trim()
+                    .to_owned(),
+            ),
+            (None, None) => None,
+        };
+        let mock_driver = config
+            .drivers
+            .as_ref()
+            .and_then(|d| d.mock.as_ref())
+            .and_then(|m| m.enabled)
+            .unwrap_or(true);
+        Ok(Settings {
+            specs_dir: args
+                .specs
+                .clone()
+                .or(config.specs_dir)
+                .unwrap_or_else(|| PathBuf::from("./specs")),
+            data_dir: args
+                .data_dir
+                .clone()
+                .or(config.data_dir)
+                .unwrap_or_else(|| PathBuf::from("./stead-data")),
+            listen: args
+                .listen
+                .clone()
+                .or(config.listen)
+                .unwrap_or_else(|| "127.0.0.1:4750".to_owned()),
+            resync: config.resync.map_or(Duration::from_secs(20), |d| d.get()),
+            node: NodeConfig {
+                limits,
+                tick: config.tick.map_or(Duration::from_secs(1), |d| d.get()),
+                seed: None,
+            },
+            shutdown: if drain {
+                Shutdown::Drain
+            } else {
+                Shutdown::Detach
+            },
+            mock_driver,
+            socket: config.socket,
+            token,
+            log_format: config.log_format,
+        })
+    }
+}
+
+/// Takes the data dir's lock for the life of the process; a second agent is refused.
+fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File, AgentError> {
+    std::fs::create_dir_all(data_dir).map_err(|source| AgentError::CreateDir {
+        path: data_dir.to_owned(),
+        source,
+    })?;
+    let path = data_dir.join("lock");
+    let file = std::fs::OpenOptions::new()
+        .create(true)
+        .truncate(false)
+        .write(true)
+        .open(&path)
+        .map_err(|source| AgentError::CreateDir {
+            path: path.clone(),
+            source,
+        })?;
+    rustix::fs::flock(&file, rustix::fs::FlockOperation::NonBlockingLockExclusive).map_err(
+        |errno| AgentError::Locked {
+            path: data_dir.to_owned(),
+            source: errno.into(),
+        },
+    )?;
+    Ok(file)
+}
+
+/// `stead agent`: resolves the settings, sets up logging and runs the agent until
+/// SIGINT or SIGTERM.
+pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
+    let settings = Settings::resolve(args)?;
+    let format = match settings.log_format {
+        Some(stead_schemas::config::LogFormat::Json) => LogFormat::Json,
+        Some(stead_schemas::config::LogFormat::Text) => LogFormat::Text,
+        None => LogFormat::detect(),
+    };
+    init_logging(format)?;
+    let runtime = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()?;
+    runtime.block_on(run(settings))?;
+    Ok(0)
+}
+
+/// Serves the API on a thread and runtime of its own, so requests never queue behind
+/// the workers (measured with `stead-bench api`); returns once the listeners are bound.
+fn start_api(
+    state: ApiState,
+    listen: String,
+    socket: Option<PathBuf>,
+) -> Result<std::thread::JoinHandle<()>, AgentError> {
+    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
+    let thread = std::thread::Builder::new()
+        .name("stead-api".to_owned())
+        .spawn(move || {
+            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
+                Ok(runtime) => runtime,
+                Err(error) => {
+                    let _ = bound_tx.send(Err(AgentError::Runtime(error)));
+                    return;
+                }
+            };
+            runtime.block_on(async move {
+                let tcp = match bind_tcp(&listen).await {
+                    Ok(listener) => listener,
+                    Err(error) => {
+                        let _ = bound_tx.send(Err(AgentError::Api(error)));
+                        return;
+                    }
+                };
+                let unix = match socket.as_deref().map(bind_unix).transpose() {
+                    Ok(listener) => listener,
+                    Err(error) => {
+                        let _ = bound_tx.send(Err(AgentError::Api(error)));
+                        return;
+                    }
+                };
+                let _ = bound_tx.send(Ok(()));
+                let app = router(state.clone());
+                let stop = state.shutdown_token();
+                let tcp_server = serve_tcp(tcp, app.clone(), stop.clone().cancelled_owned());
+                match unix {
+                    Some(unix) => {
+                        let unix_server = serve_unix(unix, app, stop.cancelled_owned());
+                        let (a, b) = tokio::join!(tcp_server, unix_server);
+                        for result in [a, b] {
+                            if let Err(error) = result {
+                                tracing::error!(error = %crate::alloc::error_chain(&error), "api stopped");
+                            }
+                        }
+                    }
+                    None => {
+                        if let Err(error) = tcp_server.await {
+                            tracing::error!(error = %crate::alloc::error_chain(&error), "api stopped");
+                        }
+                    }
+                }
+            });
+        })
+        .map_err(AgentError::Runtime)?;
+    match bound_rx.recv() {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(error)) => Err(error),
+        Err(_) => Err(AgentError::Runtime(std::io::Error::other(
+            "the api thread ended",
+        ))),
+    }
+}
+
+/// Runs the agent until SIGINT or SIGTERM.
+pub async fn run(settings: Settings) -> Result<(), AgentError> {
+    let _lock = lock_data_dir(&settings.data_dir)?;
+    let clock = Clock::system();
+    let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
+    if settings.mock_driver {
+        drivers.push(Arc::new(MockDriver::new(clock)));
+    }
+    let drivers = Drivers::new(drivers);
+    // State lives in memory until the RocksDB store lands: tasks survive an agent
+    // restart only once it does.
+    let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
+    let node = Arc::new(Node::new(settings.node, drivers.clone(), store, clock));
+    let metrics = Metrics::install().map_err(AgentError::Metrics)?;
+    let state = ApiState::new(node.clone(), drivers, settings.data_dir.clone())
+        .with_token(settings.token.clone())
+        .with_metrics(metrics);
+    let stop_api = state.shutdown_token();
+    let api = start_api(state, settings.listen.clone(), settings.socket.clone())?;
+    tracing::info!(listen = %settings.listen, "api listening");
+    let restored = node.restore().map_err(AgentError::Restore)?;
+    for corrupt in &restored.corrupt {
+        tracing::error!(alloc = %corrupt.name, error = %crate::alloc::error_chain(corrupt), "cannot restore alloc");
+    }
+    let known = node
+        .statuses()
+        .iter()
+        .filter_map(|s| {
+            Some((
+                s.name.parse().ok()?,
+                stead_schemas::Revision::from_hex(&s.revision)?,
+            ))
+        })
+        .collect::<Vec<_>>();
+    let mut syncer = Syncer::new(known);
+    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    let mut resync = tokio::time::interval(settings.resync);
+    tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), "agent started");
+    loop {
+        tokio::select! {
+            _ = resync.tick() => {
+                let dir = settings.specs_dir.clone();
+                let listing = tokio::task::spawn_blocking(move || list_specs(&dir)).await;
+                let Ok(listing) = listing else { continue };
+                for diagnostic in &listing.diagnostics {
+                    tracing::warn!("{diagnostic}");
+                }
+                let report = syncer.sync(&node, &listing);
+                for name in &report.applied {
+                    tracing::info!(alloc = %name, "applied");
+                }
+                for name in &report.removed {
+                    tracing::info!(alloc = %name, "removed");
+                }
+            }
+            _ = terminate.recv() => break,
+            _ = interrupt.recv() => break,
+        }
+    }
+    tracing::info!(mode = ?settings.shutdown, "shutting down");
+    stop_api.cancel();
+    node.shutdown(settings.shutdown).await;
+    let _ = tokio::task::spawn_blocking(move || api.join()).await;
+    Ok(())
+}

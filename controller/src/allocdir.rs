@@ -1,0 +1,418 @@
+//! Alloc dirs: the directory tree of one alloc on disk.
+//!
+//! ```text
+//! <data-dir>/allocs/<alloc-id>/          0755, the agent's
+//!   alloc/                               0755, shared by the alloc's tasks
+//!     data/                              0777, the ephemeral disk (sticky: migrated)
+//!     logs/                              0755, `<task>.stdout.N`, written by supervisors
+//!     tmp/                               1777
+//!   <task>/                              0755, the agent's; the task's cwd
+//!     local/                             0755, the task user's
+//!     secrets/                           0700, the task user's
+//!     tmp/                               0700, the task user's
+//!     .stead/                            0700, the agent's: its supervisor's records
+//! ```
+//!
+//! Building is idempotent and safe to run concurrently (two tasks of one alloc start at
+//! once): every directory is created if missing, then checked to be a real directory,
+//! not a symlink, and then given its mode (and owner) exactly, whatever the umask.
+//! Paths are built only from validated names ([`AllocId`], [`Name`]), never from text
+//! that could hold `/` or `..`; the task name `alloc` is refused, since it would be the
+//! shared directory.
+
+use std::fs::{self, DirBuilder, Permissions};
+use std::io;
+use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
+use std::path::{Path, PathBuf};
+
+use stead_schemas::AllocId;
+use stead_schemas::spec::Name;
+
+/// The name of the directory shared by an alloc's tasks.
+pub const SHARED_DIR: &str = "alloc";
+/// The name of a task dir's directory for the agent's own records.
+pub const CONTROL_DIR: &str = ".stead";
+
+/// A directory of an alloc dir that could not be set up or removed.
+#[derive(Debug, thiserror::Error)]
+pub enum AllocDirError {
+    /// Creating a directory failed.
+    #[error("creating directory {path}")]
+    Create {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Something other than a directory (a symlink, a file) is in the way.
+    #[error("{path} exists and is not a directory")]
+    NotADirectory {
+        /// The path.
+        path: PathBuf,
+    },
+    /// Setting a directory's mode failed.
+    #[error("setting the mode of {path} to {mode:o}")]
+    Mode {
+        /// The directory.
+        path: PathBuf,
+        /// The mode.
+        mode: u32,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Handing a directory to the task's user failed.
+    #[error("changing the owner of {path} to {uid}:{gid}")]
+    Owner {
+        /// The directory.
+        path: PathBuf,
+        /// The user id.
+        uid: u32,
+        /// The group id.
+        gid: u32,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// Removing an alloc dir failed.
+    #[error("removing {path}")]
+    Remove {
+        /// The directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// A name that cannot be a directory of an alloc dir.
+    #[error("{name:?} cannot name a directory of an alloc dir: {reason}")]
+    InvalidName {
+        /// The name.
+        name: String,
+        /// Why not.
+        reason: &'static str,
+    },
+}
+
+/// The root of every alloc dir: `<data-dir>/allocs`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocDirs {
+    root: PathBuf,
+}
+
+impl AllocDirs {
+    /// The alloc dirs below `data_dir`.
+    pub fn new(data_dir: &Path) -> Self {
+        AllocDirs {
+            root: data_dir.join("allocs"),
+        }
+    }
+
+    /// `<data-dir>/allocs`.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The alloc dir of `alloc_id` (not created yet).
+    pub fn alloc(&self, alloc_id: &AllocId) -> AllocDir {
+        AllocDir {
+            path: self.root.join(alloc_id.as_str()),
+        }
+    }
+
+    /// The alloc dir of an alloc id read back from elsewhere (a persisted driver handle):
+    /// refused unless it is a plain name (`[a-z0-9-]`, at most 128 bytes).
+    pub fn alloc_by_id(&self, alloc_id: &str) -> Result<AllocDir, AllocDirError> {
+        let plain = !alloc_id.is_empty()
+            && alloc_id.len() <= 128
+            && !alloc_id.starts_with('-')
+            && alloc_id
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-');
+        if !plain {
+            return Err(AllocDirError::InvalidName {
+                name: alloc_id.to_owned(),
+                reason: "an alloc id is lowercase letters, digits and '-'",
+            });
+        }
+        Ok(AllocDir {
+            path: self.root.join(alloc_id),
+        })
+    }
+}
+
+/// One alloc's directory.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AllocDir {
+    path: PathBuf,
+}
+
+/// One task's directories inside its alloc dir.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TaskDir {
+    /// `<alloc>/<task>`: the task's cwd.
+    pub dir: PathBuf,
+    /// `<alloc>/<task>/local`: the task's own files.
+    pub local: PathBuf,
+    /// `<alloc>/<task>/secrets`: mode 0700.
+    pub secrets: PathBuf,
+    /// `<alloc>/<task>/tmp`.
+    pub tmp: PathBuf,
+    /// `<alloc>/<task>/.stead`: the supervisor's records, the agent's only.
+    pub control: PathBuf,
+}
+
+impl AllocDir {
+    /// `<data-dir>/allocs/<alloc-id>`.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// `<alloc>/alloc`: shared by the alloc's tasks (`STEAD_ALLOC_DIR`).
+    pub fn shared(&self) -> PathBuf {
+        self.path.join(SHARED_DIR)
+    }
+
+    /// `<alloc>/alloc/data`.
+    pub fn data(&self) -> PathBuf {
+        self.shared().join("data")
+    }
+
+    /// `<alloc>/alloc/logs`: every task's log files.
+    pub fn logs(&self) -> PathBuf {
+        self.shared().join("logs")
+    }
+
+    /// `<alloc>/alloc/tmp`.
+    pub fn tmp(&self) -> PathBuf {
+        self.shared().join("tmp")
+    }
+
+    /// The directories of `task`; refuses the name of the shared directory.
+    pub fn task(&self, task: &Name) -> Result<TaskDir, AllocDirError> {
+        if task.as_str() == SHARED_DIR {
+            return Err(AllocDirError::InvalidName {
+                name: task.to_string(),
+                reason: "it is the directory the alloc's tasks share",
+            });
+        }
+        let dir = self.path.join(task.as_str());
+        Ok(TaskDir {
+            local: dir.join("local"),
+            secrets: dir.join("secrets"),
+            tmp: dir.join("tmp"),
+            control: dir.join(CONTROL_DIR),
+            dir,
+        })
+    }
+
+    /// Creates the alloc dir and its shared directories, if missing.
+    pub fn build(&self) -> Result<(), AllocDirError> {
+        let root = self.path.parent().unwrap_or(&self.path);
+        fs::create_dir_all(root).map_err(|source| AllocDirError::Create {
+            path: root.to_owned(),
+            source,
+        })?;
+        make_dir(&self.path, 0o755, None)?;
+        make_dir(&self.shared(), 0o755, None)?;
+        make_dir(&self.data(), 0o777, None)?;
+        make_dir(&self.logs(), 0o755, None)?;
+        make_dir(&self.tmp(), 0o1777, None)
+    }
+
+    /// Creates `task`'s directories (and the alloc dir's), if missing; `owner` (uid, gid)
+    /// receives `local`, `secrets` and `tmp`.
+    pub fn build_task(
+        &self,
+        task: &Name,
+        owner: Option<(u32, u32)>,
+    ) -> Result<TaskDir, AllocDirError> {
+        let dirs = self.task(task)?;
+        self.build()?;
+        make_dir(&dirs.dir, 0o755, None)?;
+        make_dir(&dirs.local, 0o755, owner)?;
+        make_dir(&dirs.secrets, 0o700, owner)?;
+        make_dir(&dirs.tmp, 0o700, owner)?;
+        make_dir(&dirs.control, 0o700, None)?;
+        Ok(dirs)
+    }
+
+    /// Removes the whole alloc dir; one that does not exist is removed already.
+    pub fn remove(&self) -> Result<(), AllocDirError> {
+        match fs::remove_dir_all(&self.path) {
+            Err(error) if error.kind() != io::ErrorKind::NotFound => Err(AllocDirError::Remove {
+                path: self.path.clone(),
+                source: error,
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Creates `path` if missing, checks it is a directory (not a symlink), and sets its
+/// mode and, when given, its owner.
+fn make_dir(path: &Path, mode: u32, owner: Option<(u32, u32)>) -> Result<(), AllocDirError> {
+    match DirBuilder::new().mode(mode & 0o777).create(path) {
+        Ok(()) => {}
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+        Err(source) => {
+            return Err(AllocDirError::Create {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    }
+    let metadata = fs::symlink_metadata(path).map_err(|source| AllocDirError::Create {
+        path: path.to_owned(),
+        source,
+    })?;
+    if !metadata.file_type().is_dir() {
+        return Err(AllocDirError::NotADirectory {
+            path: path.to_owned(),
+        });
+    }
+    if let Some((uid, gid)) = owner {
+        std::os::unix::fs::lchown(path, Some(uid), Some(gid)).map_err(|source| {
+            AllocDirError::Owner {
+                path: path.to_owned(),
+                uid,
+                gid,
+                source,
+            }
+        })?;
+    }
+    if metadata.permissions().mode() & 0o7777 != mode {
+        fs::set_permissions(path, Permissions::from_mode(mode)).map_err(|source| {
+            AllocDirError::Mode {
+                path: path.to_owned(),
+                mode,
+                source,
+            }
+        })?;
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::os::unix::fs::MetadataExt;
+
+    use super::*;
+
+    fn alloc_id() -> AllocId {
+        let name: Name = "web".parse().expect("valid");
+        let revision = stead_schemas::Revision::from_hex(&"ab".repeat(32)).expect("hex");
+        AllocId::new(&name, &revision)
+    }
+
+    fn mode(path: &Path) -> u32 {
+        fs::symlink_metadata(path)
+            .expect("exists")
+            .permissions()
+            .mode()
+            & 0o7777
+    }
+
+    #[test]
+    fn a_task_dir_has_its_layout_and_modes_and_secrets_are_private() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let alloc = dirs.alloc(&alloc_id());
+        let task: Name = "server".parse().expect("valid");
+        let task_dir = alloc.build_task(&task, None).expect("built");
+        assert_eq!(task_dir.dir, alloc.path().join("server"));
+        assert!(alloc.path().starts_with(data.path().join("allocs")));
+        for (path, expected) in [
+            (alloc.data(), 0o777),
+            (alloc.logs(), 0o755),
+            (alloc.tmp(), 0o1777),
+            (task_dir.local.clone(), 0o755),
+            (task_dir.secrets.clone(), 0o700),
+            (task_dir.tmp.clone(), 0o700),
+            (task_dir.control.clone(), 0o700),
+        ] {
+            assert_eq!(mode(&path), expected, "{}", path.display());
+        }
+        // Building again is a no-op, and repairs a mode changed behind our back.
+        fs::set_permissions(&task_dir.secrets, Permissions::from_mode(0o755)).expect("chmod");
+        alloc.build_task(&task, None).expect("rebuilt");
+        assert_eq!(mode(&task_dir.secrets), 0o700);
+    }
+
+    #[test]
+    fn concurrent_builds_of_one_alloc_all_succeed() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let alloc = dirs.alloc(&alloc_id());
+        std::thread::scope(|scope| {
+            let handles: Vec<_> = (0..8)
+                .map(|i| {
+                    let alloc = alloc.clone();
+                    scope.spawn(move || {
+                        let task: Name = format!("task-{}", i % 3).parse().expect("valid");
+                        alloc.build_task(&task, None).map(|_| ())
+                    })
+                })
+                .collect();
+            for handle in handles {
+                handle.join().expect("no panic").expect("built");
+            }
+        });
+        assert_eq!(mode(&alloc.data()), 0o777);
+    }
+
+    #[test]
+    fn a_task_named_alloc_and_ids_that_are_not_plain_names_are_refused() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let alloc = dirs.alloc(&alloc_id());
+        let shared: Name = "alloc".parse().expect("a valid name");
+        assert!(matches!(
+            alloc.task(&shared),
+            Err(AllocDirError::InvalidName { .. })
+        ));
+        for bad in ["../etc", "a/b", "", "-x", "A", ".."] {
+            assert!(dirs.alloc_by_id(bad).is_err(), "{bad:?}");
+        }
+        assert_eq!(dirs.alloc_by_id(alloc_id().as_str()).expect("plain"), alloc);
+    }
+
+    #[test]
+    fn a_symlink_in_place_of_a_directory_is_refused_and_not_followed() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let elsewhere = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let alloc = dirs.alloc(&alloc_id());
+        let task: Name = "server".parse().expect("valid");
+        let task_dir = alloc.build_task(&task, None).expect("built");
+        fs::remove_dir(&task_dir.secrets).expect("removed");
+        std::os::unix::fs::symlink(elsewhere.path(), &task_dir.secrets).expect("symlinked");
+        let before = mode(elsewhere.path());
+        assert!(matches!(
+            alloc.build_task(&task, None),
+            Err(AllocDirError::NotADirectory { .. })
+        ));
+        assert_eq!(mode(elsewhere.path()), before);
+    }
+
+    #[test]
+    fn task_directories_are_handed_to_the_tasks_user() {
+        if rustix::process::geteuid().as_raw() != 0 {
+            return; // only root can give directories away
+        }
+        let data = tempfile::tempdir().expect("tempdir");
+        let alloc = AllocDirs::new(data.path()).alloc(&alloc_id());
+        let task: Name = "server".parse().expect("valid");
+        let task_dir = alloc
+            .build_task(&task, Some((65534, 65534)))
+            .expect("built");
+        for path in [&task_dir.local, &task_dir.secrets, &task_dir.tmp] {
+            let metadata = fs::metadata(path).expect("exists");
+            assert_eq!((metadata.uid(), metadata.gid()), (65534, 65534));
+        }
+        assert_eq!(fs::metadata(&task_dir.control).expect("exists").uid(), 0);
+        alloc.remove().expect("removed");
+        assert!(!alloc.path().exists());
+        alloc.remove().expect("removing twice is fine");
+    }
+}

@@ -1,0 +1,237 @@
+//! [`ApiError`]: every way a request fails, each with its status and stable code, and the
+//! JSON body ([`ErrorBody`]) it becomes.
+//!
+//! Client errors (4xx) say what to fix; internal ones (5xx) are also logged, by the
+//! middleware in [`super`], which finds their message in the response's extensions.
+
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use stead_schemas::api::ErrorBody;
+use thiserror::Error;
+
+use crate::alloc::CommandError;
+use crate::driver::DriverError;
+
+/// A request that failed.
+#[derive(Debug, Error)]
+pub enum ApiError {
+    /// No alloc has that name.
+    #[error("alloc {name:?} not found")]
+    AllocNotFound {
+        /// The name asked for.
+        name: String,
+    },
+    /// The alloc has no task of that name.
+    #[error("task {task:?} not found in alloc {alloc:?}")]
+    TaskNotFound {
+        /// The alloc.
+        alloc: String,
+        /// The task asked for.
+        task: String,
+    },
+    /// The command needs a running task (or, for a whole-alloc restart, some running task).
+    #[error("{}", match task {
+        Some(task) => format!("task {task:?} of alloc {alloc:?} is not running"),
+        None => format!("no task of alloc {alloc:?} is running"),
+    })]
+    TaskNotRunning {
+        /// The alloc.
+        alloc: String,
+        /// The task, unless the command was for every task.
+        task: Option<String>,
+    },
+    /// The signal name is not one stead knows.
+    #[error("{reason}")]
+    InvalidSignal {
+        /// Why, with the names that are accepted.
+        reason: String,
+    },
+    /// The request body is not the JSON document the endpoint takes.
+    #[error("invalid request body")]
+    InvalidBody {
+        /// What the parser found.
+        #[source]
+        source: serde_json::Error,
+    },
+    /// The request body could not be read.
+    #[error("cannot read the request body")]
+    UnreadableBody {
+        /// Why.
+        #[source]
+        source: axum::extract::rejection::BytesRejection,
+    },
+    /// The query string does not parse.
+    #[error("invalid query")]
+    InvalidQuery {
+        /// What the parser found.
+        #[source]
+        source: axum::extract::rejection::QueryRejection,
+    },
+    /// The request lacks the bearer token the agent requires, or carries another one.
+    #[error("{}", if *missing { "missing bearer token" } else { "invalid bearer token" })]
+    Unauthorized {
+        /// Whether no token was sent at all.
+        missing: bool,
+    },
+    /// The request body is larger than the agent accepts.
+    #[error("request body larger than {limit} bytes")]
+    BodyTooLarge {
+        /// The limit, in bytes.
+        limit: usize,
+    },
+    /// No endpoint has that path.
+    #[error("no endpoint {path}")]
+    RouteNotFound {
+        /// The path asked for.
+        path: String,
+    },
+    /// The endpoint exists, but not with that method.
+    #[error("method {method} not allowed on {path}")]
+    MethodNotAllowed {
+        /// The method used.
+        method: String,
+        /// The path.
+        path: String,
+    },
+    /// The agent was started without metrics.
+    #[error("metrics are not enabled on this agent")]
+    MetricsDisabled,
+    /// The alloc's worker is gone: the agent is shutting down.
+    #[error("alloc {name:?} is shutting down")]
+    ShuttingDown {
+        /// The alloc.
+        name: String,
+    },
+    /// The driver failed to carry out the command.
+    #[error("the driver failed on task {task:?} of alloc {alloc:?}")]
+    Driver {
+        /// The alloc.
+        alloc: String,
+        /// The task.
+        task: String,
+        /// What the driver reported.
+        #[source]
+        source: Box<DriverError>,
+    },
+    /// Reading the task's log files failed.
+    #[error("cannot read the logs of task {task:?} of alloc {alloc:?}")]
+    Logs {
+        /// The alloc.
+        alloc: String,
+        /// The task.
+        task: String,
+        /// What the file system reported.
+        #[source]
+        source: std::io::Error,
+    },
+}
+
+/// An error with its sources, `outer: inner: innermost`.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// The message of a 5xx response, kept in its extensions for the logging middleware.
+#[derive(Debug, Clone)]
+pub(crate) struct InternalErrorMessage(pub(crate) String);
+
+impl ApiError {
+    /// Maps a failed user command on alloc `alloc` (and `task`, when it named one).
+    pub(crate) fn from_command(error: CommandError, alloc: &str, task: Option<&str>) -> Self {
+        use stead_reconcilers::alloc::CommandRefusal;
+        match error {
+            CommandError::UnknownAlloc { name } => ApiError::AllocNotFound { name },
+            CommandError::Refused(CommandRefusal::UnknownTask(task)) => ApiError::TaskNotFound {
+                alloc: alloc.to_owned(),
+                task: task.to_string(),
+            },
+            CommandError::Refused(CommandRefusal::TaskNotRunning) => ApiError::TaskNotRunning {
+                alloc: alloc.to_owned(),
+                task: task.map(str::to_owned),
+            },
+            CommandError::Driver { task, source } => ApiError::Driver {
+                alloc: alloc.to_owned(),
+                task,
+                source: Box::new(source),
+            },
+            CommandError::ShuttingDown { name } => ApiError::ShuttingDown { name },
+        }
+    }
+
+    /// The response status.
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::AllocNotFound { .. }
+            | ApiError::TaskNotFound { .. }
+            | ApiError::RouteNotFound { .. }
+            | ApiError::MetricsDisabled => StatusCode::NOT_FOUND,
+            ApiError::TaskNotRunning { .. } => StatusCode::CONFLICT,
+            ApiError::InvalidSignal { .. }
+            | ApiError::InvalidBody { .. }
+            | ApiError::UnreadableBody { .. }
+            | ApiError::InvalidQuery { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
+            ApiError::ShuttingDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Driver { .. } | ApiError::Logs { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    /// The stable machine-readable code of [`ErrorBody::code`].
+    pub fn code(&self) -> &'static str {
+        match self {
+            ApiError::AllocNotFound { .. } => "alloc_not_found",
+            ApiError::TaskNotFound { .. } => "task_not_found",
+            ApiError::TaskNotRunning { .. } => "task_not_running",
+            ApiError::InvalidSignal { .. } => "invalid_signal",
+            ApiError::InvalidBody { .. }
+            | ApiError::UnreadableBody { .. }
+            | ApiError::InvalidQuery { .. } => "invalid_request",
+            ApiError::Unauthorized { .. } => "unauthorized",
+            ApiError::BodyTooLarge { .. } => "body_too_large",
+            ApiError::RouteNotFound { .. } => "not_found",
+            ApiError::MethodNotAllowed { .. } => "method_not_allowed",
+            ApiError::MetricsDisabled => "metrics_disabled",
+            ApiError::ShuttingDown { .. } => "shutting_down",
+            ApiError::Driver { .. } => "driver_error",
+            ApiError::Logs { .. } => "internal",
+        }
+    }
+
+    /// The JSON body: the code and the whole chain of causes, `outer: inner`.
+    pub fn body(&self) -> ErrorBody {
+        ErrorBody {
+            code: self.code().to_owned(),
+            message: error_chain(self),
+            details: Vec::new(),
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        let status = self.status();
+        let body = self.body();
+        let mut response = super::json_response(status, &body);
+        if status.is_server_error() {
+            response
+                .extensions_mut()
+                .insert(InternalErrorMessage(body.message));
+        }
+        if let ApiError::Unauthorized { .. } = self {
+            response.headers_mut().insert(
+                header::WWW_AUTHENTICATE,
+                HeaderValue::from_static("Bearer realm=\"stead\""),
+            );
+        }
+        response
+    }
+}

@@ -1,0 +1,317 @@
+//! The handlers of every endpoint but the logs: parse, ask the node, map the answer.
+
+use std::collections::BTreeMap;
+
+use axum::body::Bytes;
+use axum::extract::rejection::BytesRejection;
+use axum::extract::{Path, State};
+use axum::http::{HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use serde::de::DeserializeOwned;
+use stead_schemas::api::{
+    AllocListItem, AllocStats, ComponentHealth, DriverStatus, HealthStatus, NodeStatus,
+    RestartRequest, SignalRequest, TaskStats,
+};
+use stead_schemas::spec::{Name, Signal};
+use stead_schemas::status::AllocStatus;
+
+use super::{ApiError, ApiState, FINGERPRINT_TIMEOUT, MAX_BODY_BYTES, json_response};
+use crate::driver::{Fingerprint, Health};
+use crate::metrics::CLIENT_STATUSES;
+
+/// `GET /v1/allocs`: every alloc, by name.
+pub(super) async fn list_allocs(State(state): State<ApiState>) -> Response {
+    let items: Vec<AllocListItem> = state
+        .node()
+        .statuses()
+        .iter()
+        .map(|status| list_item(status))
+        .collect();
+    json_response(StatusCode::OK, &items)
+}
+
+fn list_item(status: &AllocStatus) -> AllocListItem {
+    let count = |pred: &dyn Fn(&stead_schemas::status::TaskStatus) -> bool| {
+        u32::try_from(status.tasks.values().filter(|t| pred(t)).count()).unwrap_or(u32::MAX)
+    };
+    AllocListItem {
+        name: status.name.clone(),
+        id: status.id.clone(),
+        desired_status: status.desired_status.clone(),
+        client_status: status.client_status.clone(),
+        tasks: count(&|_| true),
+        running_tasks: count(&|t| t.state == "running"),
+        restarts: status.tasks.values().map(|t| t.restarts).sum(),
+        modified_at: status
+            .tasks
+            .values()
+            .filter_map(|t| t.events.last().map(|e| e.time))
+            .max(),
+        spec_error: status.spec_error.is_some(),
+    }
+}
+
+/// `GET /v1/allocs/{name}`: the alloc's status document.
+pub(super) async fn alloc_status(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let status = state
+        .node()
+        .status(&name)
+        .ok_or(ApiError::AllocNotFound { name })?;
+    Ok(json_response(StatusCode::OK, status.as_ref()))
+}
+
+/// `GET /v1/allocs/{name}/stats`: each running task's resource use, measured now by its
+/// driver (each within [`FINGERPRINT_TIMEOUT`]). A task that is not running, whose driver
+/// does not measure tasks, or whose measurement failed is left out.
+pub(super) async fn alloc_stats(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let (Some(status), Some(handles)) =
+        (state.node().status(&name), state.node().task_handles(&name))
+    else {
+        return Err(ApiError::AllocNotFound { name });
+    };
+    let mut set = tokio::task::JoinSet::new();
+    for (task, handle) in handles.iter() {
+        let Some(driver) = state.inner.drivers.get(handle.driver) else {
+            continue;
+        };
+        let (task, handle) = (task.to_string(), handle.clone());
+        set.spawn(async move {
+            let measured = tokio::time::timeout(FINGERPRINT_TIMEOUT, driver.stats(&handle)).await;
+            (task, measured)
+        });
+    }
+    let mut tasks = BTreeMap::new();
+    while let Some(joined) = set.join_next().await {
+        let Ok((task, measured)) = joined else {
+            continue;
+        };
+        match measured {
+            Ok(Ok(Some(stats))) => {
+                let cpu_seconds = if stats.ticks_per_second == 0 {
+                    0.0
+                } else {
+                    stats.cpu_ticks as f64 / stats.ticks_per_second as f64
+                };
+                tasks.insert(
+                    task,
+                    TaskStats {
+                        cpu_percent: stats.cpu_percent,
+                        cpu_seconds,
+                        rss_bytes: stats.rss_bytes,
+                        processes: stats.processes,
+                    },
+                );
+            }
+            Ok(Ok(None)) => {}
+            Ok(Err(error)) => {
+                tracing::debug!(alloc = %name, task = %task, error = %error, "no stats for the task");
+            }
+            Err(_) => {
+                tracing::warn!(alloc = %name, task = %task, "the driver did not report stats in time");
+            }
+        }
+    }
+    let stats = AllocStats {
+        name: status.name.clone(),
+        id: status.id.clone(),
+        time: state.node().clock().now(),
+        tasks,
+    };
+    Ok(json_response(StatusCode::OK, &stats))
+}
+
+/// Parses a JSON body; an empty body is `T::default()` when `empty` is given.
+fn parse_body<T: DeserializeOwned>(
+    body: Result<Bytes, BytesRejection>,
+    empty: Option<T>,
+) -> Result<T, ApiError> {
+    let bytes = body.map_err(|rejection| {
+        if rejection.status() == StatusCode::PAYLOAD_TOO_LARGE {
+            ApiError::BodyTooLarge {
+                limit: MAX_BODY_BYTES,
+            }
+        } else {
+            ApiError::UnreadableBody { source: rejection }
+        }
+    })?;
+    if bytes.iter().all(u8::is_ascii_whitespace)
+        && let Some(value) = empty
+    {
+        return Ok(value);
+    }
+    serde_json::from_slice(&bytes).map_err(|source| ApiError::InvalidBody { source })
+}
+
+/// `POST /v1/allocs/{name}/restart`, body `{"task": NAME}` or empty for every running
+/// task: 202 once the alloc's worker accepted it.
+pub(super) async fn restart(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, ApiError> {
+    let request: RestartRequest = parse_body(body, Some(RestartRequest::default()))?;
+    let task = match &request.task {
+        Some(task) => Some(task_name(&name, task)?),
+        None => None,
+    };
+    state
+        .node()
+        .restart(&name, task)
+        .await
+        .map_err(|error| ApiError::from_command(error, &name, request.task.as_deref()))?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+/// `POST /v1/allocs/{name}/signal`, body `{"task": NAME, "signal": "SIGHUP"}`: 204 once
+/// the driver sent it.
+pub(super) async fn signal(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+    body: Result<Bytes, BytesRejection>,
+) -> Result<StatusCode, ApiError> {
+    let request: SignalRequest = parse_body(body, None)?;
+    if state.node().status(&name).is_none() {
+        return Err(ApiError::AllocNotFound { name });
+    }
+    let signal: Signal = request
+        .signal
+        .parse()
+        .map_err(|reason| ApiError::InvalidSignal { reason })?;
+    let task = task_name(&name, &request.task)?;
+    state
+        .node()
+        .signal(&name, task, signal)
+        .await
+        .map_err(|error| ApiError::from_command(error, &name, Some(&request.task)))?;
+    Ok(StatusCode::NO_CONTENT)
+}
+
+/// A task name from a request; a name that is not even valid names no task.
+fn task_name(alloc: &str, task: &str) -> Result<Name, ApiError> {
+    task.parse().map_err(|_| ApiError::TaskNotFound {
+        alloc: alloc.to_owned(),
+        task: task.to_owned(),
+    })
+}
+
+/// Every driver's fingerprint, taken concurrently, each within [`FINGERPRINT_TIMEOUT`].
+async fn fingerprints(state: &ApiState) -> BTreeMap<String, Fingerprint> {
+    let mut set = tokio::task::JoinSet::new();
+    for (kind, driver) in state.inner.drivers.iter() {
+        let driver = driver.clone();
+        set.spawn(async move {
+            let fingerprint =
+                match tokio::time::timeout(FINGERPRINT_TIMEOUT, driver.fingerprint()).await {
+                    Ok(fingerprint) => fingerprint,
+                    Err(_) => Fingerprint {
+                        health: Health::Unhealthy,
+                        description: format!(
+                            "fingerprint did not answer within {}s",
+                            FINGERPRINT_TIMEOUT.as_secs()
+                        ),
+                        attributes: BTreeMap::new(),
+                    },
+                };
+            (kind.as_str().to_owned(), fingerprint)
+        });
+    }
+    let mut all = BTreeMap::new();
+    while let Some(joined) = set.join_next().await {
+        // A panicking fingerprint is left out; health then lacks that driver.
+        if let Ok((name, fingerprint)) = joined {
+            all.insert(name, fingerprint);
+        }
+    }
+    all
+}
+
+/// `GET /v1/node`: the node, its drivers and devices, and its allocs by status.
+pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
+    let mut allocs: BTreeMap<String, u32> = CLIENT_STATUSES
+        .iter()
+        .map(|s| ((*s).to_owned(), 0))
+        .collect();
+    for status in state.node().statuses() {
+        *allocs.entry(status.client_status.clone()).or_default() += 1;
+    }
+    let drivers = fingerprints(&state)
+        .await
+        .into_iter()
+        .map(|(name, fingerprint)| {
+            let status = DriverStatus {
+                health: fingerprint.health.as_str().to_owned(),
+                description: fingerprint.description,
+                attributes: fingerprint.attributes,
+            };
+            (name, status)
+        })
+        .collect();
+    let node = NodeStatus {
+        name: state.inner.node_name.clone(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        started_at: state.inner.started_at,
+        time: state.node().clock().now(),
+        allocs,
+        drivers,
+        devices: Vec::new(),
+    };
+    json_response(StatusCode::OK, &node)
+}
+
+/// `GET /v1/health`: which parts work. Always 200 while the API answers: the body says
+/// `degraded` and which part, so a liveness probe does not restart an agent whose tasks
+/// run fine because one driver is broken.
+pub(super) async fn health(State(state): State<ApiState>) -> Response {
+    let mut components = BTreeMap::new();
+    let store_errors = state.node().store_errors();
+    components.insert(
+        "store".to_owned(),
+        ComponentHealth {
+            healthy: store_errors == 0,
+            message: if store_errors == 0 {
+                "every write succeeded".to_owned()
+            } else {
+                format!("{store_errors} writes failed since the agent started")
+            },
+        },
+    );
+    for (name, fingerprint) in fingerprints(&state).await {
+        components.insert(
+            format!("driver.{name}"),
+            ComponentHealth {
+                healthy: fingerprint.health == Health::Healthy,
+                message: format!("{}: {}", fingerprint.health, fingerprint.description),
+            },
+        );
+    }
+    let healthy = components.values().all(|c| c.healthy);
+    let body = HealthStatus {
+        status: if healthy { "ok" } else { "degraded" }.to_owned(),
+        components,
+    };
+    json_response(StatusCode::OK, &body)
+}
+
+/// `GET /metrics`: Prometheus text format.
+pub(super) async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
+    let metrics = state
+        .inner
+        .metrics
+        .as_ref()
+        .ok_or(ApiError::MetricsDisabled)?;
+    let text = metrics.render(state.node());
+    Ok((
+        [(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+        )],
+        text,
+    )
+        .into_response())
+}

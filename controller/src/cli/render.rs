@@ -1,0 +1,293 @@
+//! How the CLI shows the agent's documents to people: Nomad-style `key = value` blocks
+//! and borderless tables, coloured only when asked to (a terminal).
+
+use std::fmt::Write as _;
+
+use comfy_table::presets::NOTHING;
+use comfy_table::{Cell, Color, ContentArrangement, Table};
+use stead_schemas::Timestamp;
+use stead_schemas::api::{AllocListItem, NodeStatus};
+use stead_schemas::status::{AllocStatus, TaskStatus};
+
+/// How many events of each task `alloc status` shows, newest first.
+pub(crate) const RECENT_EVENTS: usize = 10;
+
+/// Whether output is coloured.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct Style {
+    pub(crate) colour: bool,
+}
+
+impl Style {
+    /// `text` in `colour` (an ANSI SGR code) when colouring.
+    fn paint(self, text: &str, colour: Option<Color>) -> String {
+        let code = match colour {
+            Some(Color::Green) => "32",
+            Some(Color::Red) => "31",
+            Some(Color::Yellow) => "33",
+            Some(Color::Blue) => "34",
+            _ => return text.to_owned(),
+        };
+        if self.colour {
+            format!("\x1b[{code}m{text}\x1b[0m")
+        } else {
+            text.to_owned()
+        }
+    }
+
+    fn table(self) -> Table {
+        let mut table = Table::new();
+        table
+            .load_style(NOTHING)
+            .set_content_arrangement(ContentArrangement::Disabled)
+            .force_no_tty();
+        if self.colour {
+            table.enforce_styling();
+        }
+        table
+    }
+
+    /// Renders `table` with two spaces between columns and no trailing blanks.
+    fn finish(self, mut table: Table) -> String {
+        let columns = table.column_count();
+        for (i, column) in table.column_iter_mut().enumerate() {
+            column.set_padding((0, if i + 1 == columns { 0 } else { 2 }));
+        }
+        let mut text = table.trim_fmt();
+        text.push('\n');
+        text
+    }
+}
+
+/// The colour of a client status or task state.
+fn status_colour(status: &str) -> Option<Color> {
+    match status {
+        "running" | "healthy" => Some(Color::Green),
+        "failed" | "unhealthy" => Some(Color::Red),
+        "pending" | "undetected" => Some(Color::Yellow),
+        "complete" => Some(Color::Blue),
+        _ => None,
+    }
+}
+
+fn status_cell(style: Style, status: &str) -> Cell {
+    let cell = Cell::new(status);
+    match status_colour(status) {
+        Some(colour) if style.colour => cell.fg(colour),
+        _ => cell,
+    }
+}
+
+fn time(at: Option<Timestamp>) -> String {
+    at.map_or_else(|| "N/A".to_owned(), |t| t.to_string())
+}
+
+/// `key = value` lines with the `=` aligned, as Nomad prints them.
+fn key_values(rows: &[(&str, String)]) -> String {
+    let width = rows.iter().map(|(k, _)| k.len()).max().unwrap_or(0);
+    let mut text = String::new();
+    for (key, value) in rows {
+        let _ = writeln!(text, "{key:<width$} = {value}");
+    }
+    text
+}
+
+/// `stead alloc list`.
+pub(crate) fn alloc_list(style: Style, allocs: &[AllocListItem]) -> String {
+    if allocs.is_empty() {
+        return "No allocs\n".to_owned();
+    }
+    let mut table = style.table();
+    table.set_header([
+        "Name", "ID", "Desired", "Status", "Tasks", "Restarts", "Modified",
+    ]);
+    for alloc in allocs {
+        let status = if alloc.spec_error {
+            format!("{} (spec error)", alloc.client_status)
+        } else {
+            alloc.client_status.clone()
+        };
+        table.add_row(vec![
+            Cell::new(&alloc.name),
+            Cell::new(&alloc.id),
+            Cell::new(&alloc.desired_status),
+            status_cell(style, &status),
+            Cell::new(format!("{}/{} running", alloc.running_tasks, alloc.tasks)),
+            Cell::new(alloc.restarts),
+            Cell::new(time(alloc.modified_at)),
+        ]);
+    }
+    style.finish(table)
+}
+
+/// `stead alloc status`: the alloc, then each task with its recent events, newest first.
+pub(crate) fn alloc_status(style: Style, alloc: &AllocStatus) -> String {
+    let mut rows = vec![
+        ("ID", alloc.id.clone()),
+        ("Name", alloc.name.clone()),
+        ("Revision", alloc.revision.clone()),
+        ("Desired Status", alloc.desired_status.clone()),
+        (
+            "Client Status",
+            style.paint(&alloc.client_status, status_colour(&alloc.client_status)),
+        ),
+    ];
+    if let Some(error) = &alloc.spec_error {
+        rows.push(("Spec Error", style.paint(error, Some(Color::Red))));
+    }
+    let mut text = key_values(&rows);
+    for (name, task) in &alloc.tasks {
+        text.push('\n');
+        text.push_str(&task_status(style, name, task));
+    }
+    text
+}
+
+fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
+    let state = style.paint(&task.state, status_colour(&task.state));
+    let mut text = format!("Task {name:?} is \"{state}\"\n");
+    text.push_str(&key_values(&[
+        ("Started At", time(task.started_at)),
+        ("Finished At", time(task.finished_at)),
+        ("Total Restarts", task.restarts.to_string()),
+        ("Last Restart", time(task.last_restart)),
+        (
+            "Failed",
+            if task.failed {
+                style.paint("true", Some(Color::Red))
+            } else {
+                "false".to_owned()
+            },
+        ),
+        (
+            "PID",
+            task.pid.map_or_else(|| "N/A".to_owned(), |p| p.to_string()),
+        ),
+    ]));
+    text.push_str("\nRecent Events:\n");
+    if task.events.is_empty() {
+        text.push_str("No events\n");
+        return text;
+    }
+    let mut table = style.table();
+    table.set_header(["Time", "Type", "Description"]);
+    for event in task.events.iter().rev().take(RECENT_EVENTS) {
+        table.add_row([
+            event.time.to_string(),
+            event.event_type.clone(),
+            event.message.clone(),
+        ]);
+    }
+    text.push_str(&style.finish(table));
+    let older = task.events.len().saturating_sub(RECENT_EVENTS);
+    if older > 0 {
+        let _ = writeln!(
+            text,
+            "({older} older {}; --json shows every event)",
+            if older == 1 { "event" } else { "events" }
+        );
+    }
+    text
+}
+
+/// `stead node status`.
+pub(crate) fn node_status(style: Style, node: &NodeStatus) -> String {
+    let allocs = ["running", "pending", "complete", "failed"]
+        .iter()
+        .map(|s| format!("{} {s}", node.allocs.get(*s).copied().unwrap_or(0)))
+        .collect::<Vec<_>>()
+        .join(", ");
+    let mut text = key_values(&[
+        ("Name", node.name.clone()),
+        ("Version", node.version.clone()),
+        ("Started At", node.started_at.to_string()),
+        ("Time", node.time.to_string()),
+        ("Allocs", allocs),
+    ]);
+    text.push_str("\nDrivers\n");
+    if node.drivers.is_empty() {
+        text.push_str("No drivers\n");
+    } else {
+        let mut table = style.table();
+        table.set_header(["Driver", "Health", "Description"]);
+        for (name, driver) in &node.drivers {
+            table.add_row(vec![
+                Cell::new(name),
+                status_cell(style, &driver.health),
+                Cell::new(&driver.description),
+            ]);
+        }
+        text.push_str(&style.finish(table));
+        let mut attributes = style.table();
+        attributes.set_header(["Driver", "Attribute", "Value"]);
+        for (name, driver) in &node.drivers {
+            for (key, value) in &driver.attributes {
+                attributes.add_row([name, key, value]);
+            }
+        }
+        if attributes.row_count() > 0 {
+            text.push_str("\nDriver Attributes\n");
+            text.push_str(&style.finish(attributes));
+        }
+    }
+    text.push_str("\nDevices\n");
+    if node.devices.is_empty() {
+        text.push_str("No devices\n");
+    } else {
+        let mut table = style.table();
+        table.set_header(["Device Group", "Healthy", "Instances"]);
+        for group in &node.devices {
+            let healthy = group.instances.iter().filter(|i| i.healthy).count();
+            table.add_row([
+                format!("{}/{}/{}", group.vendor, group.device_type, group.name),
+                format!("{healthy}/{}", group.instances.len()),
+                group
+                    .instances
+                    .iter()
+                    .map(|i| i.id.as_str())
+                    .collect::<Vec<_>>()
+                    .join(", "),
+            ]);
+        }
+        text.push_str(&style.finish(table));
+    }
+    text
+}
+
+/// The last `lines` lines of `bytes` (all of it when it has fewer), and whether it had
+/// more than that (so the cut is known to fall on a line start).
+pub(crate) fn tail_lines(bytes: &[u8], lines: usize) -> (&[u8], bool) {
+    if lines == 0 {
+        return (&[], !bytes.is_empty());
+    }
+    let body = bytes.strip_suffix(b"\n").unwrap_or(bytes);
+    let mut seen = 0;
+    for (i, byte) in body.iter().enumerate().rev() {
+        if *byte == b'\n' {
+            seen += 1;
+            if seen == lines {
+                return (&bytes[i + 1..], true);
+            }
+        }
+    }
+    (bytes, false)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn tail_lines_keeps_the_last_complete_lines() {
+        assert_eq!(tail_lines(b"a\nb\nc\n", 2), (&b"b\nc\n"[..], true));
+        assert_eq!(tail_lines(b"a\nb\nc", 2), (&b"b\nc"[..], true));
+        assert_eq!(tail_lines(b"a\nb\n", 5), (&b"a\nb\n"[..], false));
+        assert_eq!(tail_lines(b"a\n", 0), (&b""[..], true));
+    }
+
+    #[test]
+    fn key_values_align_on_the_equals_sign() {
+        let text = key_values(&[("ID", "x".to_owned()), ("Client Status", "y".to_owned())]);
+        assert_eq!(text, "ID            = x\nClient Status = y\n");
+    }
+}

@@ -1,0 +1,907 @@
+//! The `exec` driver: real processes, each the child of its own `stead-supervisor`.
+//!
+//! Starting a task builds its alloc dir ([`crate::allocdir`]), then spawns a supervisor
+//! in the task dir with the task's command line, writes the task's environment to the
+//! supervisor's stdin and reads its `started` (or `failed`) line. The supervisor starts
+//! the task in its own session and process group, copies its output into rotating log
+//! files, and outlives the agent; see `stead-supervisor` for its side.
+//!
+//! Everything a later agent needs to find a run again is in the handle id ([`run`]): the
+//! supervisor's pid, start time and run id, and the task's pid and start time. Reattach
+//! checks the start time (and the supervisor's command line), so a reused pid is never
+//! taken for the task; a run whose supervisor has exited is answered from the exit
+//! record it left in the task dir.
+//!
+//! Waiting: for a supervisor this agent started, its `exited` line on the pipe (sent
+//! before the durable record is synced, so a restart does not wait for the disk); for a
+//! reattached one, its pidfd, then the record.
+//!
+//! Killing: SIGKILL to the task's process group and to every process below the
+//! supervisor, a subreaper, so daemonised grandchildren that left the group and the
+//! session are found too; after its task exits the supervisor kills whatever is left
+//! before it reports the exit. A supervisor that died without a record (it was killed)
+//! leaves its task killed by `PR_SET_PDEATHSIG`; destroy then also kills the task's
+//! session.
+
+mod fingerprint;
+mod process;
+mod run;
+mod user;
+
+use std::collections::{BTreeMap, HashMap};
+use std::ffi::OsString;
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
+use std::time::Duration;
+
+use rustix::process::Signal as RawSignal;
+use stead_reconcilers::exit::ExitResult;
+use stead_schemas::spec::{DriverConfig, DriverKind, Name, Signal};
+use stead_supervisor::args::SupervisorArgs;
+use stead_supervisor::protocol::{self, ExitStatus, ProtocolError, Report};
+use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
+use tokio::process::{Child, ChildStdout};
+use tokio::sync::watch;
+
+use self::process::ProcessId;
+use self::run::RunId;
+use self::user::Account;
+use super::{
+    BoxFuture, Driver, DriverError, Fingerprint, Health, StartRequest, TaskHandle, TaskStats,
+    signal_number,
+};
+use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
+use crate::clock::Clock;
+
+/// The `PATH` of a task whose spec sets none.
+pub const DEFAULT_PATH: &str = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+/// How long a supervisor may take to report whether its task started.
+const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(30);
+/// How often a reattached supervisor is checked when pidfds are not available.
+const PID_POLL: Duration = Duration::from_millis(100);
+
+/// How the exec driver runs tasks.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecDriverConfig {
+    /// The agent's data dir; alloc dirs go below `<data-dir>/allocs`.
+    pub data_dir: PathBuf,
+    /// Whether tasks may run as root (the agent config's `allowRoot`).
+    pub allow_root: bool,
+    /// The `stead-supervisor` binary.
+    pub supervisor: PathBuf,
+}
+
+impl ExecDriverConfig {
+    /// Tasks below `data_dir`, never as root, supervised by [`default_supervisor_path`].
+    pub fn new(data_dir: impl Into<PathBuf>) -> Self {
+        ExecDriverConfig {
+            data_dir: data_dir.into(),
+            allow_root: false,
+            supervisor: default_supervisor_path(),
+        }
+    }
+}
+
+/// Where `stead-supervisor` is looked for by default: next to the running executable,
+/// else one directory up (where cargo puts binaries when tests run from `deps/`).
+pub fn default_supervisor_path() -> PathBuf {
+    const NAME: &str = "stead-supervisor";
+    let Ok(exe) = std::env::current_exe() else {
+        return PathBuf::from(NAME);
+    };
+    let beside = exe.with_file_name(NAME);
+    if beside.is_file() {
+        return beside;
+    }
+    exe.parent()
+        .and_then(Path::parent)
+        .map(|dir| dir.join(NAME))
+        .filter(|path| path.is_file())
+        .unwrap_or(beside)
+}
+
+/// Why the exec driver could not start a task.
+#[derive(Debug, thiserror::Error)]
+enum ExecError {
+    #[error("the exec driver was given options of another driver")]
+    WrongDriver,
+    #[error("the {what} holds a NUL byte")]
+    NulByte { what: String },
+    #[error("looking up user {user:?} in /etc/passwd")]
+    Passwd {
+        user: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("user {user:?} does not exist")]
+    UnknownUser { user: String },
+    #[error(
+        "the task would run as root, which the agent does not allow (set allowRoot in the agent config)"
+    )]
+    RootRefused,
+    #[error("running as uid {uid} needs an agent running as root; the agent runs as uid {agent}")]
+    NeedsRoot { uid: u32, agent: u32 },
+    #[error("setting up the task dir")]
+    TaskDir(#[source] AllocDirError),
+    #[error("starting the supervisor {path}")]
+    Spawn {
+        path: PathBuf,
+        #[source]
+        source: io::Error,
+    },
+    #[error("reading the report of the supervisor (pid {pid})")]
+    Handshake {
+        pid: u32,
+        #[source]
+        source: io::Error,
+    },
+    #[error("the supervisor (pid {pid}) did not report within {HANDSHAKE_TIMEOUT:?}")]
+    HandshakeTimeout { pid: u32 },
+    #[error("the supervisor (pid {pid}) exited without starting the task")]
+    SupervisorVanished { pid: u32 },
+    #[error("the supervisor (pid {pid}) broke the protocol")]
+    Protocol {
+        pid: u32,
+        #[source]
+        source: ProtocolError,
+    },
+    #[error("{message}")]
+    TaskFailed { message: String, recoverable: bool },
+}
+
+impl ExecError {
+    /// Whether the restart policy should try again: not for what a retry cannot change.
+    fn recoverable(&self) -> bool {
+        match self {
+            ExecError::WrongDriver
+            | ExecError::NulByte { .. }
+            | ExecError::UnknownUser { .. }
+            | ExecError::RootRefused
+            | ExecError::NeedsRoot { .. } => false,
+            ExecError::TaskFailed { recoverable, .. } => *recoverable,
+            _ => true,
+        }
+    }
+}
+
+/// `outer: inner: innermost`.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// What the driver knows of one run.
+struct RunState {
+    id: RunId,
+    /// `None` until the run ended; every `wait` subscribes.
+    exit: watch::Sender<Option<ExitResult>>,
+    /// The last CPU measurement: ticks, and when.
+    cpu: Mutex<Option<(u64, tokio::time::Instant)>>,
+}
+
+impl RunState {
+    fn new(id: RunId) -> Arc<Self> {
+        Arc::new(RunState {
+            id,
+            exit: watch::Sender::new(None),
+            cpu: Mutex::new(None),
+        })
+    }
+}
+
+/// The exec driver; clones share their runs.
+#[derive(Clone)]
+pub struct ExecDriver {
+    inner: Arc<Inner>,
+}
+
+struct Inner {
+    config: ExecDriverConfig,
+    dirs: AllocDirs,
+    clock: Clock,
+    /// Runs started or reattached and not yet destroyed, by handle id.
+    runs: Mutex<HashMap<String, Arc<RunState>>>,
+    /// The test hook's health, over the checks.
+    health: Mutex<Option<Health>>,
+    /// The agent's own user.
+    agent: Account,
+}
+
+impl fmt::Debug for ExecDriver {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExecDriver")
+            .field("config", &self.inner.config)
+            .field("runs", &self.inner.runs().len())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ExecDriver {
+    /// An exec driver with no runs yet, reading time from `clock`.
+    pub fn new(config: ExecDriverConfig, clock: Clock) -> Self {
+        let dirs = AllocDirs::new(&config.data_dir);
+        ExecDriver {
+            inner: Arc::new(Inner {
+                config,
+                dirs,
+                clock,
+                runs: Mutex::new(HashMap::new()),
+                health: Mutex::new(None),
+                agent: Account {
+                    uid: rustix::process::geteuid().as_raw(),
+                    gid: rustix::process::getegid().as_raw(),
+                },
+            }),
+        }
+    }
+
+    /// The alloc dirs this driver builds.
+    pub fn alloc_dirs(&self) -> &AllocDirs {
+        &self.inner.dirs
+    }
+
+    /// Test hook: makes `fingerprint` report `health` whatever its checks find; `None`
+    /// returns to the checks.
+    pub fn set_health(&self, health: Option<Health>) {
+        *self
+            .inner
+            .health
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner) = health;
+    }
+
+    /// What the task's processes use now. `cpu_percent` covers the time since the
+    /// previous call for this run (since the task started, on the first call).
+    pub fn stats(&self, handle: &TaskHandle) -> Result<TaskStats, DriverError> {
+        self.inner.stats(handle)
+    }
+}
+
+impl Inner {
+    fn runs(&self) -> MutexGuard<'_, HashMap<String, Arc<RunState>>> {
+        // Every update is one insert or remove: a panic cannot leave it half-done.
+        self.runs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn unknown(handle: &TaskHandle) -> DriverError {
+        DriverError::UnknownTask {
+            id: handle.id.clone(),
+        }
+    }
+
+    /// The account the task switches to (`None`: it keeps the agent's), after the root
+    /// policy.
+    fn account_for(&self, user: Option<&str>) -> Result<Option<Account>, ExecError> {
+        let account = match user {
+            None => None,
+            Some(user) => Some(
+                user::lookup(Path::new("/etc/passwd"), user)
+                    .map_err(|source| ExecError::Passwd {
+                        user: user.to_owned(),
+                        source,
+                    })?
+                    .ok_or_else(|| ExecError::UnknownUser {
+                        user: user.to_owned(),
+                    })?,
+            ),
+        };
+        let effective = account.unwrap_or(self.agent);
+        if effective.uid == 0 && !self.config.allow_root {
+            return Err(ExecError::RootRefused);
+        }
+        if effective.uid != self.agent.uid && self.agent.uid != 0 {
+            return Err(ExecError::NeedsRoot {
+                uid: effective.uid,
+                agent: self.agent.uid,
+            });
+        }
+        Ok(account)
+    }
+
+    /// The task's environment: the request's, plus the alloc dir's paths and a `PATH`.
+    fn environment(
+        request: &StartRequest,
+        alloc_dir: &AllocDir,
+        task_dir: &TaskDir,
+    ) -> BTreeMap<String, String> {
+        let mut env = request.env.clone();
+        let path = |p: &Path| p.display().to_string();
+        env.entry("STEAD_ALLOC_ID".to_owned())
+            .or_insert_with(|| request.alloc_id.to_string());
+        env.insert("STEAD_ALLOC_DIR".to_owned(), path(&alloc_dir.shared()));
+        env.insert("STEAD_TASK_DIR".to_owned(), path(&task_dir.dir));
+        env.insert("STEAD_SECRETS_DIR".to_owned(), path(&task_dir.secrets));
+        env.entry("PATH".to_owned())
+            .or_insert_with(|| DEFAULT_PATH.to_owned());
+        env
+    }
+
+    /// Kills runs of this task whose supervisors an earlier agent started but never
+    /// recorded (it died first), and removes the records of runs no one watches.
+    fn clean_stale_runs(&self, task_dir: &TaskDir) {
+        for (run, record) in protocol::read_run_records(&task_dir.control) {
+            if self.runs().values().any(|state| state.id.run == run) {
+                continue;
+            }
+            let supervisor = ProcessId {
+                pid: record.supervisor_pid,
+                start: record.supervisor_start,
+            };
+            if supervisor.exists_with_arg(&run) {
+                let task = ProcessId {
+                    pid: record.task_pid,
+                    start: record.task_start,
+                };
+                if task.exists() {
+                    let _ = process::signal_group(task.pid, RawSignal::KILL);
+                }
+                process::kill_all(process::descendants(supervisor.pid));
+                continue; // its supervisor records the exit and leaves
+            }
+            let _ = std::fs::remove_file(protocol::run_record_path(&task_dir.control, &run));
+            let _ = std::fs::remove_file(protocol::exit_record_path(&task_dir.control, &run));
+        }
+    }
+
+    async fn start(self: Arc<Self>, request: StartRequest) -> Result<TaskHandle, ExecError> {
+        let DriverConfig::Exec(config) = &request.config else {
+            return Err(ExecError::WrongDriver);
+        };
+        let account = self.account_for(request.user.as_deref())?;
+        let alloc_dir = self.dirs.alloc(&request.alloc_id);
+        let task_dir = alloc_dir
+            .build_task(&request.task, account.map(|a| (a.uid, a.gid)))
+            .map_err(ExecError::TaskDir)?;
+        let env = Self::environment(&request, &alloc_dir, &task_dir);
+        let args = config.args.clone().unwrap_or_default();
+        for (what, text) in env
+            .iter()
+            .flat_map(|(k, v)| [("environment", k), ("environment", v)])
+            .chain(std::iter::once(("command", &config.command)))
+            .chain(args.iter().map(|a| ("arguments", a)))
+        {
+            if text.contains('\0') {
+                return Err(ExecError::NulByte {
+                    what: what.to_owned(),
+                });
+            }
+        }
+        self.clean_stale_runs(&task_dir);
+
+        let run = format!("{:016x}", fastrand::u64(..));
+        let supervisor_args = SupervisorArgs {
+            control_dir: task_dir.control.clone(),
+            run: run.clone(),
+            log_dir: alloc_dir.logs(),
+            name: request.task.to_string(),
+            max_files: request.logs.max_files,
+            max_file_size: u64::from(request.logs.max_file_size_mb) * 1024 * 1024,
+            uid: account.map(|a| a.uid),
+            gid: account.map(|a| a.gid),
+            command: OsString::from(&config.command),
+            args: args.iter().map(OsString::from).collect(),
+        };
+        let mut child = tokio::process::Command::new(&self.config.supervisor)
+            .args(supervisor_args.to_args())
+            .current_dir(&task_dir.dir)
+            .env_clear()
+            .stdin(Stdio::piped())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::null())
+            .kill_on_drop(false)
+            .spawn()
+            .map_err(|source| ExecError::Spawn {
+                path: self.config.supervisor.clone(),
+                source,
+            })?;
+        let pid = child.id().unwrap_or(0);
+        let stdin = child.stdin.take();
+        let stdout = child.stdout.take().map(BufReader::new);
+        let mut pending = Pending {
+            child: Some(child),
+            stdout,
+        };
+
+        let mut input = Vec::new();
+        for (key, value) in &env {
+            input.extend_from_slice(key.as_bytes());
+            input.push(b'=');
+            input.extend_from_slice(value.as_bytes());
+            input.push(0);
+        }
+        input.push(0);
+        if let Some(mut stdin) = stdin {
+            // A supervisor that already gave up closes its stdin; its report says why.
+            let _ = stdin.write_all(&input).await;
+        }
+
+        let mut line = String::new();
+        let read = match pending.stdout.as_mut() {
+            Some(stdout) => tokio::time::timeout(HANDSHAKE_TIMEOUT, stdout.read_line(&mut line))
+                .await
+                .map_err(|_| ExecError::HandshakeTimeout { pid })?,
+            None => Ok(0),
+        };
+        match read {
+            Ok(0) => {
+                pending.reap();
+                return Err(ExecError::SupervisorVanished { pid });
+            }
+            Ok(_) => {}
+            Err(source) => {
+                pending.reap();
+                return Err(ExecError::Handshake { pid, source });
+            }
+        }
+        let report = match Report::parse(&line) {
+            Ok(report) => report,
+            Err(source) => {
+                pending.reap();
+                return Err(ExecError::Protocol { pid, source });
+            }
+        };
+        let (task_pid, task_start, supervisor_start) = match report {
+            Report::Started {
+                task_pid,
+                task_start,
+                supervisor_start,
+            } => (task_pid, task_start, supervisor_start),
+            Report::Failed {
+                recoverable,
+                message,
+            } => {
+                pending.reap();
+                return Err(ExecError::TaskFailed {
+                    message,
+                    recoverable,
+                });
+            }
+            Report::Exited(_) => {
+                pending.reap();
+                return Err(ExecError::Protocol {
+                    pid,
+                    source: ProtocolError {
+                        what: "report line",
+                        text: line,
+                    },
+                });
+            }
+        };
+        let id = RunId {
+            alloc_id: request.alloc_id.to_string(),
+            task: request.task.clone(),
+            run: run.clone(),
+            supervisor: ProcessId {
+                pid,
+                start: supervisor_start,
+            },
+            process: ProcessId {
+                pid: task_pid,
+                start: task_start,
+            },
+        };
+        let handle = TaskHandle {
+            driver: DriverKind::Exec,
+            id: id.to_id(),
+            pid: Some(task_pid),
+            started_at: self.clock.now(),
+        };
+        let state = RunState::new(id);
+        self.runs().insert(handle.id.clone(), state.clone());
+        let (child, stdout) = pending.defuse();
+        tokio::spawn(watch_child(child, stdout, state, task_dir.control, run));
+        Ok(handle)
+    }
+
+    /// The run of `handle`, for a known one.
+    fn run_state(&self, handle: &TaskHandle) -> Option<Arc<RunState>> {
+        self.runs().get(&handle.id).cloned()
+    }
+
+    /// The task dir of a run read back from a handle.
+    fn task_dir(&self, id: &RunId) -> Option<TaskDir> {
+        self.dirs
+            .alloc_by_id(&id.alloc_id)
+            .ok()?
+            .task(&id.task)
+            .ok()
+    }
+
+    fn recover(&self, handle: &TaskHandle) -> Result<(), DriverError> {
+        if self.runs().contains_key(&handle.id) {
+            return Ok(());
+        }
+        let id = RunId::parse(&handle.id).ok_or_else(|| Self::unknown(handle))?;
+        let task_dir = self.task_dir(&id).ok_or_else(|| Self::unknown(handle))?;
+        let state = RunState::new(id.clone());
+        if id.supervisor.exists_with_arg(&id.run) {
+            self.runs().insert(handle.id.clone(), state.clone());
+            tokio::spawn(watch_pid(id.supervisor, state, task_dir.control, id.run));
+            return Ok(());
+        }
+        if let Ok(Some(status)) = protocol::read_exit_record(&task_dir.control, &id.run) {
+            state.exit.send_replace(Some(exit_result(status)));
+            self.runs().insert(handle.id.clone(), state);
+            return Ok(());
+        }
+        // Its supervisor is gone and left no record: nothing can tell how the run
+        // ended, and whatever is left of it goes.
+        kill_run(&id);
+        process::kill_all(process::session_members(id.process));
+        Err(Self::unknown(handle))
+    }
+
+    fn signal(&self, handle: &TaskHandle, signal: &Signal) -> Result<(), DriverError> {
+        let id = RunId::parse(&handle.id).ok_or_else(|| Self::unknown(handle))?;
+        if !id.process.exists() {
+            return Err(Self::unknown(handle));
+        }
+        let raw = RawSignal::from_named_raw(signal_number(signal))
+            .expect("signal_number returns Linux signal numbers");
+        let failed = |error: rustix::io::Errno| DriverError::Signal {
+            id: handle.id.clone(),
+            signal: signal.to_string(),
+            message: error.to_string(),
+        };
+        match process::signal_group(id.process.pid, raw) {
+            Ok(true) => Ok(()),
+            // The task left its group: signal the task itself.
+            Ok(false) => {
+                match rustix::process::Pid::from_raw(i32::try_from(id.process.pid).unwrap_or(0)) {
+                    Some(pid) => rustix::process::kill_process(pid, raw).map_err(failed),
+                    None => Err(Self::unknown(handle)),
+                }
+            }
+            Err(error) => Err(failed(error)),
+        }
+    }
+
+    fn destroy(&self, handle: &TaskHandle) {
+        let Some(id) = RunId::parse(&handle.id) else {
+            return;
+        };
+        kill_run(&id);
+        let recorded = self
+            .task_dir(&id)
+            .and_then(|dir| protocol::read_exit_record(&dir.control, &id.run).ok())
+            .flatten()
+            .is_some();
+        if !recorded && !id.supervisor.exists_with_arg(&id.run) {
+            // The supervisor died without cleaning up (it was killed): what is left of
+            // the task's session goes.
+            process::kill_all(process::session_members(id.process));
+        }
+        self.runs().remove(&handle.id);
+    }
+
+    fn stats(&self, handle: &TaskHandle) -> Result<TaskStats, DriverError> {
+        let id = RunId::parse(&handle.id).ok_or_else(|| Self::unknown(handle))?;
+        let pids = if id.supervisor.exists_with_arg(&id.run) {
+            process::descendants(id.supervisor.pid)
+        } else if id.process.exists() {
+            process::session_members(id.process)
+        } else {
+            return Err(Self::unknown(handle));
+        };
+        let usage = process::usage(pids);
+        let ticks_per_second = process::ticks_per_second().max(1);
+        let now = self.clock.instant();
+        let previous = self.run_state(handle).and_then(|state| {
+            state
+                .cpu
+                .lock()
+                .unwrap_or_else(PoisonError::into_inner)
+                .replace((usage.ticks, now))
+        });
+        let (ticks, seconds) = match previous {
+            Some((ticks, at)) if now > at => (
+                usage.ticks.saturating_sub(ticks),
+                now.duration_since(at).as_secs_f64(),
+            ),
+            _ => (
+                usage.ticks,
+                self.clock
+                    .now()
+                    .saturating_duration_since(handle.started_at)
+                    .as_secs_f64(),
+            ),
+        };
+        let cpu_percent = if seconds > 0.0 {
+            ticks as f64 / ticks_per_second as f64 / seconds * 100.0
+        } else {
+            0.0
+        };
+        Ok(TaskStats {
+            cpu_percent,
+            cpu_ticks: usage.ticks,
+            ticks_per_second,
+            rss_bytes: usage.rss_bytes,
+            processes: usage.processes,
+        })
+    }
+
+    fn fingerprint(&self) -> Fingerprint {
+        let attributes = fingerprint::attributes(&self.config.supervisor);
+        let forced = *self.health.lock().unwrap_or_else(PoisonError::into_inner);
+        let (health, description) = match (forced, fingerprint::check(&self.config.supervisor)) {
+            (Some(health), _) => (health, format!("{health} (set by a test hook)")),
+            (None, Ok(())) => (Health::Healthy, "healthy".to_owned()),
+            (None, Err(problem)) => (Health::Unhealthy, problem),
+        };
+        Fingerprint {
+            health,
+            description,
+            attributes,
+        }
+    }
+}
+
+/// SIGKILLs the task's process group and every process below its supervisor.
+fn kill_run(id: &RunId) {
+    if id.process.exists() {
+        let _ = process::signal_group(id.process.pid, RawSignal::KILL);
+    }
+    if id.supervisor.exists_with_arg(&id.run) {
+        process::kill_all(process::descendants(id.supervisor.pid));
+    }
+}
+
+/// How a recorded exit reads to the reconcilers.
+fn exit_result(status: ExitStatus) -> ExitResult {
+    ExitResult {
+        exit_code: status.code,
+        signal: status.signal,
+        error: None,
+    }
+}
+
+/// The exit a supervisor recorded for `run`, or an error result when it left none.
+fn recorded_exit(control: &Path, run: &str) -> ExitResult {
+    match protocol::read_exit_record(control, run) {
+        Ok(Some(status)) => exit_result(status),
+        Ok(None) => ExitResult {
+            exit_code: 0,
+            signal: None,
+            error: Some("the task's supervisor exited without recording its exit".to_owned()),
+        },
+        Err(error) => ExitResult {
+            exit_code: 0,
+            signal: None,
+            error: Some(error_chain(&error)),
+        },
+    }
+}
+
+/// Watches a supervisor this agent started: its `exited` line, or its end.
+async fn watch_child(
+    mut child: Child,
+    stdout: Option<BufReader<ChildStdout>>,
+    state: Arc<RunState>,
+    control: PathBuf,
+    run: String,
+) {
+    let mut reported = None;
+    if let Some(mut stdout) = stdout {
+        let mut line = String::new();
+        if let Ok(n) = stdout.read_line(&mut line).await
+            && n > 0
+            && let Ok(Report::Exited(status)) = Report::parse(&line)
+        {
+            reported = Some(exit_result(status));
+        }
+    }
+    let result = match reported {
+        Some(result) => result,
+        None => {
+            let _ = child.wait().await;
+            recorded_exit(&control, &run)
+        }
+    };
+    state.exit.send_replace(Some(result));
+    let _ = child.wait().await;
+}
+
+/// Watches a supervisor an earlier agent started, until it exits.
+async fn watch_pid(supervisor: ProcessId, state: Arc<RunState>, control: PathBuf, run: String) {
+    wait_for_exit(supervisor).await;
+    state.exit.send_replace(Some(recorded_exit(&control, &run)));
+}
+
+/// Resolves once `process` has exited (a zombie counts as exited).
+async fn wait_for_exit(process: ProcessId) {
+    let pidfd =
+        rustix::process::Pid::from_raw(i32::try_from(process.pid).unwrap_or(0)).and_then(|pid| {
+            rustix::process::pidfd_open(pid, rustix::process::PidfdFlags::empty()).ok()
+        });
+    if let Some(pidfd) = pidfd {
+        // Opened before the check: if the process is still ours now, the pidfd is too.
+        if !process.exists() {
+            return;
+        }
+        if let Some(fd) = readable_pidfd(pidfd) {
+            let _ = fd.readable().await;
+            return;
+        }
+    }
+    while process.exists() && !is_zombie(process.pid) {
+        tokio::time::sleep(PID_POLL).await;
+    }
+}
+
+/// Registers `pidfd` with tokio's reactor; it becomes readable when its process exits.
+#[allow(unsafe_code)]
+fn readable_pidfd(
+    pidfd: std::os::fd::OwnedFd,
+) -> Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
+    // SAFETY: the `AsyncFd` takes ownership of the `OwnedFd`, which keeps the descriptor
+    // open, unchanged and returned by every `as_raw_fd` until the `AsyncFd` drops it.
+    unsafe {
+        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
+    }
+    .ok()
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat"))
+        .ok()
+        .and_then(|text| stead_supervisor::proc::parse_stat(&text))
+        .is_some_and(|stat| stat.state == b'Z')
+}
+
+/// A supervisor spawned by a start that has not returned yet: if the start is dropped
+/// (cancelled), the run is stopped in the background rather than leaked.
+struct Pending {
+    child: Option<Child>,
+    stdout: Option<BufReader<ChildStdout>>,
+}
+
+impl Pending {
+    /// The start returned: the caller owns the supervisor now.
+    fn defuse(&mut self) -> (Child, Option<BufReader<ChildStdout>>) {
+        let child = self.child.take().expect("defused once");
+        (child, self.stdout.take())
+    }
+
+    /// The supervisor gave up (or broke the protocol): reap it in the background.
+    fn reap(&mut self) {
+        if let Some(mut child) = self.child.take() {
+            let _ = child.start_kill();
+            tokio::spawn(async move {
+                let _ = child.wait().await;
+            });
+        }
+    }
+}
+
+impl Drop for Pending {
+    fn drop(&mut self) {
+        let Some(mut child) = self.child.take() else {
+            return;
+        };
+        let stdout = self.stdout.take();
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            let _ = child.start_kill();
+            return;
+        };
+        runtime.spawn(abandon(child, stdout));
+    }
+}
+
+/// Stops a run whose start was cancelled: waits for the supervisor's report, then kills
+/// the task and everything below the supervisor (or the supervisor itself, if it has not
+/// started the task).
+async fn abandon(mut child: Child, stdout: Option<BufReader<ChildStdout>>) {
+    let supervisor = child.id();
+    let mut line = String::new();
+    let report = match stdout {
+        Some(mut stdout) => {
+            match tokio::time::timeout(HANDSHAKE_TIMEOUT, stdout.read_line(&mut line)).await {
+                Ok(Ok(n)) if n > 0 => Report::parse(&line).ok(),
+                _ => None,
+            }
+        }
+        None => None,
+    };
+    match (report, supervisor) {
+        (Some(Report::Started { task_pid, .. }), Some(supervisor)) => {
+            let _ = process::signal_group(task_pid, RawSignal::KILL);
+            process::kill_all(process::descendants(supervisor));
+        }
+        _ => {
+            let _ = child.start_kill();
+        }
+    }
+    let _ = child.wait().await;
+}
+
+impl Driver for ExecDriver {
+    fn kind(&self) -> DriverKind {
+        DriverKind::Exec
+    }
+
+    fn fingerprint(&self) -> BoxFuture<'_, Fingerprint> {
+        Box::pin(async move { self.inner.fingerprint() })
+    }
+
+    fn start(&self, request: StartRequest) -> BoxFuture<'_, Result<TaskHandle, DriverError>> {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move {
+            let alloc_id = request.alloc_id.clone();
+            let task: Name = request.task.clone();
+            inner
+                .start(request)
+                .await
+                .map_err(|error| DriverError::Start {
+                    alloc_id,
+                    task,
+                    message: error_chain(&error),
+                    recoverable: error.recoverable(),
+                })
+        })
+    }
+
+    fn wait(&self, handle: TaskHandle) -> BoxFuture<'static, ExitResult> {
+        let inner = Arc::clone(&self.inner);
+        Box::pin(async move {
+            if let Some(state) = inner.run_state(&handle) {
+                let mut exit = state.exit.subscribe();
+                if let Ok(result) = exit.wait_for(Option::is_some).await
+                    && let Some(result) = result.clone()
+                {
+                    return result;
+                }
+            }
+            // Not (or no longer) watched: the record answers, if there is one.
+            match RunId::parse(&handle.id).and_then(|id| Some((inner.task_dir(&id)?, id))) {
+                Some((dir, id)) => recorded_exit(&dir.control, &id.run),
+                None => ExitResult {
+                    exit_code: 0,
+                    signal: None,
+                    error: Some(format!("task {} is unknown to the exec driver", handle.id)),
+                },
+            }
+        })
+    }
+
+    fn signal(
+        &self,
+        handle: &TaskHandle,
+        signal: &Signal,
+    ) -> BoxFuture<'_, Result<(), DriverError>> {
+        let (handle, signal) = (handle.clone(), signal.clone());
+        Box::pin(async move { self.inner.signal(&handle, &signal) })
+    }
+
+    fn kill(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<(), DriverError>> {
+        let handle = handle.clone();
+        Box::pin(async move {
+            let id = RunId::parse(&handle.id).ok_or_else(|| Inner::unknown(&handle))?;
+            kill_run(&id);
+            Ok(())
+        })
+    }
+
+    fn recover(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<(), DriverError>> {
+        let handle = handle.clone();
+        Box::pin(async move { self.inner.recover(&handle) })
+    }
+
+    fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()> {
+        let handle = handle.clone();
+        Box::pin(async move { self.inner.destroy(&handle) })
+    }
+
+    fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {
+        let handle = handle.clone();
+        Box::pin(async move { self.inner.stats(&handle).map(Some) })
+    }
+}

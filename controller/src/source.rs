@@ -1,0 +1,210 @@
+//! The specs directory as desired state: list it, then tell the node what changed.
+//!
+//! Listing is level-triggered: every pass reads the whole directory, so a missed or
+//! merged file event costs nothing but latency. The rules:
+//! - an identical or semantically identical spec is not applied again;
+//! - an alloc whose file is gone is removed (stopped, then destroyed);
+//! - a file that became invalid keeps its alloc's last valid revision running;
+//! - two files declaring one alloc name: both are reported, the one whose path sorts
+//!   first wins (a stable rule that does not depend on listing order);
+//! - when any file could not be read, nothing is removed in that pass, since its allocs
+//!   are unknown rather than gone.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::path::{Path, PathBuf};
+
+use stead_schemas::spec::{DesiredStatus, Name};
+use stead_schemas::{Diagnostic, Location, Revision, ValidSpec, parse_spec_bytes};
+
+use crate::node::Node;
+use crate::spec_files::collect_spec_files;
+
+/// One full reading of the specs directory.
+#[derive(Debug, Default)]
+pub struct Listing {
+    /// Valid specs, by alloc name, with the file each came from.
+    pub specs: BTreeMap<Name, (PathBuf, ValidSpec)>,
+    /// Allocs whose document is invalid now, with why.
+    pub broken: BTreeMap<Name, Vec<Diagnostic>>,
+    /// Every problem found, in file order.
+    pub diagnostics: Vec<Diagnostic>,
+    /// Whether some file or directory could not be read.
+    pub incomplete: bool,
+}
+
+/// Reads every spec file below `dir`.
+pub fn list_specs(dir: &Path) -> Listing {
+    let mut listing = Listing::default();
+    let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
+    for error in unreadable {
+        listing.incomplete = true;
+        listing.diagnostics.push(Diagnostic::new(
+            &error.path,
+            Location::START,
+            "",
+            format!("cannot read: {}", error.source),
+        ));
+    }
+    for path in files {
+        let bytes = match read_spec(&path) {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                listing.incomplete = true;
+                listing.diagnostics.push(Diagnostic::new(
+                    &path,
+                    Location::START,
+                    "",
+                    format!("cannot read: {error}"),
+                ));
+                continue;
+            }
+        };
+        let file = parse_spec_bytes(&path, &bytes);
+        listing.diagnostics.extend(file.all_diagnostics());
+        for document in file.documents {
+            let Some(name) = document.name else { continue };
+            match document.spec {
+                Some(spec) => match listing.specs.get(&name) {
+                    Some((first, _)) => listing.diagnostics.push(Diagnostic::new(
+                        &path,
+                        document.location,
+                        "metadata.name",
+                        format!(
+                            "alloc {:?} is also declared in {}, which takes precedence",
+                            name.as_str(),
+                            first.display()
+                        ),
+                    )),
+                    None => {
+                        listing.specs.insert(name, (path.clone(), spec));
+                    }
+                },
+                None => {
+                    listing
+                        .broken
+                        .entry(name)
+                        .or_default()
+                        .extend(document.diagnostics);
+                }
+            }
+        }
+    }
+    // A name that is valid in one file and broken in another is declared twice; the
+    // valid declaration runs.
+    let specs = &listing.specs;
+    listing.broken.retain(|name, _| !specs.contains_key(name));
+    listing
+}
+
+fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
+    use std::io::Read;
+    let mut bytes = Vec::new();
+    std::fs::File::open(path)?
+        .take(stead_schemas::MAX_SPEC_FILE_BYTES as u64 + 1)
+        .read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
+/// What the node was last told about each alloc, so that passes apply only changes.
+#[derive(Debug, Default)]
+pub struct Syncer {
+    applied: BTreeMap<Name, (Revision, Option<DesiredStatus>)>,
+}
+
+/// What one pass changed.
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SyncReport {
+    /// Allocs added or updated.
+    pub applied: Vec<Name>,
+    /// Allocs removed.
+    pub removed: Vec<Name>,
+}
+
+impl Syncer {
+    /// A syncer that also owns the allocs `known` to the node already (restored from the
+    /// store), so that those whose spec is gone are removed after the first listing.
+    pub fn new(known: impl IntoIterator<Item = (Name, Revision)>) -> Self {
+        Syncer {
+            applied: known
+                .into_iter()
+                .map(|(name, revision)| (name, (revision, None)))
+                .collect(),
+        }
+    }
+
+    /// Tells `node` what changed since the last pass.
+    pub fn sync(&mut self, node: &Node, listing: &Listing) -> SyncReport {
+        let mut report = SyncReport::default();
+        for (name, (_, spec)) in &listing.specs {
+            let key = (spec.revision.clone(), spec.spec.spec.desired_status);
+            if self.applied.get(name) != Some(&key) {
+                node.apply(spec.clone());
+                self.applied.insert(name.clone(), key);
+                report.applied.push(name.clone());
+            }
+        }
+        if !listing.incomplete {
+            let gone: BTreeSet<Name> = self
+                .applied
+                .keys()
+                .filter(|n| !listing.specs.contains_key(*n) && !listing.broken.contains_key(*n))
+                .cloned()
+                .collect();
+            for name in gone {
+                node.remove(&name);
+                self.applied.remove(&name);
+                report.removed.push(name);
+            }
+        }
+        report
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const SPEC: &str = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: NAME}\nspec:\n  tasks:\n    - {name: t, driver: mock, config: {}}\n";
+
+    fn write(dir: &Path, file: &str, name: &str) {
+        std::fs::write(dir.join(file), SPEC.replace("NAME", name)).expect("write");
+    }
+
+    #[test]
+    fn a_name_declared_twice_is_reported_and_the_first_path_wins() {
+        let dir = std::env::temp_dir().join(format!("stead-source-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        write(&dir, "b.yaml", "web");
+        write(&dir, "a.yaml", "web");
+        let listing = list_specs(&dir);
+        assert_eq!(listing.specs.len(), 1);
+        assert!(
+            listing.specs[&"web".parse::<Name>().expect("name")]
+                .0
+                .ends_with("a.yaml")
+        );
+        assert_eq!(listing.diagnostics.len(), 1, "{:?}", listing.diagnostics);
+        assert!(listing.diagnostics[0].file.ends_with("b.yaml"));
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn an_invalid_edit_is_listed_as_broken_under_its_name() {
+        let dir = std::env::temp_dir().join(format!("stead-source-broken-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        std::fs::write(
+            dir.join("web.yaml"),
+            SPEC.replace("NAME", "web")
+                .replace("config: {}", "config: {bogus: 1}"),
+        )
+        .expect("write");
+        let listing = list_specs(&dir);
+        assert!(listing.specs.is_empty());
+        assert!(
+            listing
+                .broken
+                .contains_key(&"web".parse::<Name>().expect("name"))
+        );
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+}

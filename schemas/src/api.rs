@@ -1,0 +1,256 @@
+//! The HTTP API's own documents (beyond the alloc status of [`crate::status`]): errors,
+//! the alloc list, the node, health, and the bodies and queries of requests.
+//!
+//! camelCase JSON; times are RFC 3339. The CLI and the tests read these same types, so a
+//! change here is an API change.
+
+use std::collections::BTreeMap;
+
+use serde::{Deserialize, Serialize};
+
+use crate::time::Timestamp;
+
+/// The body of every error response: a stable, machine-readable `code` and a lowercase
+/// human `message`; `details` lists individual problems when there are several.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ErrorBody {
+    /// What went wrong, stable across releases: `alloc_not_found`, `task_not_found`,
+    /// `task_not_running`, `invalid_signal`, `invalid_request`, `unauthorized`,
+    /// `body_too_large`, `not_found`, `method_not_allowed`, `metrics_disabled`,
+    /// `shutting_down`, `driver_error`, `internal`.
+    pub code: String,
+    /// What went wrong, for people.
+    pub message: String,
+    /// Individual problems, when there are several.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub details: Vec<String>,
+}
+
+/// One alloc in `GET /v1/allocs` and `stead alloc list`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocListItem {
+    /// The alloc's name.
+    pub name: String,
+    /// `<name>-<first 8 hex of revision>`.
+    pub id: String,
+    /// `run` or `stop`.
+    pub desired_status: String,
+    /// `pending`, `running`, `complete` or `failed`.
+    pub client_status: String,
+    /// How many tasks the alloc has.
+    pub tasks: u32,
+    /// How many of them run now.
+    pub running_tasks: u32,
+    /// Restarts over all tasks.
+    pub restarts: u32,
+    /// When the newest task event happened.
+    pub modified_at: Option<Timestamp>,
+    /// Whether a broken edit of the spec is waiting while the last good revision runs.
+    pub spec_error: bool,
+}
+
+/// The node, as `GET /v1/node` and `stead node status` show it.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeStatus {
+    /// The node's name (its host name).
+    pub name: String,
+    /// The agent's version.
+    pub version: String,
+    /// When the agent started.
+    pub started_at: Timestamp,
+    /// The node's time when this document was made.
+    pub time: Timestamp,
+    /// Allocs by client status (`pending`, `running`, `complete`, `failed`), all present.
+    pub allocs: BTreeMap<String, u32>,
+    /// Each enabled driver, by name.
+    pub drivers: BTreeMap<String, DriverStatus>,
+    /// Device groups; empty until device plugins land.
+    pub devices: Vec<DeviceGroupStatus>,
+}
+
+/// One driver's fingerprint.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DriverStatus {
+    /// `healthy`, `unhealthy` or `undetected`.
+    pub health: String,
+    /// Why it has that health.
+    pub description: String,
+    /// Facts about the driver (versions, capabilities).
+    pub attributes: BTreeMap<String, String>,
+}
+
+/// One group of devices of one vendor, type and name.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceGroupStatus {
+    /// The vendor, such as `nvidia`.
+    pub vendor: String,
+    /// The type, such as `gpu`.
+    #[serde(rename = "type")]
+    pub device_type: String,
+    /// The model name.
+    pub name: String,
+    /// The instances of the group.
+    pub instances: Vec<DeviceInstanceStatus>,
+}
+
+/// One device instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceInstanceStatus {
+    /// The instance's id within its group.
+    pub id: String,
+    /// Whether it is usable.
+    pub healthy: bool,
+}
+
+/// `GET /v1/health`: whether each part of the agent works.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct HealthStatus {
+    /// `ok` when every part is healthy, else `degraded`.
+    pub status: String,
+    /// Each part (`store`, `driver.<name>`), by name.
+    pub components: BTreeMap<String, ComponentHealth>,
+}
+
+/// One part of the agent in [`HealthStatus`].
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ComponentHealth {
+    /// Whether it works.
+    pub healthy: bool,
+    /// What is known about it.
+    pub message: String,
+}
+
+/// `GET /v1/allocs/{name}/stats`: what the alloc's running tasks use now.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocStats {
+    /// The alloc's name.
+    pub name: String,
+    /// The alloc's id.
+    pub id: String,
+    /// When the measurement was taken.
+    pub time: Timestamp,
+    /// Each running task whose driver measures it (the mock driver does not), by name.
+    pub tasks: BTreeMap<String, TaskStats>,
+}
+
+/// What one task's processes use.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskStats {
+    /// CPU use since the previous measurement of the task, in percent of one core.
+    pub cpu_percent: f64,
+    /// CPU time used so far (user plus system), in seconds.
+    pub cpu_seconds: f64,
+    /// Resident memory, in bytes.
+    pub rss_bytes: u64,
+    /// How many processes the task has.
+    pub processes: u32,
+}
+
+/// The body of `POST /v1/allocs/{name}/restart`; an empty body restarts every running task.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct RestartRequest {
+    /// The task to restart; unset restarts every running task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub task: Option<String>,
+}
+
+/// The body of `POST /v1/allocs/{name}/signal`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct SignalRequest {
+    /// The task to signal.
+    pub task: String,
+    /// The signal's name, such as `SIGHUP`.
+    pub signal: String,
+}
+
+/// Which output of a task to read.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogStream {
+    /// Standard output.
+    #[default]
+    Stdout,
+    /// Standard error.
+    Stderr,
+}
+
+impl LogStream {
+    /// `stdout` or `stderr`, as in the log files' names.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            LogStream::Stdout => "stdout",
+            LogStream::Stderr => "stderr",
+        }
+    }
+}
+
+/// Where a log `offset` counts from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogOrigin {
+    /// From the oldest byte still kept.
+    #[default]
+    Start,
+    /// Back from the newest byte.
+    End,
+}
+
+/// The query of `GET /v1/allocs/{name}/logs/{task}`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct LogsQuery {
+    /// Which output (`type=stdout|stderr`; default stdout).
+    #[serde(rename = "type", default)]
+    pub stream: LogStream,
+    /// Keep streaming new output, across file rotations, until the task is dead.
+    #[serde(default)]
+    pub follow: bool,
+    /// Bytes to skip from `origin` (default 0).
+    #[serde(default)]
+    pub offset: u64,
+    /// Where `offset` counts from (default `start`).
+    #[serde(default)]
+    pub origin: LogOrigin,
+}
+
+/// The response header of a logs request saying how many bytes of the body already
+/// existed when the request was served (the rest arrived while following).
+pub const LOG_BACKLOG_HEADER: &str = "stead-log-backlog";
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn logs_query_defaults_to_stdout_from_the_start_without_following() {
+        let query: LogsQuery = serde_json::from_str("{}").expect("defaults apply");
+        assert_eq!(query, LogsQuery::default());
+        assert_eq!(query.stream, LogStream::Stdout);
+        assert_eq!(query.origin, LogOrigin::Start);
+    }
+
+    #[test]
+    fn error_bodies_omit_empty_details() {
+        let body = ErrorBody {
+            code: "alloc_not_found".to_owned(),
+            message: "alloc \"web\" not found".to_owned(),
+            details: Vec::new(),
+        };
+        assert_eq!(
+            serde_json::to_string(&body).expect("serializes"),
+            r#"{"code":"alloc_not_found","message":"alloc \"web\" not found"}"#
+        );
+    }
+}

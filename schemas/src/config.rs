@@ -1,0 +1,240 @@
+//! The agent's configuration file (`stead agent --config FILE`): YAML, every key
+//! optional, flags override it.
+
+use std::path::{Path, PathBuf};
+
+use serde::{Deserialize, Serialize};
+
+use crate::duration::Duration;
+
+/// The agent configuration as written; unset keys take the defaults in `stead agent`.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct AgentConfig {
+    /// The directory of alloc specs (default `./specs`).
+    pub specs_dir: Option<PathBuf>,
+    /// Where state and alloc directories live (default `./stead-data`).
+    pub data_dir: Option<PathBuf>,
+    /// The API's TCP address (default `127.0.0.1:4750`).
+    pub listen: Option<String>,
+    /// Also serve the API on this unix socket, created mode 0600.
+    pub socket: Option<PathBuf>,
+    /// A bearer token the API requires.
+    pub token: Option<String>,
+    /// A file holding the bearer token (its surrounding whitespace is ignored).
+    pub token_file: Option<PathBuf>,
+    /// The level re-check period (default 1s).
+    pub tick: Option<Duration>,
+    /// The full re-listing period of the specs directory (default 20s).
+    pub resync: Option<Duration>,
+    /// Watch the specs directory for changes (default true); false relies on resync.
+    pub watch: Option<bool>,
+    /// The longest kill timeout a task gets (default 30s).
+    pub max_kill_timeout: Option<Duration>,
+    /// Events kept per task (default 50).
+    pub max_task_events: Option<u32>,
+    /// What the agent does to tasks when it exits (default detach).
+    pub shutdown: Option<ShutdownMode>,
+    /// Whether exec tasks may run as root (default false).
+    pub allow_root: Option<bool>,
+    /// Garbage collection of terminal allocs.
+    pub gc: Option<GcConfig>,
+    /// Which drivers run.
+    pub drivers: Option<DriversConfig>,
+    /// Devices, by plugin.
+    pub devices: Option<DevicesConfig>,
+    /// Log output format (default text).
+    pub log_format: Option<LogFormat>,
+}
+
+/// What happens to tasks when the agent exits.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ShutdownMode {
+    /// Tasks keep running; the next agent reattaches.
+    Detach,
+    /// Every alloc is stopped, all in parallel.
+    Drain,
+}
+
+/// Log output format.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum LogFormat {
+    /// Human-readable lines.
+    Text,
+    /// One JSON object per line.
+    Json,
+}
+
+/// Garbage collection of terminal allocs (Nomad's policy).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GcConfig {
+    /// How often GC runs (default 1m).
+    pub interval: Option<Duration>,
+    /// Terminal allocs kept at most (default 50).
+    pub max_allocs: Option<u32>,
+    /// Disk usage, in percent of the data dir's filesystem, above which GC collects (default 80).
+    pub disk_usage_threshold: Option<u8>,
+    /// Allocs destroyed at once (default 2).
+    pub parallel_destroys: Option<u32>,
+}
+
+/// Which drivers are enabled.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DriversConfig {
+    /// The exec driver.
+    pub exec: Option<DriverToggle>,
+    /// The mock driver.
+    pub mock: Option<DriverToggle>,
+}
+
+/// A driver's switch.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DriverToggle {
+    /// Whether the driver runs (default true).
+    pub enabled: Option<bool>,
+}
+
+/// Device plugins and their devices.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct DevicesConfig {
+    /// Devices declared in this file.
+    #[serde(rename = "static")]
+    pub static_devices: Option<Vec<StaticDeviceGroup>>,
+}
+
+/// A group of identical devices declared in the config.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StaticDeviceGroup {
+    /// The vendor, such as `nvidia`.
+    pub vendor: String,
+    /// The device type, such as `gpu`.
+    #[serde(rename = "type")]
+    pub device_type: String,
+    /// The model name.
+    pub name: String,
+    /// A directory with one file per instance; a file containing `unhealthy` marks it so.
+    pub health_dir: Option<PathBuf>,
+    /// The instances.
+    pub instances: Vec<StaticDeviceInstance>,
+}
+
+/// One device instance.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StaticDeviceInstance {
+    /// Its id, unique in its group.
+    pub id: String,
+}
+
+/// A config file that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum ConfigError {
+    /// The file could not be read.
+    #[error("cannot read agent config {}", path.display())]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The file is not a valid agent config.
+    #[error("{}:{line}:{column}: {message}", path.display())]
+    Invalid {
+        /// The file.
+        path: PathBuf,
+        /// Where.
+        line: u64,
+        /// Where.
+        column: u64,
+        /// What is wrong.
+        message: String,
+    },
+}
+
+impl AgentConfig {
+    /// Reads and checks the config file at `path`.
+    pub fn load(path: &Path) -> Result<AgentConfig, ConfigError> {
+        let text = std::fs::read_to_string(path).map_err(|source| ConfigError::Read {
+            path: path.to_owned(),
+            source,
+        })?;
+        AgentConfig::parse(path, &text)
+    }
+
+    /// Checks `text` as the config file `path`; an empty file is an empty config.
+    pub fn parse(path: &Path, text: &str) -> Result<AgentConfig, ConfigError> {
+        if text.trim().is_empty() {
+            return Ok(AgentConfig::default());
+        }
+        serde_saphyr::from_str::<AgentConfig>(text).map_err(|error| {
+            let (line, column) = error.location().map_or((1, 1), |l| (l.line(), l.column()));
+            let message = error.without_snippet().to_string();
+            let message = message
+                .lines()
+                .next()
+                .unwrap_or("invalid config")
+                .to_owned();
+            ConfigError::Invalid {
+                path: path.to_owned(),
+                line,
+                column,
+                message,
+            }
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn every_documented_key_parses() {
+        let text = r#"
+specsDir: ./specs
+dataDir: ./stead-data
+listen: 127.0.0.1:4750
+socket: /run/stead.sock
+token: secret
+tick: 1s
+resync: 20s
+watch: true
+maxKillTimeout: 30s
+maxTaskEvents: 50
+shutdown: drain
+allowRoot: false
+gc: {interval: 1m, maxAllocs: 50, diskUsageThreshold: 80, parallelDestroys: 2}
+drivers: {exec: {enabled: true}, mock: {enabled: false}}
+devices:
+  static:
+    - {vendor: acme, type: gpu, name: a1, healthDir: null, instances: [{id: gpu0}, {id: gpu1}]}
+logFormat: json
+"#;
+        let config = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap();
+        assert_eq!(config.shutdown, Some(ShutdownMode::Drain));
+        assert_eq!(config.tick, Some(Duration::from_secs(1)));
+        assert_eq!(
+            config.devices.unwrap().static_devices.unwrap()[0]
+                .instances
+                .len(),
+            2
+        );
+    }
+
+    #[test]
+    fn an_unknown_key_is_an_error_with_its_location() {
+        let error =
+            AgentConfig::parse(Path::new("agent.yaml"), "listen: x\nlisten_addr: y\n").unwrap_err();
+        let text = error.to_string();
+        assert!(text.starts_with("agent.yaml:2:"), "{text}");
+        assert!(text.contains("listen_addr"), "{text}");
+    }
+}

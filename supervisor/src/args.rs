@@ -1,0 +1,267 @@
+//! The supervisor's command line, built by the agent and parsed by the supervisor.
+//!
+//! ```text
+//! stead-supervisor --control DIR --run ID --logs DIR --name TASK --max-files N
+//!                  --max-file-size BYTES [--uid UID --gid GID] -- COMMAND [ARG]...
+//! ```
+//!
+//! The task's environment is not on the command line: it comes on stdin, as
+//! `KEY=VALUE` entries each ended by a NUL byte.
+
+use std::ffi::{OsStr, OsString};
+use std::path::PathBuf;
+
+/// Everything the supervisor needs besides the environment.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SupervisorArgs {
+    /// The supervisor's private directory (`<task>/.stead`), where it leaves its records.
+    pub control_dir: PathBuf,
+    /// The id of this run; names the record files. Lowercase hex.
+    pub run: String,
+    /// The directory of the log files (`<alloc>/alloc/logs`).
+    pub log_dir: PathBuf,
+    /// The task's name: the log files are `<name>.stdout.N` and `<name>.stderr.N`.
+    pub name: String,
+    /// How many files of each stream are kept; at least 1.
+    pub max_files: u32,
+    /// The size at which a log file is rotated, in bytes; at least 1.
+    pub max_file_size: u64,
+    /// The user id to run the task as; `None` keeps the supervisor's.
+    pub uid: Option<u32>,
+    /// The group id to run the task as; `None` keeps the supervisor's.
+    pub gid: Option<u32>,
+    /// The program: a path (relative to the task dir) or a name looked up in the task's `PATH`.
+    pub command: OsString,
+    /// The program's arguments.
+    pub args: Vec<OsString>,
+}
+
+/// A command line the supervisor cannot use.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum ArgsError {
+    /// A flag without its value.
+    #[error("flag {flag} needs a value")]
+    MissingValue {
+        /// The flag.
+        flag: String,
+    },
+    /// A flag that is not one of the supervisor's.
+    #[error("unknown flag {flag:?}")]
+    UnknownFlag {
+        /// The flag as given.
+        flag: String,
+    },
+    /// A flag's value is malformed.
+    #[error("flag {flag} has an invalid value {value:?}")]
+    InvalidValue {
+        /// The flag.
+        flag: String,
+        /// The value as given.
+        value: String,
+    },
+    /// A required flag is missing.
+    #[error("flag {flag} is required")]
+    Missing {
+        /// The flag.
+        flag: &'static str,
+    },
+    /// Nothing to run after `--`.
+    #[error("no command after --")]
+    NoCommand,
+}
+
+impl SupervisorArgs {
+    /// The command line, without the program name.
+    pub fn to_args(&self) -> Vec<OsString> {
+        let mut out: Vec<OsString> = Vec::with_capacity(20 + self.args.len());
+        let mut flag = |name: &str, value: OsString| {
+            out.push(name.into());
+            out.push(value);
+        };
+        flag("--control", self.control_dir.clone().into_os_string());
+        flag("--run", self.run.clone().into());
+        flag("--logs", self.log_dir.clone().into_os_string());
+        flag("--name", self.name.clone().into());
+        flag("--max-files", self.max_files.to_string().into());
+        flag("--max-file-size", self.max_file_size.to_string().into());
+        if let Some(uid) = self.uid {
+            flag("--uid", uid.to_string().into());
+        }
+        if let Some(gid) = self.gid {
+            flag("--gid", gid.to_string().into());
+        }
+        out.push("--".into());
+        out.push(self.command.clone());
+        out.extend(self.args.iter().cloned());
+        out
+    }
+
+    /// Parses a command line (without the program name).
+    pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Self, ArgsError> {
+        let mut args = args.into_iter();
+        let mut control_dir = None;
+        let mut run = None;
+        let mut log_dir = None;
+        let mut name = None;
+        let mut max_files = None;
+        let mut max_file_size = None;
+        let mut uid = None;
+        let mut gid = None;
+        loop {
+            let Some(flag) = args.next() else {
+                return Err(ArgsError::NoCommand);
+            };
+            if flag == "--" {
+                break;
+            }
+            let flag = flag.to_string_lossy().into_owned();
+            let value = args
+                .next()
+                .ok_or_else(|| ArgsError::MissingValue { flag: flag.clone() })?;
+            match flag.as_str() {
+                "--control" => control_dir = Some(PathBuf::from(value)),
+                "--run" => run = Some(text(&flag, &value, is_run_id)?),
+                "--logs" => log_dir = Some(PathBuf::from(value)),
+                "--name" => name = Some(text(&flag, &value, is_log_name)?),
+                "--max-files" => max_files = Some(number::<u32>(&flag, &value)?),
+                "--max-file-size" => max_file_size = Some(number::<u64>(&flag, &value)?),
+                "--uid" => uid = Some(number::<u32>(&flag, &value)?),
+                "--gid" => gid = Some(number::<u32>(&flag, &value)?),
+                _ => return Err(ArgsError::UnknownFlag { flag }),
+            }
+        }
+        let command = args.next().ok_or(ArgsError::NoCommand)?;
+        let positive = |flag: &str, value: u64| {
+            if value == 0 {
+                Err(ArgsError::InvalidValue {
+                    flag: flag.to_owned(),
+                    value: "0".to_owned(),
+                })
+            } else {
+                Ok(value)
+            }
+        };
+        let max_files = max_files.ok_or(ArgsError::Missing {
+            flag: "--max-files",
+        })?;
+        positive("--max-files", u64::from(max_files))?;
+        let max_file_size = max_file_size.ok_or(ArgsError::Missing {
+            flag: "--max-file-size",
+        })?;
+        positive("--max-file-size", max_file_size)?;
+        Ok(SupervisorArgs {
+            control_dir: control_dir.ok_or(ArgsError::Missing { flag: "--control" })?,
+            run: run.ok_or(ArgsError::Missing { flag: "--run" })?,
+            log_dir: log_dir.ok_or(ArgsError::Missing { flag: "--logs" })?,
+            name: name.ok_or(ArgsError::Missing { flag: "--name" })?,
+            max_files,
+            max_file_size,
+            uid,
+            gid,
+            command,
+            args: args.collect(),
+        })
+    }
+}
+
+/// Whether `s` can be a run id: 1 to 64 lowercase hex digits (it names files).
+pub fn is_run_id(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| matches!(b, b'0'..=b'9' | b'a'..=b'f'))
+}
+
+/// Whether `s` can prefix a log file name: letters, digits, `-`, `_`, not starting with `.`.
+fn is_log_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.len() <= 253
+        && !s.starts_with('.')
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+fn text(flag: &str, value: &OsStr, valid: fn(&str) -> bool) -> Result<String, ArgsError> {
+    match value.to_str() {
+        Some(s) if valid(s) => Ok(s.to_owned()),
+        _ => Err(ArgsError::InvalidValue {
+            flag: flag.to_owned(),
+            value: value.to_string_lossy().into_owned(),
+        }),
+    }
+}
+
+fn number<T: std::str::FromStr>(flag: &str, value: &OsStr) -> Result<T, ArgsError> {
+    value
+        .to_str()
+        .and_then(|s| s.parse().ok())
+        .ok_or_else(|| ArgsError::InvalidValue {
+            flag: flag.to_owned(),
+            value: value.to_string_lossy().into_owned(),
+        })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn sample() -> SupervisorArgs {
+        SupervisorArgs {
+            control_dir: "/data/allocs/web-1234abcd/server/.stead".into(),
+            run: "00ff".to_owned(),
+            log_dir: "/data/allocs/web-1234abcd/alloc/logs".into(),
+            name: "server".to_owned(),
+            max_files: 3,
+            max_file_size: 1 << 20,
+            uid: Some(65534),
+            gid: Some(65534),
+            command: "/bin/sh".into(),
+            args: vec!["-c".into(), "echo --run".into()],
+        }
+    }
+
+    #[test]
+    fn a_command_line_round_trips() {
+        let args = sample();
+        assert_eq!(SupervisorArgs::parse(args.to_args()), Ok(args.clone()));
+        let without_user = SupervisorArgs {
+            uid: None,
+            gid: None,
+            ..args
+        };
+        assert_eq!(
+            SupervisorArgs::parse(without_user.to_args()),
+            Ok(without_user)
+        );
+    }
+
+    #[test]
+    fn malformed_command_lines_are_refused_with_the_flag() {
+        let parse = |args: &[&str]| SupervisorArgs::parse(args.iter().map(OsString::from));
+        assert_eq!(
+            parse(&["--run"]),
+            Err(ArgsError::MissingValue {
+                flag: "--run".into()
+            })
+        );
+        assert_eq!(
+            parse(&["--run", "../x", "--", "true"]),
+            Err(ArgsError::InvalidValue {
+                flag: "--run".into(),
+                value: "../x".into()
+            })
+        );
+        assert_eq!(
+            parse(&["--bogus", "1", "--", "true"]),
+            Err(ArgsError::UnknownFlag {
+                flag: "--bogus".into()
+            })
+        );
+        let mut line = sample().to_args();
+        line.truncate(line.len() - 3);
+        assert_eq!(SupervisorArgs::parse(line), Err(ArgsError::NoCommand));
+        let mut zero = sample();
+        zero.max_files = 0;
+        assert!(matches!(
+            SupervisorArgs::parse(zero.to_args()),
+            Err(ArgsError::InvalidValue { .. })
+        ));
+    }
+}

@@ -1,0 +1,31 @@
+//! stead's per-task supervisor: a small process that is the parent of one task and
+//! outlives the agent.
+//!
+//! The `exec` driver starts one `stead-supervisor` per run of a task (conmon's shape; the
+//! measured cost is in ARCHITECTURE.md). The supervisor
+//!
+//! 1. leaves the agent's session and becomes a child subreaper, so every process the task
+//!    forks, daemonised grandchildren included, stays below it;
+//! 2. reads the task's environment from its stdin (never from its own environment: the
+//!    task's `LD_PRELOAD` must not load into a process that may run as root);
+//! 3. starts the task in its own session and process group, in its cwd (the task dir), as
+//!    the given uid/gid, with `PR_SET_PDEATHSIG` so the task dies with the supervisor;
+//! 4. reports `started` (or `failed`) on its stdout, a pipe to the agent ([`protocol`]);
+//! 5. copies the task's stdout and stderr into rotating files ([`logs`]);
+//! 6. when the task exits, kills whatever the task left behind, drains the logs, reports
+//!    `exited` to the agent if it still listens, records the exit durably in
+//!    `<control>/<run>.exit` and exits itself.
+//!
+//! The agent may die and come back at any point: everything it needs to reattach is the
+//! supervisor's pid and start time, and the record files.
+//!
+//! The library holds the formats both sides share (arguments, protocol lines, record
+//! files, log file names), so they are defined once.
+
+pub mod args;
+pub mod logs;
+pub mod proc;
+pub mod protocol;
+mod supervise;
+
+pub use supervise::main;

@@ -1,0 +1,384 @@
+//! What the supervisor tells the agent: lines on its stdout, and record files in its
+//! control dir for an agent that was not there to hear.
+//!
+//! Lines (each ends with `\n`):
+//! - `started <task-pid> <task-start> <supervisor-start>`: the task runs (start times in
+//!   clock ticks since boot, field 22 of `/proc/<pid>/stat`);
+//! - `failed <0|1> <message>`: the task did not start; `1` when a retry may work;
+//! - `exited <code> <signal|->`: the task ended and everything it left was killed.
+//!
+//! Files in the control dir (`<task>/.stead`), named by the run id:
+//! - `<run>.run`: `stead-run 1`, `supervisor <pid> <start>`, `task <pid> <start>`; written
+//!   when the task started, so an agent that died before it learnt the run can still find
+//!   and stop it;
+//! - `<run>.exit`: `stead-exit 1`, `code <code>`, `signal <signal|->`; written durably
+//!   (fsync, rename, fsync of the directory) after the task ended.
+
+use std::fs;
+use std::io::{self, Write};
+use std::path::{Path, PathBuf};
+
+/// How a task ended.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct ExitStatus {
+    /// The exit code; by convention 128 + n when signal n killed the task.
+    pub code: i32,
+    /// The signal that killed the task, if one did.
+    pub signal: Option<i32>,
+}
+
+/// One line of the supervisor's report.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Report {
+    /// The task runs.
+    Started {
+        /// The task's pid (also its process group and session id).
+        task_pid: u32,
+        /// The task's start time, in clock ticks since boot.
+        task_start: u64,
+        /// The supervisor's start time, in clock ticks since boot.
+        supervisor_start: u64,
+    },
+    /// The task did not start.
+    Failed {
+        /// Whether trying again may work.
+        recoverable: bool,
+        /// Why, on one line.
+        message: String,
+    },
+    /// The task ended.
+    Exited(ExitStatus),
+}
+
+/// A line or file that does not follow the protocol.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[error("malformed supervisor {what}: {text:?}")]
+pub struct ProtocolError {
+    /// What was being read (`report line`, `exit record`, `run record`).
+    pub what: &'static str,
+    /// The offending text (at most 200 bytes of it).
+    pub text: String,
+}
+
+fn malformed(what: &'static str, text: &str) -> ProtocolError {
+    let mut end = text.len().min(200);
+    while !text.is_char_boundary(end) {
+        end -= 1;
+    }
+    ProtocolError {
+        what,
+        text: text[..end].to_owned(),
+    }
+}
+
+fn signal_text(signal: Option<i32>) -> String {
+    signal.map_or_else(|| "-".to_owned(), |s| s.to_string())
+}
+
+fn parse_signal(text: &str) -> Option<Option<i32>> {
+    if text == "-" {
+        Some(None)
+    } else {
+        text.parse().ok().map(Some)
+    }
+}
+
+impl Report {
+    /// The line, with its `\n`.
+    pub fn to_line(&self) -> String {
+        match self {
+            Report::Started {
+                task_pid,
+                task_start,
+                supervisor_start,
+            } => format!("started {task_pid} {task_start} {supervisor_start}\n"),
+            Report::Failed {
+                recoverable,
+                message,
+            } => {
+                let message = message.replace(['\n', '\r'], " ");
+                format!("failed {} {message}\n", u8::from(*recoverable))
+            }
+            Report::Exited(status) => {
+                format!("exited {} {}\n", status.code, signal_text(status.signal))
+            }
+        }
+    }
+
+    /// Parses one line (with or without its `\n`).
+    pub fn parse(line: &str) -> Result<Report, ProtocolError> {
+        let line = line.strip_suffix('\n').unwrap_or(line);
+        let bad = || malformed("report line", line);
+        let (kind, rest) = line.split_once(' ').ok_or_else(bad)?;
+        match kind {
+            "started" => {
+                let mut fields = rest.split(' ').map(str::parse::<u64>);
+                let mut next = || fields.next().and_then(Result::ok).ok_or_else(bad);
+                let task_pid = u32::try_from(next()?).map_err(|_| bad())?;
+                let task_start = next()?;
+                let supervisor_start = next()?;
+                Ok(Report::Started {
+                    task_pid,
+                    task_start,
+                    supervisor_start,
+                })
+            }
+            "failed" => {
+                let (recoverable, message) = rest.split_once(' ').unwrap_or((rest, ""));
+                let recoverable = match recoverable {
+                    "0" => false,
+                    "1" => true,
+                    _ => return Err(bad()),
+                };
+                Ok(Report::Failed {
+                    recoverable,
+                    message: message.to_owned(),
+                })
+            }
+            "exited" => {
+                let (code, signal) = rest.split_once(' ').ok_or_else(bad)?;
+                Ok(Report::Exited(ExitStatus {
+                    code: code.parse().map_err(|_| bad())?,
+                    signal: parse_signal(signal).ok_or_else(bad)?,
+                }))
+            }
+            _ => Err(bad()),
+        }
+    }
+}
+
+/// The supervisor of a run and its task, as `<run>.run` records them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RunRecord {
+    /// The supervisor's pid.
+    pub supervisor_pid: u32,
+    /// The supervisor's start time, in clock ticks since boot.
+    pub supervisor_start: u64,
+    /// The task's pid.
+    pub task_pid: u32,
+    /// The task's start time, in clock ticks since boot.
+    pub task_start: u64,
+}
+
+/// The path of the exit record of `run`.
+pub fn exit_record_path(control_dir: &Path, run: &str) -> PathBuf {
+    control_dir.join(format!("{run}.exit"))
+}
+
+/// The path of the run record of `run`.
+pub fn run_record_path(control_dir: &Path, run: &str) -> PathBuf {
+    control_dir.join(format!("{run}.run"))
+}
+
+/// Writes `contents` to `path` through a temporary file and a rename, so readers see the
+/// whole file or none; with `durable`, the data and the rename reach the disk first.
+fn write_atomically(path: &Path, contents: &str, durable: bool) -> io::Result<()> {
+    let tmp = path.with_extension("tmp");
+    let mut file = fs::File::create(&tmp)?;
+    file.write_all(contents.as_bytes())?;
+    if durable {
+        file.sync_data()?;
+    }
+    drop(file);
+    fs::rename(&tmp, path)?;
+    if durable && let Some(dir) = path.parent() {
+        fs::File::open(dir)?.sync_all()?;
+    }
+    Ok(())
+}
+
+/// Records durably how run `run` ended.
+pub fn write_exit_record(control_dir: &Path, run: &str, status: ExitStatus) -> io::Result<()> {
+    let text = format!(
+        "stead-exit 1\ncode {}\nsignal {}\n",
+        status.code,
+        signal_text(status.signal)
+    );
+    write_atomically(&exit_record_path(control_dir, run), &text, true)
+}
+
+/// Records which processes run `run` (not synced: it matters while the machine is up).
+pub fn write_run_record(control_dir: &Path, run: &str, record: RunRecord) -> io::Result<()> {
+    let text = format!(
+        "stead-run 1\nsupervisor {} {}\ntask {} {}\n",
+        record.supervisor_pid, record.supervisor_start, record.task_pid, record.task_start
+    );
+    write_atomically(&run_record_path(control_dir, run), &text, false)
+}
+
+/// The lines of a record after its header, as `(key, value)`.
+fn record_fields<'a>(
+    text: &'a str,
+    header: &str,
+    what: &'static str,
+) -> Result<Vec<(&'a str, &'a str)>, ProtocolError> {
+    let mut lines = text.lines();
+    if lines.next() != Some(header) {
+        return Err(malformed(what, text));
+    }
+    lines
+        .map(|line| line.split_once(' ').ok_or_else(|| malformed(what, text)))
+        .collect()
+}
+
+/// Parses the text of an exit record.
+pub fn parse_exit_record(text: &str) -> Result<ExitStatus, ProtocolError> {
+    let what = "exit record";
+    let bad = || malformed(what, text);
+    let fields = record_fields(text, "stead-exit 1", what)?;
+    let field = |key: &str| fields.iter().find(|(k, _)| *k == key).map(|(_, v)| *v);
+    Ok(ExitStatus {
+        code: field("code").and_then(|v| v.parse().ok()).ok_or_else(bad)?,
+        signal: field("signal").and_then(parse_signal).ok_or_else(bad)?,
+    })
+}
+
+/// Parses the text of a run record.
+pub fn parse_run_record(text: &str) -> Result<RunRecord, ProtocolError> {
+    let what = "run record";
+    let bad = || malformed(what, text);
+    let fields = record_fields(text, "stead-run 1", what)?;
+    let pair = |key: &str| -> Result<(u32, u64), ProtocolError> {
+        let value = fields
+            .iter()
+            .find(|(k, _)| *k == key)
+            .map(|(_, v)| *v)
+            .ok_or_else(bad)?;
+        let (pid, start) = value.split_once(' ').ok_or_else(bad)?;
+        Ok((
+            pid.parse().map_err(|_| bad())?,
+            start.parse().map_err(|_| bad())?,
+        ))
+    };
+    let (supervisor_pid, supervisor_start) = pair("supervisor")?;
+    let (task_pid, task_start) = pair("task")?;
+    Ok(RunRecord {
+        supervisor_pid,
+        supervisor_start,
+        task_pid,
+        task_start,
+    })
+}
+
+/// A record file that could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum RecordError {
+    /// Reading the file failed.
+    #[error("reading {path}")]
+    Read {
+        /// The file.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
+    /// The file does not follow the protocol.
+    #[error("reading {path}")]
+    Malformed {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong.
+        #[source]
+        source: ProtocolError,
+    },
+}
+
+/// The exit record of `run`; `None` while the run has not ended (or never started).
+pub fn read_exit_record(control_dir: &Path, run: &str) -> Result<Option<ExitStatus>, RecordError> {
+    let path = exit_record_path(control_dir, run);
+    match fs::read_to_string(&path) {
+        Ok(text) => parse_exit_record(&text)
+            .map(Some)
+            .map_err(|source| RecordError::Malformed { path, source }),
+        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+        Err(source) => Err(RecordError::Read { path, source }),
+    }
+}
+
+/// Every run record in `control_dir`, by run id; unreadable ones are skipped.
+pub fn read_run_records(control_dir: &Path) -> Vec<(String, RunRecord)> {
+    let Ok(entries) = fs::read_dir(control_dir) else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let name = entry.file_name();
+            let run = name.to_str()?.strip_suffix(".run")?;
+            if !crate::args::is_run_id(run) {
+                return None;
+            }
+            let text = fs::read_to_string(entry.path()).ok()?;
+            Some((run.to_owned(), parse_run_record(&text).ok()?))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn report_lines_round_trip() {
+        for report in [
+            Report::Started {
+                task_pid: 4242,
+                task_start: 123_456,
+                supervisor_start: 123_455,
+            },
+            Report::Failed {
+                recoverable: false,
+                message: "no such file: /bin/nope".to_owned(),
+            },
+            Report::Exited(ExitStatus {
+                code: 137,
+                signal: Some(9),
+            }),
+            Report::Exited(ExitStatus {
+                code: 3,
+                signal: None,
+            }),
+        ] {
+            assert_eq!(Report::parse(&report.to_line()), Ok(report));
+        }
+        assert_eq!(
+            Report::Failed {
+                recoverable: true,
+                message: "two\nlines".to_owned()
+            }
+            .to_line(),
+            "failed 1 two lines\n"
+        );
+        assert!(Report::parse("started 1 2").is_err());
+        assert!(Report::parse("bogus 1").is_err());
+    }
+
+    #[test]
+    fn records_round_trip_through_files() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        assert_eq!(read_exit_record(dir.path(), "ab").expect("readable"), None);
+        let status = ExitStatus {
+            code: 130,
+            signal: None,
+        };
+        write_exit_record(dir.path(), "ab", status).expect("written");
+        assert_eq!(
+            read_exit_record(dir.path(), "ab").expect("readable"),
+            Some(status)
+        );
+        let run = RunRecord {
+            supervisor_pid: 10,
+            supervisor_start: 20,
+            task_pid: 11,
+            task_start: 21,
+        };
+        write_run_record(dir.path(), "cd", run).expect("written");
+        fs::write(dir.path().join("zz.run"), "garbage").expect("written");
+        assert_eq!(read_run_records(dir.path()), [("cd".to_owned(), run)]);
+        fs::write(exit_record_path(dir.path(), "ef"), "stead-exit 1\ncode x\n").expect("written");
+        assert!(matches!(
+            read_exit_record(dir.path(), "ef"),
+            Err(RecordError::Malformed { .. })
+        ));
+    }
+}

@@ -1,0 +1,503 @@
+//! The supervisor's life: start the task, copy its output, reap it, clean up, report.
+//!
+//! One thread polls the task's stdout and stderr pipes and a notification pipe; a second
+//! thread (a small stack, no allocation) blocks in `wait()` and reaps every child: the
+//! task and the orphans the supervisor adopts as a subreaper. Nothing wakes the
+//! supervisor while its task is quiet.
+
+use std::ffi::OsString;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::os::unix::ffi::OsStringExt;
+use std::os::unix::process::CommandExt;
+use std::process::{Command, ExitCode, Stdio};
+
+use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::fs::OFlags;
+use rustix::io::Errno;
+use rustix::pipe::{PipeFlags, pipe_with};
+use rustix::process::{Pid, Signal, WaitOptions, WaitStatus};
+
+use crate::args::{ArgsError, SupervisorArgs};
+use crate::logs::{Rotator, Stream};
+use crate::proc;
+use crate::protocol::{self, ExitStatus, Report, RunRecord};
+
+/// The size of the read buffer for the task's output.
+const READ_BUFFER: usize = 16 * 1024;
+/// The reaper thread's stack: it calls `wait()` and `write()` and nothing else.
+const REAPER_STACK: usize = 64 * 1024;
+/// How long the supervisor waits for output after everything of the task was killed.
+const DRAIN_IDLE_MS: i64 = 100;
+
+/// Why the task did not start.
+#[derive(Debug, thiserror::Error)]
+enum StartError {
+    #[error("invalid supervisor command line")]
+    Args(#[source] ArgsError),
+    #[error("reading the task's environment from stdin")]
+    Environment(#[source] io::Error),
+    #[error("the agent closed stdin before the end of the task's environment")]
+    TruncatedEnvironment,
+    #[error("opening the {stream} log of task {task} in {dir}")]
+    Logs {
+        stream: &'static str,
+        task: String,
+        dir: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("creating pipes")]
+    Pipe(#[source] io::Error),
+    #[error("starting {command:?}")]
+    Spawn {
+        command: String,
+        #[source]
+        source: io::Error,
+    },
+    #[error("starting the reaper thread")]
+    Reaper(#[source] io::Error),
+}
+
+impl StartError {
+    /// Only a missing or forbidden program, or a malformed request, fail for good.
+    fn recoverable(&self) -> bool {
+        match self {
+            StartError::Args(_) | StartError::TruncatedEnvironment => false,
+            StartError::Spawn { source, .. } => !matches!(
+                source.kind(),
+                io::ErrorKind::NotFound | io::ErrorKind::PermissionDenied
+            ),
+            _ => true,
+        }
+    }
+}
+
+/// `error: cause: cause`, on one line.
+fn error_chain(error: &dyn std::error::Error) -> String {
+    let mut text = error.to_string();
+    let mut source = error.source();
+    while let Some(cause) = source {
+        text.push_str(": ");
+        text.push_str(&cause.to_string());
+        source = cause.source();
+    }
+    text
+}
+
+/// Writes `report` to the agent; an agent that is gone (EPIPE) is no error.
+fn send(report: &Report) {
+    let line = report.to_line();
+    let mut bytes = line.as_bytes();
+    while !bytes.is_empty() {
+        match rustix::io::write(rustix::stdio::stdout(), bytes) {
+            Ok(n) => bytes = &bytes[n..],
+            Err(Errno::INTR) => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// The supervisor's entry point.
+pub fn main() -> ExitCode {
+    let args = match SupervisorArgs::parse(std::env::args_os().skip(1)) {
+        Ok(args) => args,
+        Err(error) => {
+            let error = StartError::Args(error);
+            send(&Report::Failed {
+                recoverable: error.recoverable(),
+                message: error_chain(&error),
+            });
+            return ExitCode::from(2);
+        }
+    };
+    // Out of the agent's session: the agent's terminal and process group signals (and
+    // its death) do not reach the supervisor.
+    let _ = rustix::process::setsid();
+    let mut running = match start(&args) {
+        Ok(running) => running,
+        Err(error) => {
+            send(&Report::Failed {
+                recoverable: error.recoverable(),
+                message: error_chain(&error),
+            });
+            return ExitCode::from(1);
+        }
+    };
+    send(&Report::Started {
+        task_pid: running.task_pid.as_raw_nonzero().get().unsigned_abs(),
+        task_start: running.task_start,
+        supervisor_start: running.supervisor_start,
+    });
+    let status = running.supervise();
+    drop(running);
+    send(&Report::Exited(status));
+    match protocol::write_exit_record(&args.control_dir, &args.run, status) {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(_) => ExitCode::from(1),
+    }
+}
+
+/// One stream of the task's output.
+struct Output {
+    /// The read end of the pipe; `None` once the pipe is closed.
+    pipe: Option<OwnedFd>,
+    rotator: Rotator,
+}
+
+/// A started task.
+struct Running {
+    task_pid: Pid,
+    task_start: u64,
+    supervisor_start: u64,
+    outputs: [Output; 2],
+    /// Receives the task's exit status from the reaper thread (8 bytes).
+    exited: OwnedFd,
+}
+
+/// Reads the task's environment: `KEY=VALUE\0` entries, ended by an empty entry.
+fn read_environment() -> Result<Vec<(OsString, OsString)>, StartError> {
+    let mut input = Vec::new();
+    let mut chunk = [0u8; 4096];
+    loop {
+        match rustix::io::read(rustix::stdio::stdin(), &mut chunk) {
+            Ok(0) => break,
+            Ok(n) => input.extend_from_slice(&chunk[..n]),
+            Err(Errno::INTR) => {}
+            Err(error) => return Err(StartError::Environment(error.into())),
+        }
+    }
+    // The end marker: an empty entry, so the input ends with "\0\0" (or is just "\0").
+    let body = match input.strip_suffix(b"\0") {
+        Some(b"") => &b""[..],
+        Some(rest) if rest.ends_with(b"\0") => rest,
+        _ => return Err(StartError::TruncatedEnvironment),
+    };
+    Ok(body
+        .split(|b| *b == 0)
+        .filter(|entry| !entry.is_empty())
+        .filter_map(|entry| {
+            let eq = entry.iter().position(|b| *b == b'=')?;
+            Some((
+                OsString::from_vec(entry[..eq].to_vec()),
+                OsString::from_vec(entry[eq + 1..].to_vec()),
+            ))
+        })
+        .collect())
+}
+
+fn open_output(args: &SupervisorArgs, stream: Stream) -> Result<Rotator, StartError> {
+    Rotator::open(
+        &args.log_dir,
+        &args.name,
+        stream,
+        args.max_files,
+        args.max_file_size,
+    )
+    .map_err(|source| StartError::Logs {
+        stream: stream.as_str(),
+        task: args.name.clone(),
+        dir: args.log_dir.display().to_string(),
+        source,
+    })
+}
+
+fn nonblocking_pipe() -> Result<(OwnedFd, OwnedFd), StartError> {
+    let (read, write) = pipe_with(PipeFlags::CLOEXEC).map_err(|e| StartError::Pipe(e.into()))?;
+    rustix::fs::fcntl_setfl(&read, OFlags::NONBLOCK).map_err(|e| StartError::Pipe(e.into()))?;
+    Ok((read, write))
+}
+
+fn start(args: &SupervisorArgs) -> Result<Running, StartError> {
+    let me = rustix::process::getpid();
+    // Orphans of the task (daemonised grandchildren included) become our children, so
+    // they stay visible and killable.
+    let _ = rustix::process::set_child_subreaper(Some(me));
+    let environment = read_environment()?;
+    let stdout_log = open_output(args, Stream::Stdout)?;
+    let stderr_log = open_output(args, Stream::Stderr)?;
+    let (stdout_read, stdout_write) = nonblocking_pipe()?;
+    let (stderr_read, stderr_write) = nonblocking_pipe()?;
+    let (exited_read, exited_write) =
+        pipe_with(PipeFlags::CLOEXEC).map_err(|e| StartError::Pipe(e.into()))?;
+
+    let mut command = Command::new(&args.command);
+    command
+        .args(&args.args)
+        .env_clear()
+        .envs(environment)
+        .stdin(Stdio::null())
+        .stdout(Stdio::from(stdout_write))
+        .stderr(Stdio::from(stderr_write));
+    if let Some(gid) = args.gid {
+        command.gid(gid);
+    }
+    if let Some(uid) = args.uid {
+        command.uid(uid);
+    }
+    set_up_child(&mut command, me);
+    let child = command.spawn().map_err(|source| StartError::Spawn {
+        command: args.command.to_string_lossy().into_owned(),
+        source,
+    })?;
+    // Closes our copies of the pipes' write ends, so EOF comes when the task's are gone.
+    drop(command);
+    let task_raw = child.id();
+    drop(child);
+    let task_pid = Pid::from_raw(i32::try_from(task_raw).unwrap_or(i32::MAX))
+        .expect("a spawned child's pid is positive");
+    // The task cannot be reaped before the reaper starts, so its stat is there.
+    let task_start = proc::start_time(task_raw).unwrap_or(0);
+    let supervisor_start = proc::start_time(std::process::id()).unwrap_or(0);
+    // Only for an agent that died before it learnt of this run; not fatal.
+    let _ = protocol::write_run_record(
+        &args.control_dir,
+        &args.run,
+        RunRecord {
+            supervisor_pid: std::process::id(),
+            supervisor_start,
+            task_pid: task_raw,
+            task_start,
+        },
+    );
+    std::thread::Builder::new()
+        .name("reaper".to_owned())
+        .stack_size(REAPER_STACK)
+        .spawn(move || reap(task_pid, exited_write))
+        .map_err(StartError::Reaper)?;
+    Ok(Running {
+        task_pid,
+        task_start,
+        supervisor_start,
+        outputs: [
+            Output {
+                pipe: Some(stdout_read),
+                rotator: stdout_log,
+            },
+            Output {
+                pipe: Some(stderr_read),
+                rotator: stderr_log,
+            },
+        ],
+        exited: exited_read,
+    })
+}
+
+/// Makes the child a session leader that dies with the supervisor.
+#[allow(unsafe_code)]
+fn set_up_child(command: &mut Command, supervisor: Pid) {
+    // SAFETY: the closure runs in the forked child before exec, where only
+    // async-signal-safe calls are allowed. It makes three raw system calls through rustix
+    // (setsid, prctl, getppid) and builds errors without allocating.
+    unsafe {
+        command.pre_exec(move || {
+            rustix::process::setsid()?;
+            rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+            // The supervisor died between fork and prctl: nobody would reap or log us.
+            if rustix::process::getppid() != Some(supervisor) {
+                return Err(io::ErrorKind::BrokenPipe.into());
+            }
+            Ok(())
+        });
+    }
+}
+
+/// How a wait status reads as an exit: code 128 + n when killed by signal n.
+fn exit_status(status: WaitStatus) -> ExitStatus {
+    exit_from(status.exit_status(), status.terminating_signal())
+}
+
+fn exit_from(code: Option<i32>, signal: Option<i32>) -> ExitStatus {
+    match (code, signal) {
+        (_, Some(signal)) => ExitStatus {
+            code: 128 + signal,
+            signal: Some(signal),
+        },
+        (Some(code), None) => ExitStatus { code, signal: None },
+        (None, None) => ExitStatus {
+            code: 0,
+            signal: None,
+        },
+    }
+}
+
+/// The reaper thread: reaps every child, and sends the task's exit status down `exited`.
+fn reap(task: Pid, exited: OwnedFd) {
+    loop {
+        match rustix::process::wait(WaitOptions::empty()) {
+            Ok(Some((pid, status))) if pid == task => {
+                let status = exit_status(status);
+                let mut message = [0u8; 8];
+                message[..4].copy_from_slice(&status.code.to_ne_bytes());
+                message[4..].copy_from_slice(&status.signal.unwrap_or(0).to_ne_bytes());
+                let _ = rustix::io::write(&exited, &message);
+            }
+            Ok(_) | Err(Errno::INTR) => {}
+            // ECHILD: no children left. Orphans adopted later are reaped by the main
+            // thread while it kills them.
+            Err(_) => return,
+        }
+    }
+}
+
+/// Reaps children that have exited, without waiting.
+fn reap_exited() {
+    while let Ok(Some(_)) = rustix::process::wait(WaitOptions::NOHANG) {}
+}
+
+fn timeout_ms(ms: i64) -> Timespec {
+    Timespec {
+        tv_sec: ms / 1000,
+        tv_nsec: (ms % 1000) * 1_000_000,
+    }
+}
+
+impl Running {
+    /// Polls the open outputs (and, until the task exits, the exit notification);
+    /// returns the exit status once the task exited, or `None` on timeout.
+    fn poll_once(
+        &mut self,
+        buffer: &mut [u8],
+        watch_exit: bool,
+        timeout: Option<&Timespec>,
+    ) -> (usize, Option<ExitStatus>) {
+        let ready;
+        let mut exit = None;
+        let mut readable = [false; 3];
+        {
+            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(3);
+            let mut slots = Vec::with_capacity(3);
+            for (slot, output) in self.outputs.iter().enumerate() {
+                if let Some(pipe) = &output.pipe {
+                    fds.push(PollFd::new(pipe, PollFlags::IN));
+                    slots.push(slot);
+                }
+            }
+            if watch_exit {
+                fds.push(PollFd::new(&self.exited, PollFlags::IN));
+                slots.push(2);
+            }
+            if fds.is_empty() {
+                return (0, None);
+            }
+            match poll(&mut fds, timeout) {
+                Ok(n) => ready = n,
+                Err(_) => return (0, None),
+            }
+            for (fd, slot) in fds.iter().zip(slots) {
+                if !fd.revents().is_empty() {
+                    readable[slot] = true;
+                }
+            }
+        }
+        for (slot, output) in self.outputs.iter_mut().enumerate() {
+            if readable[slot] {
+                output.drain(buffer);
+            }
+        }
+        if readable[2] {
+            let mut message = [0u8; 8];
+            if let Ok(8) = rustix::io::read(&self.exited, &mut message) {
+                let mut code = [0u8; 4];
+                let mut signal = [0u8; 4];
+                code.copy_from_slice(&message[..4]);
+                signal.copy_from_slice(&message[4..]);
+                let signal = i32::from_ne_bytes(signal);
+                exit = Some(ExitStatus {
+                    code: i32::from_ne_bytes(code),
+                    signal: (signal != 0).then_some(signal),
+                });
+            }
+        }
+        (ready, exit)
+    }
+
+    /// Runs until the task exits, then kills what it left and drains its output.
+    fn supervise(&mut self) -> ExitStatus {
+        let mut buffer = vec![0u8; READ_BUFFER];
+        let status = loop {
+            if let (_, Some(status)) = self.poll_once(&mut buffer, true, None) {
+                break status;
+            }
+        };
+        // Whatever the task left behind (background children, daemons that reparented
+        // to us) dies with it, as with a container's init.
+        let me = std::process::id();
+        let round = timeout_ms(5);
+        for _ in 0..2_000 {
+            reap_exited();
+            let alive: Vec<u32> = proc::descendants(me)
+                .into_iter()
+                .filter(|pid| proc::stat(*pid).is_ok_and(|s| s.state != b'Z'))
+                .collect();
+            if alive.is_empty() {
+                break;
+            }
+            for pid in alive {
+                if let Some(pid) = Pid::from_raw(i32::try_from(pid).unwrap_or(0)) {
+                    let _ = rustix::process::kill_process(pid, Signal::KILL);
+                }
+            }
+            self.poll_once(&mut buffer, false, Some(&round));
+        }
+        reap_exited();
+        // Every writer is dead: read to EOF (or until nothing came for a while, if some
+        // process outside the tree holds a copy of a pipe).
+        let idle = timeout_ms(DRAIN_IDLE_MS);
+        while self.outputs.iter().any(|o| o.pipe.is_some()) {
+            if self.poll_once(&mut buffer, false, Some(&idle)).0 == 0 {
+                break;
+            }
+        }
+        status
+    }
+}
+
+impl Output {
+    /// Reads what is available; closes the pipe at EOF or on error.
+    fn drain(&mut self, buffer: &mut [u8]) {
+        let Some(pipe) = &self.pipe else { return };
+        for _ in 0..64 {
+            match rustix::io::read(pipe, &mut *buffer) {
+                Ok(0) => {
+                    self.pipe = None;
+                    return;
+                }
+                Ok(n) => {
+                    // A log that cannot be written (a full disk) loses output; it never
+                    // blocks the task.
+                    let _ = self.rotator.write(&buffer[..n]);
+                }
+                Err(Errno::AGAIN) => return,
+                Err(Errno::INTR) => {}
+                Err(_) => {
+                    self.pipe = None;
+                    return;
+                }
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signalled_exits_read_as_128_plus_the_signal() {
+        assert_eq!(
+            exit_from(None, Some(9)),
+            ExitStatus {
+                code: 137,
+                signal: Some(9)
+            }
+        );
+        assert_eq!(
+            exit_from(Some(3), None),
+            ExitStatus {
+                code: 3,
+                signal: None
+            }
+        );
+    }
+}

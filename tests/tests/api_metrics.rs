@@ -1,0 +1,111 @@
+//! `GET /metrics`: Prometheus text that a Prometheus parser accepts, with every series the
+//! agent promises, moved by what the node does.
+
+mod api_support;
+
+use std::collections::BTreeSet;
+
+use api_support::{Transport, agent, alloc, forever};
+use axum::http::StatusCode;
+use stead_controller::metrics::{self, Metrics};
+
+fn parse(text: &str) -> prometheus_parse::Scrape {
+    prometheus_parse::Scrape::parse(text.lines().map(|l| Ok(l.to_owned())))
+        .expect("the prometheus parser accepts /metrics")
+}
+
+fn value(scrape: &prometheus_parse::Scrape, name: &str, label: Option<(&str, &str)>) -> f64 {
+    let sample = scrape
+        .samples
+        .iter()
+        .find(|s| s.metric == name && label.is_none_or(|(k, v)| s.labels.get(k) == Some(v)))
+        .unwrap_or_else(|| panic!("no sample {name} {label:?}"));
+    match &sample.value {
+        prometheus_parse::Value::Counter(v)
+        | prometheus_parse::Value::Gauge(v)
+        | prometheus_parse::Value::Untyped(v) => *v,
+        prometheus_parse::Value::Histogram(buckets) => buckets.last().map_or(0.0, |b| b.count),
+        prometheus_parse::Value::Summary(_) => panic!("{name} is a summary"),
+    }
+}
+
+#[tokio::test]
+async fn metrics_parse_as_prometheus_text_and_name_every_promised_series() {
+    let metrics = Metrics::install().expect("the recorder installs");
+    assert!(
+        Metrics::install().is_ok(),
+        "installing again returns the same recorder"
+    );
+    let agent = agent();
+    let state = agent.state.clone().with_metrics(metrics);
+    agent.node.apply(alloc("web", &forever("main")));
+    agent.node.apply(alloc(
+        "crashy",
+        "  restart: {attempts: 1, delay: 10ms, interval: 1m, mode: fail}\n  tasks:\n    - {name: main, driver: mock, config: {runFor: 1ms, exitCode: 1}}\n",
+    ));
+    agent.until_running("web").await;
+    agent
+        .until("crashy fails", |node| {
+            node.status("crashy")
+                .is_some_and(|s| s.client_status == "failed")
+        })
+        .await;
+
+    let answer = Transport::InProcess(state).get("/metrics", None).await;
+    assert_eq!(answer.status, StatusCode::OK);
+    assert!(
+        answer.headers["content-type"]
+            .to_str()
+            .expect("ascii")
+            .starts_with("text/plain; version=0.0.4")
+    );
+    let scrape = parse(&answer.text());
+    let names: BTreeSet<&str> = scrape.samples.iter().map(|s| s.metric.as_str()).collect();
+    for name in [
+        metrics::RECONCILES,
+        metrics::RECONCILE_DURATION,
+        metrics::QUEUE_DEPTH,
+        metrics::COALESCED_UPDATES,
+        metrics::TASK_STARTS,
+        metrics::TASK_RESTARTS,
+        metrics::TASK_FAILURES,
+        metrics::STORE_WRITES,
+        metrics::STORE_SKIPPED_WRITES,
+        metrics::STORE_WRITE_ERRORS,
+        metrics::ALLOCS,
+    ] {
+        assert!(names.contains(name), "{name} missing from {names:?}");
+    }
+    assert!(value(&scrape, metrics::RECONCILES, None) > 0.0);
+    assert!(
+        value(&scrape, metrics::RECONCILE_DURATION, None) > 0.0,
+        "observations counted"
+    );
+    assert!(
+        value(&scrape, metrics::TASK_STARTS, None) >= 3.0,
+        "web once, crashy twice"
+    );
+    assert!(value(&scrape, metrics::TASK_RESTARTS, None) >= 1.0);
+    assert!(value(&scrape, metrics::TASK_FAILURES, None) >= 1.0);
+    assert!(value(&scrape, metrics::STORE_WRITES, None) > 0.0);
+    assert_eq!(
+        value(&scrape, metrics::ALLOCS, Some(("client_status", "running"))),
+        1.0
+    );
+    assert_eq!(
+        value(&scrape, metrics::ALLOCS, Some(("client_status", "failed"))),
+        1.0
+    );
+    assert_eq!(
+        value(
+            &scrape,
+            metrics::ALLOCS,
+            Some(("client_status", "complete"))
+        ),
+        0.0
+    );
+    assert!(
+        scrape.docs.contains_key(metrics::RECONCILES),
+        "help texts are rendered"
+    );
+}

@@ -1,0 +1,381 @@
+//! The exec driver on its own, with real processes: the task's environment, session and
+//! user; reattach that refuses a reused pid; signals; stats; the fingerprint and its
+//! health hook.
+
+mod exec_support;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use exec_support::{
+    alive, eventually, exec_driver, hog, processes_mentioning, processes_of_alloc, running_as_root,
+    stat_field,
+};
+use stead_controller::driver::exec::ExecDriver;
+use stead_controller::driver::{Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle};
+use stead_schemas::spec::{DriverConfig, DriverKind, ExecConfig, Name};
+use stead_schemas::{AllocId, Revision};
+
+fn alloc_id(name: &str) -> AllocId {
+    let name: Name = name.parse().expect("a valid name");
+    AllocId::new(&name, &Revision::from_hex(&"5e".repeat(32)).expect("hex"))
+}
+
+fn request(alloc: &str, command: &str, args: &[&str], user: Option<&str>) -> StartRequest {
+    StartRequest {
+        alloc_id: alloc_id(alloc),
+        task: "t".parse().expect("a valid name"),
+        config: DriverConfig::Exec(ExecConfig {
+            command: command.to_owned(),
+            args: Some(args.iter().map(|a| (*a).to_owned()).collect()),
+        }),
+        env: BTreeMap::from([("GREETING".to_owned(), "hello".to_owned())]),
+        user: user.map(str::to_owned),
+        logs: LogLimits {
+            max_files: 2,
+            max_file_size_mb: 1,
+        },
+    }
+}
+
+fn shell(alloc: &str, script: &str) -> StartRequest {
+    request(alloc, "/bin/sh", &["-c", script], None)
+}
+
+fn stdout(driver: &ExecDriver, alloc: &str) -> String {
+    let path = driver
+        .alloc_dirs()
+        .alloc(&alloc_id(alloc))
+        .logs()
+        .join("t.stdout.0");
+    std::fs::read_to_string(path).unwrap_or_default()
+}
+
+async fn stop(driver: &ExecDriver, handle: &TaskHandle) {
+    driver.kill(handle).await.expect("killed");
+    let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
+        .await
+        .expect("the task ends after a kill");
+    assert_eq!(exit.signal, Some(9));
+    driver.destroy(handle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_runs_in_its_own_session_in_its_task_dir_with_the_alloc_dir_environment() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let script = "pwd; echo \"alloc=$STEAD_ALLOC_ID\"; echo \"allocdir=$STEAD_ALLOC_DIR\"; \
+                  echo \"taskdir=$STEAD_TASK_DIR\"; echo \"secrets=$STEAD_SECRETS_DIR\"; \
+                  echo \"greeting=$GREETING\"; echo done; exec sleep 1000";
+    let handle = driver.start(shell("env", script)).await.expect("started");
+    let pid = handle.pid.expect("a pid");
+    assert_eq!(handle.driver, DriverKind::Exec);
+    // Its own session and process group: sid and pgid are its pid.
+    assert_eq!(stat_field(pid, 5), Some(pid.to_string()), "process group");
+    assert_eq!(stat_field(pid, 6), Some(pid.to_string()), "session");
+    eventually("the task wrote its environment", || {
+        stdout(&driver, "env").contains("done")
+    })
+    .await;
+    let alloc = driver.alloc_dirs().alloc(&alloc_id("env"));
+    let task_dir = alloc.path().join("t");
+    let expected = format!(
+        "{task}\nalloc={id}\nallocdir={shared}\ntaskdir={task}\nsecrets={task}/secrets\ngreeting=hello\ndone\n",
+        task = task_dir.display(),
+        id = alloc_id("env"),
+        shared = alloc.shared().display(),
+    );
+    assert_eq!(stdout(&driver, "env"), expected);
+    let secrets = std::fs::metadata(task_dir.join("secrets")).expect("secrets");
+    assert_eq!(
+        std::os::unix::fs::PermissionsExt::mode(&secrets.permissions()) & 0o777,
+        0o700
+    );
+    stop(&driver, &handle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn root_is_refused_unless_allowed_and_a_task_runs_as_the_user_it_names() {
+    if !running_as_root() {
+        return; // without root there is neither root to refuse nor a user to switch to
+    }
+    let data = tempfile::tempdir().expect("tempdir");
+    let strict = exec_driver(data.path(), false);
+    let refused = strict
+        .start(shell("rooted", "id -u"))
+        .await
+        .expect_err("root is refused");
+    match &refused {
+        DriverError::Start {
+            message,
+            recoverable,
+            ..
+        } => {
+            assert!(!recoverable);
+            assert!(message.contains("allowRoot"), "{message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+    let refused = strict
+        .start(request("named", "/bin/sh", &["-c", "id -u"], Some("root")))
+        .await
+        .expect_err("root by name is refused too");
+    assert!(!refused.is_recoverable());
+
+    let handle = strict
+        .start(request(
+            "nobody",
+            "/bin/sh",
+            &[
+                "-c",
+                "id -u; touch local/mine && echo wrote; exec sleep 1000",
+            ],
+            Some("nobody"),
+        ))
+        .await
+        .expect("runs as nobody");
+    eventually("it reports its uid", || {
+        stdout(&strict, "nobody").contains("wrote")
+    })
+    .await;
+    assert_eq!(stdout(&strict, "nobody"), "65534\nwrote\n");
+    stop(&strict, &handle).await;
+
+    let unknown = strict
+        .start(request("ghost", "/bin/true", &[], Some("no-such-user")))
+        .await
+        .expect_err("an unknown user");
+    assert!(!unknown.is_recoverable());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_missing_command_fails_to_start_for_good() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let error = driver
+        .start(request("missing", "/nonexistent/program", &[], None))
+        .await
+        .expect_err("no such program");
+    assert!(!error.is_recoverable(), "{error:?}");
+    assert!(
+        error.to_string().contains("/nonexistent/program"),
+        "{error}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn reattach_refuses_a_reused_pid_and_leaves_that_process_alone() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let handle = driver
+        .start(shell("reuse", "exec sleep 1000"))
+        .await
+        .expect("started");
+    // An unrelated process, as if the task's and supervisor's pids had been reused by it.
+    let mut stranger = std::process::Command::new("sleep")
+        .arg("1000")
+        .spawn()
+        .expect("sleep runs");
+    let stranger_pid = stranger.id();
+    let mut parts: Vec<String> = handle.id.split('.').map(str::to_owned).collect();
+    assert_eq!(parts.len(), 5, "{}", handle.id);
+    parts[1] = stranger_pid.to_string();
+    parts[3] = stranger_pid.to_string();
+    let forged = TaskHandle {
+        id: parts.join("."),
+        pid: Some(stranger_pid),
+        ..handle.clone()
+    };
+    let fresh = exec_driver(data.path(), true);
+    let refused = fresh.recover(&forged).await.expect_err("not the task");
+    assert!(
+        matches!(refused, DriverError::UnknownTask { .. }),
+        "{refused:?}"
+    );
+    fresh
+        .kill(&forged)
+        .await
+        .expect("a kill of nothing succeeds");
+    fresh.destroy(&forged).await;
+    assert!(alive(stranger_pid), "the stranger was not touched");
+    stranger.kill().expect("killed");
+    stranger.wait().expect("reaped");
+
+    // The real handle reattaches, and the task is the same process.
+    fresh.recover(&handle).await.expect("reattached");
+    let pid = handle.pid.expect("a pid");
+    assert!(alive(pid));
+    stop(&fresh, &handle).await;
+    assert!(!alive(pid));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn signals_reach_the_tasks_process_group() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let script = "trap 'echo got usr1' USR1; echo ready; while :; do sleep 0.05; done";
+    let handle = driver.start(shell("sig", script)).await.expect("started");
+    eventually("the trap is set", || {
+        stdout(&driver, "sig").contains("ready")
+    })
+    .await;
+    driver
+        .signal(&handle, &"SIGUSR1".parse().expect("a signal"))
+        .await
+        .expect("signalled");
+    eventually("the task got it", || {
+        stdout(&driver, "sig").contains("got usr1")
+    })
+    .await;
+    stop(&driver, &handle).await;
+    let gone = driver
+        .signal(&handle, &"SIGUSR1".parse().expect("a signal"))
+        .await;
+    assert!(gone.is_err(), "a dead task cannot be signalled");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_touching_50_mb_reports_an_rss_within_10_percent_and_its_cpu_use() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let hog_path = hog();
+    let handle = driver
+        .start(request(
+            "hog",
+            hog_path.to_str().expect("utf-8"),
+            &["50"],
+            None,
+        ))
+        .await
+        .expect("started");
+    eventually("the memory is touched", || {
+        stdout(&driver, "hog").contains("touched 50 MiB")
+    })
+    .await;
+    let stats = driver.stats(&handle).expect("measured");
+    let expected = 50.0 * 1024.0 * 1024.0;
+    let off = (stats.rss_bytes as f64 - expected).abs() / expected;
+    assert!(
+        off <= 0.10,
+        "RSS {} bytes is {:.1}% off",
+        stats.rss_bytes,
+        off * 100.0
+    );
+    assert_eq!(stats.processes, 1);
+    assert!(stats.ticks_per_second > 0);
+    stop(&driver, &handle).await;
+
+    // CPU: a busy shell and its busy child, measured twice.
+    let busy = driver
+        .start(shell("busy", "(while :; do :; done) & while :; do :; done"))
+        .await
+        .expect("started");
+    let first = driver.stats(&busy).expect("measured");
+    // Each measurement covers the time since the previous one.
+    eventually("CPU time accrues and shows as a percentage", || {
+        driver.stats(&busy).is_ok_and(|s| {
+            s.cpu_ticks >= first.cpu_ticks + 20 && s.cpu_percent > 0.0 && s.processes == 2
+        })
+    })
+    .await;
+    stop(&driver, &busy).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_health_hook_flips_the_fingerprint_and_back_and_attributes_name_kernel_os_and_cgroups()
+{
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let healthy = driver.fingerprint().await;
+    assert_eq!(healthy.health, Health::Healthy, "{}", healthy.description);
+    let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("readable");
+    assert_eq!(healthy.attributes["kernel.version"], release.trim());
+    assert_eq!(healthy.attributes["kernel.name"], "linux");
+    assert!(["v1", "v2", "none"].contains(&healthy.attributes["cgroup.version"].as_str()));
+    assert!(healthy.attributes.contains_key("os.name"));
+
+    driver.set_health(Some(Health::Unhealthy));
+    assert_eq!(driver.fingerprint().await.health, Health::Unhealthy);
+    driver.set_health(None);
+    assert_eq!(driver.fingerprint().await.health, Health::Healthy);
+
+    let broken = stead_controller::driver::exec::ExecDriver::new(
+        stead_controller::driver::exec::ExecDriverConfig {
+            supervisor: "/nonexistent/stead-supervisor".into(),
+            ..stead_controller::driver::exec::ExecDriverConfig::new(data.path())
+        },
+        stead_controller::clock::Clock::system(),
+    );
+    let fingerprint = broken.fingerprint().await;
+    assert_eq!(fingerprint.health, Health::Unhealthy);
+    assert!(
+        fingerprint.description.contains("supervisor"),
+        "{}",
+        fingerprint.description
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_cancelled_midway_leaves_no_process_behind() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    // The first poll spawns the supervisor and waits for its report; the timeout then
+    // drops the start, as a worker does when the task's start is cancelled.
+    let cancelled = tokio::time::timeout(
+        Duration::ZERO,
+        driver.start(shell("cancel", "exec sleep 1000")),
+    )
+    .await;
+    assert!(cancelled.is_err(), "the start was cut short");
+    let id = alloc_id("cancel").to_string();
+    eventually("neither the supervisor nor the task is left", || {
+        processes_mentioning(&id).is_empty() && processes_of_alloc(&id).is_empty()
+    })
+    .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
+    let data = tempfile::tempdir().expect("tempdir");
+    let driver = exec_driver(data.path(), true);
+    let handle = driver
+        .start(shell("orphan", "exec sleep 1000"))
+        .await
+        .expect("started");
+    let pid = handle.pid.expect("a pid");
+    let supervisor: u32 = stat_field(pid, 4)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent");
+    std::process::Command::new("kill")
+        .args(["-9", &supervisor.to_string()])
+        .status()
+        .expect("kill runs");
+    let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
+        .await
+        .expect("the wait ends");
+    assert!(exit.error.is_some(), "{exit:?}");
+    eventually("the task died with its supervisor", || !alive(pid)).await;
+    driver.destroy(&handle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_no_agent_learnt_of_is_stopped_when_its_task_starts_again() {
+    let data = tempfile::tempdir().expect("tempdir");
+    // An agent starts the task and dies before it records the handle.
+    let first = exec_driver(data.path(), true);
+    let lost = first
+        .start(shell("lost", "exec sleep 1000"))
+        .await
+        .expect("started");
+    let lost_pid = lost.pid.expect("a pid");
+    drop(first);
+    // The next agent starts the task again: the lost run must not keep running beside it.
+    let next = exec_driver(data.path(), true);
+    let handle = next
+        .start(shell("lost", "exec sleep 1000"))
+        .await
+        .expect("started");
+    eventually("the lost run is stopped", || !alive(lost_pid)).await;
+    assert!(alive(handle.pid.expect("a pid")));
+    stop(&next, &handle).await;
+}

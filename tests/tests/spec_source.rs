@@ -1,0 +1,143 @@
+//! The specs directory as desired state: what one listing pass tells the node.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use stead_controller::clock::Clock;
+use stead_controller::driver::mock::MockDriver;
+use stead_controller::driver::{Driver, Drivers};
+use stead_controller::node::{Node, NodeConfig};
+use stead_controller::source::{Syncer, list_specs};
+use stead_controller::store::MemoryStore;
+use stead_schemas::Timestamp;
+
+const DEADLINE: Duration = Duration::from_secs(600);
+
+fn spec(name: &str, command_marker: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - {{name: t, driver: mock, config: {{stdoutString: {command_marker}}}}}\n"
+    )
+}
+
+fn node() -> Node {
+    let clock = Clock::starting_at(Timestamp::from_since_epoch(Duration::from_secs(
+        1_800_000_000,
+    )));
+    let mock = MockDriver::new(clock);
+    let drivers = Drivers::new([Arc::new(mock) as Arc<dyn Driver>]);
+    Node::new(
+        NodeConfig::default(),
+        drivers,
+        Arc::new(MemoryStore::default()),
+        clock,
+    )
+}
+
+fn running(node: &Node, name: &str) -> bool {
+    node.status(name)
+        .is_some_and(|s| s.tasks.values().all(|t| t.state == "running"))
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_pass_applies_new_specs_and_an_identical_rewrite_changes_nothing() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
+    std::fs::write(dir.path().join(".web.yaml.swp"), "garbage: [").expect("write");
+    let node = node();
+    let mut syncer = Syncer::new([]);
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert_eq!(report.applied.len(), 1);
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+
+    // Same meaning, different bytes: comments and key order.
+    let rewritten = "# edited\nkind: Alloc\napiVersion: stead/v1\nmetadata:\n  name: web\nspec:\n  tasks:\n    - config: {stdoutString: a}\n      driver: mock\n      name: t\n";
+    std::fs::write(dir.path().join("web.yaml"), rewritten).expect("write");
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert!(
+        report.applied.is_empty() && report.removed.is_empty(),
+        "{report:?}"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_invalid_edit_keeps_the_last_valid_revision_and_a_deleted_file_removes_the_alloc() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let path = dir.path().join("web.yaml");
+    std::fs::write(&path, spec("web", "a")).expect("write");
+    let node = node();
+    let mut syncer = Syncer::new([]);
+    syncer.sync(&node, &list_specs(dir.path()));
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    let id = node.status("web").expect("published").id.clone();
+
+    std::fs::write(
+        &path,
+        spec("web", "a").replace("stdoutString", "stdoutStrin"),
+    )
+    .expect("write");
+    let listing = list_specs(dir.path());
+    assert!(!listing.diagnostics.is_empty());
+    let report = syncer.sync(&node, &listing);
+    assert!(
+        report.applied.is_empty() && report.removed.is_empty(),
+        "{report:?}"
+    );
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(node.status("web").expect("still there").id, id);
+    assert!(running(&node, "web"));
+
+    std::fs::remove_file(&path).expect("remove");
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert_eq!(report.removed.len(), 1);
+    assert!(
+        node.wait_until(DEADLINE, |n| n.status("web").is_none())
+            .await
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_alloc_known_before_the_first_listing_is_removed_only_by_a_listing_without_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("kept.yaml"), spec("kept", "a")).expect("write");
+    let node = node();
+    let mut first = Syncer::new([]);
+    first.sync(&node, &list_specs(dir.path()));
+    std::fs::write(dir.path().join("orphan.yaml"), spec("orphan", "b")).expect("write");
+    first.sync(&node, &list_specs(dir.path()));
+    assert!(
+        node.wait_until(DEADLINE, |n| running(n, "kept") && running(n, "orphan"))
+            .await
+    );
+
+    // As after a restart: the node knows both, the directory no longer has one.
+    std::fs::remove_file(dir.path().join("orphan.yaml")).expect("remove");
+    let known = node
+        .statuses()
+        .iter()
+        .map(|s| {
+            (
+                s.name.parse().expect("name"),
+                stead_schemas::Revision::from_hex(&s.revision).expect("hex"),
+            )
+        })
+        .collect::<Vec<_>>();
+    let mut syncer = Syncer::new(known);
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert_eq!(
+        report
+            .removed
+            .iter()
+            .map(|n| n.as_str())
+            .collect::<Vec<_>>(),
+        ["orphan"]
+    );
+    assert!(
+        report.applied.is_empty(),
+        "the kept alloc is untouched: {report:?}"
+    );
+    assert!(
+        node.wait_until(DEADLINE, |n| n.status("orphan").is_none())
+            .await
+    );
+    assert!(running(&node, "kept"));
+}
