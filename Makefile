@@ -7,7 +7,9 @@ SPECS ?= deploy/examples
 .PHONY: run test deps fmt-check clippy unit bench fuzz
 
 run: deps
-	$(CARGO) run --locked --bin stead -- validate $(SPECS)
+	$(CARGO) build --locked -p stead-controller -p stead-supervisor
+	target/debug/stead validate $(SPECS)
+	target/debug/stead agent --config deploy/dev-agent.yaml --specs $(SPECS)
 
 test: deps fmt-check clippy unit
 

@@ -12,6 +12,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::api::{ApiState, bind_tcp, bind_unix, router, serve_tcp, serve_unix};
 use crate::clock::Clock;
+use crate::driver::exec::{ExecDriver, ExecDriverConfig};
 use crate::driver::mock::MockDriver;
 use crate::driver::{Driver, Drivers};
 use crate::logging::{LogFormat, init_logging};
@@ -58,6 +59,10 @@ pub struct Settings {
     pub shutdown: Shutdown,
     /// Whether the mock driver runs.
     pub mock_driver: bool,
+    /// Whether the exec driver runs.
+    pub exec_driver: bool,
+    /// Whether exec tasks may run as root.
+    pub allow_root: bool,
     /// Also serve the API on this unix socket.
     pub socket: Option<PathBuf>,
     /// The bearer token the API requires.
@@ -146,12 +151,12 @@ impl Settings {
             ),
             (None, None) => None,
         };
-        let mock_driver = config
-            .drivers
-            .as_ref()
-            .and_then(|d| d.mock.as_ref())
-            .and_then(|m| m.enabled)
-            .unwrap_or(true);
+        let enabled = |toggle: Option<&stead_schemas::config::DriverToggle>| {
+            toggle.and_then(|t| t.enabled).unwrap_or(true)
+        };
+        let drivers = config.drivers.clone().unwrap_or_default();
+        let mock_driver = enabled(drivers.mock.as_ref());
+        let exec_driver = enabled(drivers.exec.as_ref());
         Ok(Settings {
             specs_dir: args
                 .specs
@@ -180,6 +185,8 @@ impl Settings {
                 Shutdown::Detach
             },
             mock_driver,
+            exec_driver,
+            allow_root: config.allow_root.unwrap_or(false),
             socket: config.socket,
             token,
             log_format: config.log_format,
@@ -297,10 +304,24 @@ fn start_api(
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(settings: Settings) -> Result<(), AgentError> {
     let _lock = lock_data_dir(&settings.data_dir)?;
+    // Tasks get absolute paths, whatever the agent's working directory.
+    let data_dir = std::fs::canonicalize(&settings.data_dir).map_err(|source| {
+        AgentError::CreateDir {
+            path: settings.data_dir.clone(),
+            source,
+        }
+    })?;
     let clock = Clock::system();
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));
+    }
+    if settings.exec_driver {
+        let config = ExecDriverConfig {
+            allow_root: settings.allow_root,
+            ..ExecDriverConfig::new(&data_dir)
+        };
+        drivers.push(Arc::new(ExecDriver::new(config, clock)));
     }
     let drivers = Drivers::new(drivers);
     // State lives in memory until the RocksDB store lands: tasks survive an agent
@@ -308,7 +329,7 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
     let node = Arc::new(Node::new(settings.node, drivers.clone(), store, clock));
     let metrics = Metrics::install().map_err(AgentError::Metrics)?;
-    let state = ApiState::new(node.clone(), drivers, settings.data_dir.clone())
+    let state = ApiState::new(node.clone(), drivers, data_dir.clone())
         .with_token(settings.token.clone())
         .with_metrics(metrics);
     let stop_api = state.shutdown_token();
