@@ -188,11 +188,10 @@ async fn stead_round(
         }
         for _ in 0..restarts {
             let old = pid_of(&node).context("the restarter runs")?;
-            let pid = rustix::process::Pid::from_raw(i32::try_from(old)?)
-                .context("a positive pid")?;
+            let pid =
+                rustix::process::Pid::from_raw(i32::try_from(old)?).context("a positive pid")?;
             let began = clock.instant();
-            rustix::process::kill_process(pid, rustix::process::Signal::KILL)
-                .context("kill -9")?;
+            rustix::process::kill_process(pid, rustix::process::Signal::KILL).context("kill -9")?;
             let restarted = node
                 .wait_until(LIMIT, |node| pid_of(node).is_some_and(|pid| pid != old))
                 .await;

@@ -40,6 +40,9 @@ pub struct AgentArgs {
     /// Stop every alloc on exit instead of leaving tasks running.
     #[arg(long)]
     pub drain: bool,
+    /// Log format: `text` (the default on a terminal) or `json` (otherwise).
+    #[arg(long, value_parser = ["text", "json"])]
+    pub log_format: Option<String>,
 }
 
 /// The agent's settings after defaults, the config file and flags.
@@ -189,7 +192,11 @@ impl Settings {
             allow_root: config.allow_root.unwrap_or(false),
             socket: config.socket,
             token,
-            log_format: config.log_format,
+            log_format: match args.log_format.as_deref() {
+                Some("json") => Some(stead_schemas::config::LogFormat::Json),
+                Some(_) => Some(stead_schemas::config::LogFormat::Text),
+                None => config.log_format,
+            },
         })
     }
 }
@@ -305,12 +312,11 @@ fn start_api(
 pub async fn run(settings: Settings) -> Result<(), AgentError> {
     let _lock = lock_data_dir(&settings.data_dir)?;
     // Tasks get absolute paths, whatever the agent's working directory.
-    let data_dir = std::fs::canonicalize(&settings.data_dir).map_err(|source| {
-        AgentError::CreateDir {
+    let data_dir =
+        std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
             path: settings.data_dir.clone(),
             source,
-        }
-    })?;
+        })?;
     let clock = Clock::system();
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
@@ -380,4 +386,62 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     node.shutdown(settings.shutdown).await;
     let _ = tokio::task::spawn_blocking(move || api.join()).await;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(config: Option<PathBuf>) -> AgentArgs {
+        AgentArgs {
+            config,
+            specs: None,
+            data_dir: None,
+            listen: None,
+            drain: false,
+            log_format: None,
+        }
+    }
+
+    #[test]
+    fn flags_override_the_config_file_which_overrides_defaults() {
+        let dir = std::env::temp_dir().join(format!("stead-agent-settings-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let config = dir.join("agent.yaml");
+        std::fs::write(
+            &config,
+            "listen: 127.0.0.1:9999\nresync: 3s\nshutdown: drain\nmaxTaskEvents: 7\n",
+        )
+        .expect("write");
+        let defaults = Settings::resolve(&args(None)).expect("defaults");
+        assert_eq!(defaults.listen, "127.0.0.1:4750");
+        assert_eq!(defaults.shutdown, Shutdown::Detach);
+        let from_file = Settings::resolve(&args(Some(config.clone()))).expect("config");
+        assert_eq!(from_file.listen, "127.0.0.1:9999");
+        assert_eq!(from_file.resync, Duration::from_secs(3));
+        assert_eq!(from_file.shutdown, Shutdown::Drain);
+        assert_eq!(from_file.node.limits.max_events, 7);
+        let flagged = Settings::resolve(&AgentArgs {
+            listen: Some("127.0.0.1:1".to_owned()),
+            ..args(Some(config))
+        })
+        .expect("flags");
+        assert_eq!(flagged.listen, "127.0.0.1:1");
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_second_agent_on_the_same_data_dir_is_refused_naming_the_dir() {
+        let dir = std::env::temp_dir().join(format!("stead-agent-lock-{}", std::process::id()));
+        let _first = lock_data_dir(&dir).expect("first agent locks");
+        let second = lock_data_dir(&dir).expect_err("second agent refused");
+        assert_eq!(
+            second.to_string(),
+            format!(
+                "data dir {} is in use by another stead agent",
+                dir.display()
+            )
+        );
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
 }
