@@ -5,7 +5,8 @@
 //! shows running, against a loop that spawns the same processes and nothing else (median
 //! of ROUNDS rounds each, default 3); the supervision memory per task, the PSS
 //! (`/proc/<pid>/smaps_rollup`) of every process stead runs besides the tasks (the
-//! supervisors; the agent excluded), while all the tasks run; and the latency from
+//! supervisors and their fork server; the agent excluded), while all the tasks run; the
+//! CPU each start costs the agent, the supervisor and the task; and the latency from
 //! `kill -9` of a task with restart delay 0 until its new process runs (p50, p90).
 //!
 //! It needs `stead-supervisor` next to `stead-bench` (`cargo build --release -p
@@ -85,6 +86,26 @@ fn smaps_field(pid: u32, field: &str) -> Option<u64> {
         .ok()
 }
 
+/// User plus system CPU time of `pid` (`self` for this process), in clock ticks.
+fn cpu_ticks(pid: &str) -> Option<u64> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// CPU time of every thread of `pid`, from `schedstat` (nanoseconds: exact where clock
+/// ticks would round a short-lived process down to nothing).
+fn cpu_nanos(pid: u32) -> u64 {
+    let Ok(threads) = std::fs::read_dir(format!("/proc/{pid}/task")) else {
+        return 0;
+    };
+    threads
+        .filter_map(Result::ok)
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|text| text.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
 /// The parent of `pid`.
 fn parent(pid: u32) -> Option<u32> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
@@ -108,7 +129,14 @@ fn running(node: &Node, tasks: usize) -> bool {
 }
 
 struct Round {
+    /// The round's data dir, removed after the last round: mass deletions slow the file
+    /// creations of the next round on some file systems (journal-less ext4 scans
+    /// recently deleted inodes).
+    data: PathBuf,
     all_running: Duration,
+    /// CPU while starting: the agent's in clock ticks, the supervisors' and the tasks'
+    /// in nanoseconds (totals; divided by the task count when printed).
+    cpu_ticks: (u64, u64, u64),
     pss_kib: Option<(u64, u64, u64, usize)>,
     restarts: Vec<Duration>,
     drained: Duration,
@@ -131,7 +159,7 @@ async fn stead_round(
         supervisor,
     };
     let driver = ExecDriver::new(config, clock);
-    let drivers = Drivers::new([Arc::new(driver) as Arc<dyn Driver>]);
+    let drivers = Drivers::new([Arc::new(driver.clone()) as Arc<dyn Driver>]);
     let node = Node::new(
         NodeConfig::default(),
         drivers,
@@ -142,6 +170,7 @@ async fn stead_round(
         .map(|i| spec(&format!("sleep-{i}"), ""))
         .collect::<anyhow::Result<_>>()?;
 
+    let agent_before = cpu_ticks("self").unwrap_or(0);
     let start = clock.instant();
     for spec in specs {
         node.apply(spec);
@@ -150,17 +179,32 @@ async fn stead_round(
         bail!("not all {tasks} tasks ran within {LIMIT:?}");
     }
     let all_running = start.elapsed();
+    let agent = cpu_ticks("self").unwrap_or(0).saturating_sub(agent_before);
+    let task_pids: Vec<u32> = node
+        .statuses()
+        .iter()
+        .filter_map(|s| s.tasks.get("main")?.pid)
+        .collect();
+    let supervisors_cpu: u64 = task_pids
+        .iter()
+        .filter_map(|pid| parent(*pid))
+        .map(cpu_nanos)
+        .sum();
+    let tasks_cpu: u64 = task_pids.iter().copied().map(cpu_nanos).sum();
 
     let mut pss_kib = None;
     let mut latencies = Vec::new();
     if measure {
         // Let the supervisors settle (their log files opened, their pipes idle).
         tokio::time::sleep(Duration::from_secs(1)).await;
+        // Every process stead runs besides the tasks: their supervisors and the fork
+        // server they come from.
         let supervisors: Vec<u32> = node
             .statuses()
             .iter()
             .filter_map(|s| s.tasks.get("main")?.pid)
             .filter_map(parent)
+            .chain(driver.fork_server_pid())
             .collect();
         let sum = |field: &str| -> u64 {
             supervisors
@@ -168,12 +212,7 @@ async fn stead_round(
                 .filter_map(|pid| smaps_field(*pid, field))
                 .sum()
         };
-        pss_kib = Some((
-            sum("Pss"),
-            sum("Rss"),
-            sum("Private_Dirty"),
-            supervisors.len(),
-        ));
+        pss_kib = Some((sum("Pss"), sum("Rss"), sum("Private_Dirty"), tasks));
 
         node.apply(spec(
             "restarter",
@@ -205,9 +244,10 @@ async fn stead_round(
     let began = clock.instant();
     node.shutdown(Shutdown::Drain).await;
     let drained = began.elapsed();
-    let _ = std::fs::remove_dir_all(&data);
     Ok(Round {
+        data,
         all_running,
+        cpu_ticks: (agent, supervisors_cpu, tasks_cpu),
         pss_kib,
         restarts: latencies,
         drained,
@@ -239,6 +279,7 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
     let mut bare = Vec::new();
     let mut stead = Vec::new();
     let mut measured = None;
+    let mut data_dirs = Vec::new();
     for round in 0..rounds {
         bare.push(bare_loop(&clock, tasks)?);
         let last = round + 1 == rounds;
@@ -251,9 +292,13 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
             last,
         ))?;
         stead.push(result.all_running);
+        data_dirs.push(result.data.clone());
         if last {
             measured = Some(result);
         }
+    }
+    for dir in data_dirs {
+        let _ = std::fs::remove_dir_all(dir);
     }
     let measured = measured.context("at least one round")?;
     let bare_median = median(&mut bare);
@@ -271,10 +316,18 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         stead_median.as_secs_f64(),
         stead_median.as_secs_f64() / bare_median.as_secs_f64()
     );
+    let (agent, supervisors, started) = measured.cpu_ticks;
+    let per_task_ms = |nanos: u64| nanos as f64 / 1e6 / tasks as f64;
+    println!(
+        "  CPU per start (last round)             {:>9.2} ms agent, {:.2} ms supervisor, {:.2} ms task",
+        per_task_ms(agent * 10_000_000),
+        per_task_ms(supervisors),
+        per_task_ms(started)
+    );
     if let Some((pss, rss, dirty, count)) = measured.pss_kib {
         let per = |kib: u64| kib as f64 / count.max(1) as f64;
         println!(
-            "  supervision PSS per task               {:>9.1} KiB  (target <= 256 KiB; {count} supervisors; RSS {:.0} KiB, private dirty {:.0} KiB each)",
+            "  supervision PSS per task               {:>9.1} KiB  (target <= 256 KiB; {count} supervisors and the fork server; RSS {:.0} KiB, private dirty {:.0} KiB per task)",
             per(pss),
             per(rss),
             per(dirty)

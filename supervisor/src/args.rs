@@ -1,12 +1,13 @@
 //! The supervisor's command line, built by the agent and parsed by the supervisor.
 //!
 //! ```text
-//! stead-supervisor --control DIR --run ID --logs DIR --name TASK --max-files N
+//! stead-supervisor --dir DIR --control DIR --run ID --logs DIR --name TASK --max-files N
 //!                  --max-file-size BYTES [--uid UID --gid GID] -- COMMAND [ARG]...
 //! ```
 //!
 //! The task's environment is not on the command line: it comes on stdin, as
-//! `KEY=VALUE` entries each ended by a NUL byte.
+//! `KEY=VALUE` entries each ended by a NUL byte, or in the fork server's request
+//! ([`crate::protocol::encode_request`]).
 
 use std::ffi::{OsStr, OsString};
 use std::path::PathBuf;
@@ -14,6 +15,8 @@ use std::path::PathBuf;
 /// Everything the supervisor needs besides the environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SupervisorArgs {
+    /// The task dir: the supervisor's and the task's working directory.
+    pub task_dir: PathBuf,
     /// The supervisor's private directory (`<task>/.stead`), where it leaves its records.
     pub control_dir: PathBuf,
     /// The id of this run; names the record files. Lowercase hex.
@@ -78,6 +81,7 @@ impl SupervisorArgs {
             out.push(name.into());
             out.push(value);
         };
+        flag("--dir", self.task_dir.clone().into_os_string());
         flag("--control", self.control_dir.clone().into_os_string());
         flag("--run", self.run.clone().into());
         flag("--logs", self.log_dir.clone().into_os_string());
@@ -99,6 +103,7 @@ impl SupervisorArgs {
     /// Parses a command line (without the program name).
     pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Self, ArgsError> {
         let mut args = args.into_iter();
+        let mut task_dir = None;
         let mut control_dir = None;
         let mut run = None;
         let mut log_dir = None;
@@ -119,6 +124,7 @@ impl SupervisorArgs {
                 .next()
                 .ok_or_else(|| ArgsError::MissingValue { flag: flag.clone() })?;
             match flag.as_str() {
+                "--dir" => task_dir = Some(PathBuf::from(value)),
                 "--control" => control_dir = Some(PathBuf::from(value)),
                 "--run" => run = Some(text(&flag, &value, is_run_id)?),
                 "--logs" => log_dir = Some(PathBuf::from(value)),
@@ -150,6 +156,7 @@ impl SupervisorArgs {
         })?;
         positive("--max-file-size", max_file_size)?;
         Ok(SupervisorArgs {
+            task_dir: task_dir.ok_or(ArgsError::Missing { flag: "--dir" })?,
             control_dir: control_dir.ok_or(ArgsError::Missing { flag: "--control" })?,
             run: run.ok_or(ArgsError::Missing { flag: "--run" })?,
             log_dir: log_dir.ok_or(ArgsError::Missing { flag: "--logs" })?,
@@ -204,6 +211,7 @@ mod tests {
 
     fn sample() -> SupervisorArgs {
         SupervisorArgs {
+            task_dir: "/data/allocs/web-1234abcd/server".into(),
             control_dir: "/data/allocs/web-1234abcd/server/.stead".into(),
             run: "00ff".to_owned(),
             log_dir: "/data/allocs/web-1234abcd/alloc/logs".into(),

@@ -1,8 +1,11 @@
 //! stead's per-task supervisor: a small process that is the parent of one task and
 //! outlives the agent.
 //!
-//! The `exec` driver starts one `stead-supervisor` per run of a task (conmon's shape; the
-//! measured cost is in ARCHITECTURE.md). The supervisor
+//! The `exec` driver starts one supervisor per run of a task (conmon's shape; the
+//! measured cost is in ARCHITECTURE.md). It forks them from a fork server,
+//! `stead-supervisor --zygote`, rather than executing this binary for each:
+//! a fork of a small process is cheaper than an exec, and the copies share the server's
+//! pages. The supervisor
 //!
 //! 1. leaves the agent's session and becomes a child subreaper, so every process the task
 //!    forks, daemonised grandchildren included, stays below it;
@@ -13,8 +16,8 @@
 //! 4. reports `started` (or `failed`) on its stdout, a pipe to the agent ([`protocol`]);
 //! 5. copies the task's stdout and stderr into rotating files ([`logs`]);
 //! 6. when the task exits, kills whatever the task left behind, drains the logs, reports
-//!    `exited` to the agent if it still listens, records the exit durably in
-//!    `<control>/<run>.exit` and exits itself.
+//!    `exited` to the agent if it still listens, records the exit in
+//!    `<control>/<run>.exit` (synced to the disk when no agent heard it) and exits.
 //!
 //! The agent may die and come back at any point: everything it needs to reattach is the
 //! supervisor's pid and start time, and the record files.
@@ -27,5 +30,6 @@ pub mod logs;
 pub mod proc;
 pub mod protocol;
 mod supervise;
+mod zygote;
 
 pub use supervise::main;

@@ -2,8 +2,8 @@
 //! control dir for an agent that was not there to hear.
 //!
 //! Lines (each ends with `\n`):
-//! - `started <task-pid> <task-start> <supervisor-start>`: the task runs (start times in
-//!   clock ticks since boot, field 22 of `/proc/<pid>/stat`);
+//! - `started <task-pid> <task-start> <supervisor-pid> <supervisor-start>`: the task runs
+//!   (start times in clock ticks since boot, field 22 of `/proc/<pid>/stat`);
 //! - `failed <0|1> <message>`: the task did not start; `1` when a retry may work;
 //! - `exited <code> <signal|->`: the task ended and everything it left was killed.
 //!
@@ -11,12 +11,18 @@
 //! - `<run>.run`: `stead-run 1`, `supervisor <pid> <start>`, `task <pid> <start>`; written
 //!   when the task started, so an agent that died before it learnt the run can still find
 //!   and stop it;
-//! - `<run>.exit`: `stead-exit 1`, `code <code>`, `signal <signal|->`; written durably
-//!   (fsync, rename, fsync of the directory) after the task ended.
+//! - `<run>.exit`: `stead-exit 1`, `code <code>`, `signal <signal|->`; written after
+//!   the task ended, atomically (a rename), and synced to the disk (fsync of the file and
+//!   the directory) when no agent heard the `exited` line: an agent that heard it keeps
+//!   the exit in its own store, and the sync (~12 ms here) stays off the restart path.
 
+use std::ffi::OsString;
 use std::fs;
 use std::io::{self, Write};
+use std::os::unix::ffi::{OsStrExt, OsStringExt};
 use std::path::{Path, PathBuf};
+
+use crate::args::{ArgsError, SupervisorArgs};
 
 /// How a task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -36,6 +42,8 @@ pub enum Report {
         task_pid: u32,
         /// The task's start time, in clock ticks since boot.
         task_start: u64,
+        /// The supervisor's pid.
+        supervisor_pid: u32,
         /// The supervisor's start time, in clock ticks since boot.
         supervisor_start: u64,
     },
@@ -90,8 +98,9 @@ impl Report {
             Report::Started {
                 task_pid,
                 task_start,
+                supervisor_pid,
                 supervisor_start,
-            } => format!("started {task_pid} {task_start} {supervisor_start}\n"),
+            } => format!("started {task_pid} {task_start} {supervisor_pid} {supervisor_start}\n"),
             Report::Failed {
                 recoverable,
                 message,
@@ -116,10 +125,12 @@ impl Report {
                 let mut next = || fields.next().and_then(Result::ok).ok_or_else(bad);
                 let task_pid = u32::try_from(next()?).map_err(|_| bad())?;
                 let task_start = next()?;
+                let supervisor_pid = u32::try_from(next()?).map_err(|_| bad())?;
                 let supervisor_start = next()?;
                 Ok(Report::Started {
                     task_pid,
                     task_start,
+                    supervisor_pid,
                     supervisor_start,
                 })
             }
@@ -187,23 +198,30 @@ fn write_atomically(path: &Path, contents: &str, durable: bool) -> io::Result<()
     Ok(())
 }
 
-/// Records durably how run `run` ended.
-pub fn write_exit_record(control_dir: &Path, run: &str, status: ExitStatus) -> io::Result<()> {
+/// Records how run `run` ended; with `durable`, synced to the disk before returning.
+pub fn write_exit_record(
+    control_dir: &Path,
+    run: &str,
+    status: ExitStatus,
+    durable: bool,
+) -> io::Result<()> {
     let text = format!(
         "stead-exit 1\ncode {}\nsignal {}\n",
         status.code,
         signal_text(status.signal)
     );
-    write_atomically(&exit_record_path(control_dir, run), &text, true)
+    write_atomically(&exit_record_path(control_dir, run), &text, durable)
 }
 
-/// Records which processes run `run` (not synced: it matters while the machine is up).
+/// Records which processes run `run`. Neither synced nor renamed into place: it only
+/// matters while the machine is up, and a reader that finds it half-written (a crash
+/// within one small `write`) skips it as malformed.
 pub fn write_run_record(control_dir: &Path, run: &str, record: RunRecord) -> io::Result<()> {
     let text = format!(
         "stead-run 1\nsupervisor {} {}\ntask {} {}\n",
         record.supervisor_pid, record.supervisor_start, record.task_pid, record.task_start
     );
-    write_atomically(&run_record_path(control_dir, run), &text, false)
+    fs::write(run_record_path(control_dir, run), text)
 }
 
 /// The lines of a record after its header, as `(key, value)`.
@@ -314,6 +332,70 @@ pub fn read_run_records(control_dir: &Path) -> Vec<(String, RunRecord)> {
         .collect()
 }
 
+/// A request to the fork server that cannot be read.
+#[derive(Debug, thiserror::Error, PartialEq, Eq)]
+pub enum RequestError {
+    /// The request does not follow the format.
+    #[error("malformed start request")]
+    Malformed,
+    /// Its command line is not the supervisor's.
+    #[error("invalid command line in the start request")]
+    Args(#[source] ArgsError),
+}
+
+/// A start request for the fork server (`stead-supervisor --zygote`): the number of
+/// arguments, the supervisor's arguments, then the task's `KEY=VALUE` environment,
+/// each field ended by a NUL byte. (It travels in one `SOCK_SEQPACKET` message, with
+/// the write end of the pipe the supervisor reports on.)
+pub fn encode_request<'a>(
+    args: &SupervisorArgs,
+    environment: impl IntoIterator<Item = (&'a str, &'a str)>,
+) -> Vec<u8> {
+    let argv = args.to_args();
+    let mut out = Vec::with_capacity(4096);
+    out.extend_from_slice(argv.len().to_string().as_bytes());
+    out.push(0);
+    for arg in &argv {
+        out.extend_from_slice(arg.as_bytes());
+        out.push(0);
+    }
+    for (key, value) in environment {
+        out.extend_from_slice(key.as_bytes());
+        out.push(b'=');
+        out.extend_from_slice(value.as_bytes());
+        out.push(0);
+    }
+    out
+}
+
+/// Reads a request written by [`encode_request`].
+pub fn decode_request(
+    bytes: &[u8],
+) -> Result<(SupervisorArgs, Vec<(OsString, OsString)>), RequestError> {
+    let body = bytes.strip_suffix(b"\0").ok_or(RequestError::Malformed)?;
+    let mut fields = body.split(|b| *b == 0);
+    let count: usize = fields
+        .next()
+        .and_then(|f| std::str::from_utf8(f).ok()?.parse().ok())
+        .ok_or(RequestError::Malformed)?;
+    let mut argv = Vec::with_capacity(count);
+    for _ in 0..count {
+        let arg = fields.next().ok_or(RequestError::Malformed)?;
+        argv.push(OsString::from_vec(arg.to_vec()));
+    }
+    let args = SupervisorArgs::parse(argv).map_err(RequestError::Args)?;
+    let environment = fields
+        .filter_map(|entry| {
+            let eq = entry.iter().position(|b| *b == b'=')?;
+            Some((
+                OsString::from_vec(entry[..eq].to_vec()),
+                OsString::from_vec(entry[eq + 1..].to_vec()),
+            ))
+        })
+        .collect();
+    Ok((args, environment))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -324,6 +406,7 @@ mod tests {
             Report::Started {
                 task_pid: 4242,
                 task_start: 123_456,
+                supervisor_pid: 4241,
                 supervisor_start: 123_455,
             },
             Report::Failed {
@@ -349,7 +432,7 @@ mod tests {
             .to_line(),
             "failed 1 two lines\n"
         );
-        assert!(Report::parse("started 1 2").is_err());
+        assert!(Report::parse("started 1 2 3").is_err());
         assert!(Report::parse("bogus 1").is_err());
     }
 
@@ -361,7 +444,7 @@ mod tests {
             code: 130,
             signal: None,
         };
-        write_exit_record(dir.path(), "ab", status).expect("written");
+        write_exit_record(dir.path(), "ab", status, true).expect("written");
         assert_eq!(
             read_exit_record(dir.path(), "ab").expect("readable"),
             Some(status)
@@ -380,5 +463,44 @@ mod tests {
             read_exit_record(dir.path(), "ef"),
             Err(RecordError::Malformed { .. })
         ));
+    }
+
+    #[test]
+    fn start_requests_round_trip_with_empty_arguments_and_environment_values() {
+        let args = SupervisorArgs {
+            task_dir: "/d/t".into(),
+            control_dir: "/d/t/.stead".into(),
+            run: "ab".to_owned(),
+            log_dir: "/d/alloc/logs".into(),
+            name: "t".to_owned(),
+            max_files: 2,
+            max_file_size: 10,
+            uid: None,
+            gid: None,
+            command: "echo".into(),
+            args: vec!["".into(), "x=y".into()],
+        };
+        let bytes = encode_request(&args, [("A", "1"), ("EMPTY", ""), ("B", "x=y")]);
+        let (decoded, environment) = decode_request(&bytes).expect("decodes");
+        assert_eq!(decoded, args);
+        let environment: Vec<(String, String)> = environment
+            .into_iter()
+            .map(|(k, v)| {
+                (
+                    k.into_string().expect("utf-8"),
+                    v.into_string().expect("utf-8"),
+                )
+            })
+            .collect();
+        assert_eq!(
+            environment,
+            [
+                ("A".to_owned(), "1".to_owned()),
+                ("EMPTY".to_owned(), String::new()),
+                ("B".to_owned(), "x=y".to_owned())
+            ]
+        );
+        assert_eq!(decode_request(b"3\0a\0"), Err(RequestError::Malformed));
+        assert_eq!(decode_request(b""), Err(RequestError::Malformed));
     }
 }

@@ -39,6 +39,12 @@ enum StartError {
     Environment(#[source] io::Error),
     #[error("the agent closed stdin before the end of the task's environment")]
     TruncatedEnvironment,
+    #[error("entering the task dir {dir}")]
+    TaskDir {
+        dir: String,
+        #[source]
+        source: io::Error,
+    },
     #[error("opening the {stream} log of task {task} in {dir}")]
     Logs {
         stream: &'static str,
@@ -85,56 +91,74 @@ fn error_chain(error: &dyn std::error::Error) -> String {
     text
 }
 
-/// Writes `report` to the agent; an agent that is gone (EPIPE) is no error.
-fn send(report: &Report) {
+/// Writes `report` to the agent; false when the agent is gone (EPIPE), which is no
+/// error.
+pub(crate) fn send(report: &Report) -> bool {
     let line = report.to_line();
     let mut bytes = line.as_bytes();
     while !bytes.is_empty() {
         match rustix::io::write(rustix::stdio::stdout(), bytes) {
             Ok(n) => bytes = &bytes[n..],
             Err(Errno::INTR) => {}
-            Err(_) => return,
+            Err(_) => return false,
+        }
+    }
+    true
+}
+
+/// The supervisor's entry point: `--zygote` serves start requests as a fork server;
+/// anything else is one supervisor's command line, with the environment on stdin.
+pub fn main() -> ExitCode {
+    let mut argv = std::env::args_os().skip(1).peekable();
+    if argv.peek().is_some_and(|first| first == "--zygote") {
+        return crate::zygote::serve();
+    }
+    let started = SupervisorArgs::parse(argv)
+        .map_err(StartError::Args)
+        .and_then(|args| Ok((read_environment()?, args)));
+    match started {
+        Ok((environment, args)) => ExitCode::from(run(&args, environment)),
+        Err(error) => {
+            let _ = send(&Report::Failed {
+                recoverable: error.recoverable(),
+                message: error_chain(&error),
+            });
+            ExitCode::from(2)
         }
     }
 }
 
-/// The supervisor's entry point.
-pub fn main() -> ExitCode {
-    let args = match SupervisorArgs::parse(std::env::args_os().skip(1)) {
-        Ok(args) => args,
-        Err(error) => {
-            let error = StartError::Args(error);
-            send(&Report::Failed {
-                recoverable: error.recoverable(),
-                message: error_chain(&error),
-            });
-            return ExitCode::from(2);
-        }
-    };
+/// Runs one supervisor to its end: starts the task, reports on stdout, supervises it,
+/// records its exit. Returns the supervisor's exit code.
+pub(crate) fn run(args: &SupervisorArgs, environment: Vec<(OsString, OsString)>) -> u8 {
     // Out of the agent's session: the agent's terminal and process group signals (and
     // its death) do not reach the supervisor.
     let _ = rustix::process::setsid();
-    let mut running = match start(&args) {
+    let mut running = match start(args, environment) {
         Ok(running) => running,
         Err(error) => {
-            send(&Report::Failed {
+            let _ = send(&Report::Failed {
                 recoverable: error.recoverable(),
                 message: error_chain(&error),
             });
-            return ExitCode::from(1);
+            return 1;
         }
     };
-    send(&Report::Started {
+    // An agent gone by now finds the run by its run record.
+    let _ = send(&Report::Started {
         task_pid: running.task_pid.as_raw_nonzero().get().unsigned_abs(),
         task_start: running.task_start,
+        supervisor_pid: std::process::id(),
         supervisor_start: running.supervisor_start,
     });
     let status = running.supervise();
     drop(running);
-    send(&Report::Exited(status));
-    match protocol::write_exit_record(&args.control_dir, &args.run, status) {
-        Ok(()) => ExitCode::SUCCESS,
-        Err(_) => ExitCode::from(1),
+    // An agent that heard the exit keeps it in its own store; the record must reach the
+    // disk (fsync) only when no agent heard it. Either way it survives the agent.
+    let heard = send(&Report::Exited(status));
+    match protocol::write_exit_record(&args.control_dir, &args.run, status, !heard) {
+        Ok(()) => 0,
+        Err(_) => 1,
     }
 }
 
@@ -208,12 +232,18 @@ fn nonblocking_pipe() -> Result<(OwnedFd, OwnedFd), StartError> {
     Ok((read, write))
 }
 
-fn start(args: &SupervisorArgs) -> Result<Running, StartError> {
+fn start(
+    args: &SupervisorArgs,
+    environment: Vec<(OsString, OsString)>,
+) -> Result<Running, StartError> {
     let me = rustix::process::getpid();
     // Orphans of the task (daemonised grandchildren included) become our children, so
     // they stay visible and killable.
     let _ = rustix::process::set_child_subreaper(Some(me));
-    let environment = read_environment()?;
+    std::env::set_current_dir(&args.task_dir).map_err(|source| StartError::TaskDir {
+        dir: args.task_dir.display().to_string(),
+        source,
+    })?;
     let stdout_log = open_output(args, Stream::Stdout)?;
     let stderr_log = open_output(args, Stream::Stderr)?;
     let (stdout_read, stdout_write) = nonblocking_pipe()?;

@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use exec_support::{
-    alive, eventually, exec_driver, hog, processes_mentioning, processes_of_alloc, running_as_root,
-    stat_field,
+    DataDir, alive, eventually, exec_driver, hog, processes_of_alloc, processes_under,
+    running_as_root, stat_field,
 };
 use stead_controller::driver::exec::ExecDriver;
 use stead_controller::driver::{Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle};
@@ -62,7 +62,7 @@ async fn stop(driver: &ExecDriver, handle: &TaskHandle) {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_runs_in_its_own_session_in_its_task_dir_with_the_alloc_dir_environment() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let script = "pwd; echo \"alloc=$STEAD_ALLOC_ID\"; echo \"allocdir=$STEAD_ALLOC_DIR\"; \
                   echo \"taskdir=$STEAD_TASK_DIR\"; echo \"secrets=$STEAD_SECRETS_DIR\"; \
@@ -99,7 +99,7 @@ async fn root_is_refused_unless_allowed_and_a_task_runs_as_the_user_it_names() {
     if !running_as_root() {
         return; // without root there is neither root to refuse nor a user to switch to
     }
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let strict = exec_driver(data.path(), false);
     let refused = strict
         .start(shell("rooted", "id -u"))
@@ -150,7 +150,7 @@ async fn root_is_refused_unless_allowed_and_a_task_runs_as_the_user_it_names() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_command_fails_to_start_for_good() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let error = driver
         .start(request("missing", "/nonexistent/program", &[], None))
@@ -165,7 +165,7 @@ async fn a_missing_command_fails_to_start_for_good() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn reattach_refuses_a_reused_pid_and_leaves_that_process_alone() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let handle = driver
         .start(shell("reuse", "exec sleep 1000"))
@@ -211,7 +211,7 @@ async fn reattach_refuses_a_reused_pid_and_leaves_that_process_alone() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn signals_reach_the_tasks_process_group() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let script = "trap 'echo got usr1' USR1; echo ready; while :; do sleep 0.05; done";
     let handle = driver.start(shell("sig", script)).await.expect("started");
@@ -236,7 +236,7 @@ async fn signals_reach_the_tasks_process_group() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_touching_50_mb_reports_an_rss_within_10_percent_and_its_cpu_use() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let hog_path = hog();
     let handle = driver
@@ -284,7 +284,7 @@ async fn a_task_touching_50_mb_reports_an_rss_within_10_percent_and_its_cpu_use(
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_health_hook_flips_the_fingerprint_and_back_and_attributes_name_kernel_os_and_cgroups()
 {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let healthy = driver.fingerprint().await;
     assert_eq!(healthy.health, Health::Healthy, "{}", healthy.description);
@@ -315,28 +315,47 @@ async fn the_health_hook_flips_the_fingerprint_and_back_and_attributes_name_kern
     );
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[tokio::test(flavor = "current_thread")]
 async fn a_start_cancelled_midway_leaves_no_process_behind() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
-    // The first poll spawns the supervisor and waits for its report; the timeout then
-    // drops the start, as a worker does when the task's start is cancelled.
-    let cancelled = tokio::time::timeout(
-        Duration::ZERO,
-        driver.start(shell("cancel", "exec sleep 1000")),
-    )
-    .await;
-    assert!(cancelled.is_err(), "the start was cut short");
+    // A first start runs the fork server, so the next one sends its request at once.
+    let warm = driver
+        .start(shell("warm", "exec sleep 1000"))
+        .await
+        .expect("started");
+    stop(&driver, &warm).await;
+    // One poll sends the request (the socket is known writable) and then waits for the
+    // supervisor's report; dropping the start there is what a worker does when the
+    // task's start is cancelled.
+    let mut start = driver.start(shell("cancel", "exec sleep 1000"));
+    let mut context = std::task::Context::from_waker(std::task::Waker::noop());
+    assert!(start.as_mut().poll(&mut context).is_pending());
+    drop(start);
     let id = alloc_id("cancel").to_string();
+    let alloc_dir = driver
+        .alloc_dirs()
+        .alloc(&alloc_id("cancel"))
+        .path()
+        .to_owned();
+    let control = alloc_dir.join("t/.stead");
+    eventually("the supervisor started the task", || {
+        std::fs::read_dir(&control).is_ok_and(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .any(|e| e.file_name().to_string_lossy().ends_with(".run"))
+        })
+    })
+    .await;
     eventually("neither the supervisor nor the task is left", || {
-        processes_mentioning(&id).is_empty() && processes_of_alloc(&id).is_empty()
+        processes_under(&alloc_dir).is_empty() && processes_of_alloc(&id).is_empty()
     })
     .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let handle = driver
         .start(shell("orphan", "exec sleep 1000"))
@@ -360,7 +379,7 @@ async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_no_agent_learnt_of_is_stopped_when_its_task_starts_again() {
-    let data = tempfile::tempdir().expect("tempdir");
+    let data = DataDir::new();
     // An agent starts the task and dies before it records the handle.
     let first = exec_driver(data.path(), true);
     let lost = first

@@ -53,7 +53,7 @@ pub fn exec_driver(data_dir: &Path, allow_root: bool) -> ExecDriver {
 
 /// A node running the exec driver on a temporary data dir.
 pub struct ExecNode {
-    pub data: Arc<TempDir>,
+    pub data: Arc<DataDir>,
     pub store: MemoryStore,
     pub driver: ExecDriver,
     pub node: Node,
@@ -62,11 +62,10 @@ pub struct ExecNode {
 impl ExecNode {
     /// A fresh node (tasks may run as root: the tests run as root in CI).
     pub fn new() -> Self {
-        let data = Arc::new(tempfile::tempdir().expect("a temporary data dir"));
-        Self::over(data, MemoryStore::default())
+        Self::over(Arc::new(DataDir::new()), MemoryStore::default())
     }
 
-    fn over(data: Arc<TempDir>, store: MemoryStore) -> Self {
+    fn over(data: Arc<DataDir>, store: MemoryStore) -> Self {
         let driver = exec_driver(data.path(), true);
         let drivers = Drivers::new([Arc::new(driver.clone()) as Arc<dyn Driver>]);
         let config = NodeConfig {
@@ -166,7 +165,7 @@ impl ExecNode {
 
 /// What is left of a node that detached.
 pub struct Detached {
-    pub data: Arc<TempDir>,
+    pub data: Arc<DataDir>,
     pub store: MemoryStore,
 }
 
@@ -255,9 +254,10 @@ pub fn processes_of_alloc(alloc_id: &str) -> Vec<u32> {
         .collect()
 }
 
-/// Every live process whose command line mentions `text` (supervisors name their
-/// alloc dir on theirs).
-pub fn processes_mentioning(text: &str) -> Vec<u32> {
+/// Every live process working below `dir` or with `dir` in its environment: the
+/// supervisors and tasks of a data dir (or of one alloc dir).
+pub fn processes_under(dir: &Path) -> Vec<u32> {
+    let needle = dir.to_string_lossy().into_owned();
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
     };
@@ -266,8 +266,42 @@ pub fn processes_mentioning(text: &str) -> Vec<u32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|pid| *pid != std::process::id() && alive(*pid))
         .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|line| String::from_utf8_lossy(&line).contains(text))
+            let cwd = std::fs::read_link(format!("/proc/{pid}/cwd"));
+            cwd.is_ok_and(|cwd| cwd.starts_with(dir))
+                || std::fs::read(format!("/proc/{pid}/environ"))
+                    .is_ok_and(|env| String::from_utf8_lossy(&env).contains(&needle))
         })
         .collect()
+}
+
+/// A temporary data dir that, when dropped, SIGKILLs every process still working in it,
+/// so a failing test leaves no task running.
+pub struct DataDir {
+    dir: TempDir,
+}
+
+impl DataDir {
+    pub fn new() -> Self {
+        DataDir {
+            dir: tempfile::tempdir().expect("a temporary data dir"),
+        }
+    }
+
+    pub fn path(&self) -> &Path {
+        self.dir.path()
+    }
+}
+
+impl Drop for DataDir {
+    fn drop(&mut self) {
+        for _ in 0..3 {
+            let left = processes_under(self.dir.path());
+            if left.is_empty() {
+                return;
+            }
+            let mut kill = std::process::Command::new("kill");
+            kill.arg("-9").args(left.iter().map(u32::to_string));
+            let _ = kill.status();
+        }
+    }
 }

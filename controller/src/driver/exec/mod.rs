@@ -1,19 +1,21 @@
-//! The `exec` driver: real processes, each the child of its own `stead-supervisor`.
+//! The `exec` driver: real processes, each the child of its own supervisor.
 //!
-//! Starting a task builds its alloc dir ([`crate::allocdir`]), then spawns a supervisor
-//! in the task dir with the task's command line, writes the task's environment to the
-//! supervisor's stdin and reads its `started` (or `failed`) line. The supervisor starts
-//! the task in its own session and process group, copies its output into rotating log
-//! files, and outlives the agent; see `stead-supervisor` for its side.
+//! Starting a task builds its alloc dir ([`crate::allocdir`]), then asks the
+//! supervisors' fork server (`stead-supervisor --zygote`, started on first use) for a
+//! supervisor, handing it the task's command line and environment and the write end of
+//! a pipe, and reads the supervisor's `started` (or `failed`) line from that pipe. The
+//! supervisor starts the task in its own session and process group, in the task dir,
+//! copies its output into rotating log files, and outlives the agent; see
+//! `stead-supervisor` for its side.
 //!
-//! Everything a later agent needs to find a run again is in the handle id ([`run`]): the
-//! supervisor's pid, start time and run id, and the task's pid and start time. Reattach
-//! checks the start time (and the supervisor's command line), so a reused pid is never
-//! taken for the task; a run whose supervisor has exited is answered from the exit
-//! record it left in the task dir.
+//! Everything a later agent needs to find a run again is in the handle id (module `run`): the
+//! supervisor's pid and start time, the run id, and the task's pid and start time.
+//! Reattach checks the start times (and that the supervisor still works in the task
+//! dir), so a reused pid is never taken for the task; a run whose supervisor has exited
+//! is answered from the exit record it left in the task dir.
 //!
-//! Waiting: for a supervisor this agent started, its `exited` line on the pipe (sent
-//! before the durable record is synced, so a restart does not wait for the disk); for a
+//! Waiting: for a run this agent started, the supervisor's `exited` line on the pipe
+//! (sent before the record is written, so a restart does not wait for the disk); for a
 //! reattached one, its pidfd, then the record.
 //!
 //! Killing: SIGKILL to the task's process group and to every process below the
@@ -27,13 +29,13 @@ mod fingerprint;
 mod process;
 mod run;
 mod user;
+mod zygote;
 
 use std::collections::{BTreeMap, HashMap};
 use std::ffi::OsString;
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
-use std::process::Stdio;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -42,8 +44,8 @@ use stead_reconcilers::exit::ExitResult;
 use stead_schemas::spec::{DriverConfig, DriverKind, Name, Signal};
 use stead_supervisor::args::SupervisorArgs;
 use stead_supervisor::protocol::{self, ExitStatus, ProtocolError, Report};
-use tokio::io::{AsyncBufReadExt, AsyncWriteExt, BufReader};
-use tokio::process::{Child, ChildStdout};
+use tokio::io::{AsyncBufReadExt, BufReader};
+use tokio::net::unix::pipe;
 use tokio::sync::watch;
 
 use self::process::ProcessId;
@@ -126,25 +128,23 @@ enum ExecError {
     NeedsRoot { uid: u32, agent: u32 },
     #[error("setting up the task dir")]
     TaskDir(#[source] AllocDirError),
-    #[error("starting the supervisor {path}")]
+    #[error("asking the fork server ({path} --zygote) for a supervisor")]
     Spawn {
         path: PathBuf,
         #[source]
         source: io::Error,
     },
-    #[error("reading the report of the supervisor (pid {pid})")]
+    #[error("reading the supervisor's report")]
     Handshake {
-        pid: u32,
         #[source]
         source: io::Error,
     },
-    #[error("the supervisor (pid {pid}) did not report within {HANDSHAKE_TIMEOUT:?}")]
-    HandshakeTimeout { pid: u32 },
-    #[error("the supervisor (pid {pid}) exited without starting the task")]
-    SupervisorVanished { pid: u32 },
-    #[error("the supervisor (pid {pid}) broke the protocol")]
+    #[error("the supervisor did not report within {HANDSHAKE_TIMEOUT:?}")]
+    HandshakeTimeout,
+    #[error("the supervisor exited without starting the task")]
+    SupervisorVanished,
+    #[error("the supervisor broke the protocol")]
     Protocol {
-        pid: u32,
         #[source]
         source: ProtocolError,
     },
@@ -214,6 +214,8 @@ struct Inner {
     health: Mutex<Option<Health>>,
     /// The agent's own user.
     agent: Account,
+    /// The supervisors' fork server.
+    zygote: zygote::Zygote,
 }
 
 impl fmt::Debug for ExecDriver {
@@ -226,8 +228,12 @@ impl fmt::Debug for ExecDriver {
 }
 
 impl ExecDriver {
-    /// An exec driver with no runs yet, reading time from `clock`.
-    pub fn new(config: ExecDriverConfig, clock: Clock) -> Self {
+    /// An exec driver with no runs yet, reading time from `clock`. A relative data dir
+    /// is taken from the current directory now.
+    pub fn new(mut config: ExecDriverConfig, clock: Clock) -> Self {
+        if let Ok(absolute) = std::path::absolute(&config.data_dir) {
+            config.data_dir = absolute;
+        }
         let dirs = AllocDirs::new(&config.data_dir);
         ExecDriver {
             inner: Arc::new(Inner {
@@ -240,6 +246,7 @@ impl ExecDriver {
                     uid: rustix::process::geteuid().as_raw(),
                     gid: rustix::process::getegid().as_raw(),
                 },
+                zygote: zygote::Zygote::default(),
             }),
         }
     }
@@ -247,6 +254,12 @@ impl ExecDriver {
     /// The alloc dirs this driver builds.
     pub fn alloc_dirs(&self) -> &AllocDirs {
         &self.inner.dirs
+    }
+
+    /// The pid of the supervisors' fork server, once a task was started; for measuring
+    /// what supervision costs.
+    pub fn fork_server_pid(&self) -> Option<u32> {
+        self.inner.zygote.pid()
     }
 
     /// Test hook: makes `fingerprint` report `health` whatever its checks find; `None`
@@ -336,7 +349,7 @@ impl Inner {
                 pid: record.supervisor_pid,
                 start: record.supervisor_start,
             };
-            if supervisor.exists_with_arg(&run) {
+            if supervisor.exists_in(&task_dir.dir) {
                 let task = ProcessId {
                     pid: record.task_pid,
                     start: record.task_start,
@@ -379,6 +392,7 @@ impl Inner {
 
         let run = format!("{:016x}", fastrand::u64(..));
         let supervisor_args = SupervisorArgs {
+            task_dir: task_dir.dir.clone(),
             control_dir: task_dir.control.clone(),
             run: run.clone(),
             log_dir: alloc_dir.logs(),
@@ -390,85 +404,57 @@ impl Inner {
             command: OsString::from(&config.command),
             args: args.iter().map(OsString::from).collect(),
         };
-        let mut child = tokio::process::Command::new(&self.config.supervisor)
-            .args(supervisor_args.to_args())
-            .current_dir(&task_dir.dir)
-            .env_clear()
-            .stdin(Stdio::piped())
-            .stdout(Stdio::piped())
-            .stderr(Stdio::null())
-            .kill_on_drop(false)
-            .spawn()
+        let message = protocol::encode_request(
+            &supervisor_args,
+            env.iter().map(|(k, v)| (k.as_str(), v.as_str())),
+        );
+        let reports = self
+            .zygote
+            .launch(&self.config.supervisor, &message)
+            .await
             .map_err(|source| ExecError::Spawn {
                 path: self.config.supervisor.clone(),
                 source,
             })?;
-        let pid = child.id().unwrap_or(0);
-        let stdin = child.stdin.take();
-        let stdout = child.stdout.take().map(BufReader::new);
+        // From here on, a start that is dropped stops what it launched.
         let mut pending = Pending {
-            child: Some(child),
-            stdout,
+            reports: Some(BufReader::new(reports)),
         };
-
-        let mut input = Vec::new();
-        for (key, value) in &env {
-            input.extend_from_slice(key.as_bytes());
-            input.push(b'=');
-            input.extend_from_slice(value.as_bytes());
-            input.push(0);
-        }
-        input.push(0);
-        if let Some(mut stdin) = stdin {
-            // A supervisor that already gave up closes its stdin; its report says why.
-            let _ = stdin.write_all(&input).await;
-        }
-
         let mut line = String::new();
-        let read = match pending.stdout.as_mut() {
-            Some(stdout) => tokio::time::timeout(HANDSHAKE_TIMEOUT, stdout.read_line(&mut line))
+        let read = match pending.reports.as_mut() {
+            Some(reports) => tokio::time::timeout(HANDSHAKE_TIMEOUT, reports.read_line(&mut line))
                 .await
-                .map_err(|_| ExecError::HandshakeTimeout { pid })?,
+                .map_err(|_| ExecError::HandshakeTimeout)?,
             None => Ok(0),
         };
         match read {
             Ok(0) => {
-                pending.reap();
-                return Err(ExecError::SupervisorVanished { pid });
+                pending.reports = None;
+                return Err(ExecError::SupervisorVanished);
             }
             Ok(_) => {}
-            Err(source) => {
-                pending.reap();
-                return Err(ExecError::Handshake { pid, source });
-            }
+            Err(source) => return Err(ExecError::Handshake { source }),
         }
-        let report = match Report::parse(&line) {
-            Ok(report) => report,
-            Err(source) => {
-                pending.reap();
-                return Err(ExecError::Protocol { pid, source });
-            }
-        };
-        let (task_pid, task_start, supervisor_start) = match report {
+        let report = Report::parse(&line).map_err(|source| ExecError::Protocol { source })?;
+        let (task_pid, task_start, supervisor_pid, supervisor_start) = match report {
             Report::Started {
                 task_pid,
                 task_start,
+                supervisor_pid,
                 supervisor_start,
-            } => (task_pid, task_start, supervisor_start),
+            } => (task_pid, task_start, supervisor_pid, supervisor_start),
             Report::Failed {
                 recoverable,
                 message,
             } => {
-                pending.reap();
+                pending.reports = None;
                 return Err(ExecError::TaskFailed {
                     message,
                     recoverable,
                 });
             }
             Report::Exited(_) => {
-                pending.reap();
                 return Err(ExecError::Protocol {
-                    pid,
                     source: ProtocolError {
                         what: "report line",
                         text: line,
@@ -481,7 +467,7 @@ impl Inner {
             task: request.task.clone(),
             run: run.clone(),
             supervisor: ProcessId {
-                pid,
+                pid: supervisor_pid,
                 start: supervisor_start,
             },
             process: ProcessId {
@@ -495,11 +481,29 @@ impl Inner {
             pid: Some(task_pid),
             started_at: self.clock.now(),
         };
+        let supervisor = id.supervisor;
         let state = RunState::new(id);
         self.runs().insert(handle.id.clone(), state.clone());
-        let (child, stdout) = pending.defuse();
-        tokio::spawn(watch_child(child, stdout, state, task_dir.control, run));
+        let reports = pending.reports.take();
+        tokio::spawn(watch_run(reports, supervisor, state, task_dir.control, run));
         Ok(handle)
+    }
+
+    /// Whether the run's supervisor still runs: its pid, its start time, and its working
+    /// directory (the task dir) all match.
+    fn supervisor_alive(&self, id: &RunId) -> bool {
+        self.task_dir(id)
+            .is_some_and(|dir| id.supervisor.exists_in(&dir.dir))
+    }
+
+    /// SIGKILLs the task's process group and every process below its supervisor.
+    fn kill_run(&self, id: &RunId) {
+        if id.process.exists() {
+            let _ = process::signal_group(id.process.pid, RawSignal::KILL);
+        }
+        if self.supervisor_alive(id) {
+            process::kill_all(process::descendants(id.supervisor.pid));
+        }
     }
 
     /// The run of `handle`, for a known one.
@@ -523,7 +527,7 @@ impl Inner {
         let id = RunId::parse(&handle.id).ok_or_else(|| Self::unknown(handle))?;
         let task_dir = self.task_dir(&id).ok_or_else(|| Self::unknown(handle))?;
         let state = RunState::new(id.clone());
-        if id.supervisor.exists_with_arg(&id.run) {
+        if self.supervisor_alive(&id) {
             self.runs().insert(handle.id.clone(), state.clone());
             tokio::spawn(watch_pid(id.supervisor, state, task_dir.control, id.run));
             return Ok(());
@@ -535,7 +539,7 @@ impl Inner {
         }
         // Its supervisor is gone and left no record: nothing can tell how the run
         // ended, and whatever is left of it goes.
-        kill_run(&id);
+        self.kill_run(&id);
         process::kill_all(process::session_members(id.process));
         Err(Self::unknown(handle))
     }
@@ -569,13 +573,13 @@ impl Inner {
         let Some(id) = RunId::parse(&handle.id) else {
             return;
         };
-        kill_run(&id);
+        self.kill_run(&id);
         let recorded = self
             .task_dir(&id)
             .and_then(|dir| protocol::read_exit_record(&dir.control, &id.run).ok())
             .flatten()
             .is_some();
-        if !recorded && !id.supervisor.exists_with_arg(&id.run) {
+        if !recorded && !self.supervisor_alive(&id) {
             // The supervisor died without cleaning up (it was killed): what is left of
             // the task's session goes.
             process::kill_all(process::session_members(id.process));
@@ -585,7 +589,7 @@ impl Inner {
 
     fn stats(&self, handle: &TaskHandle) -> Result<TaskStats, DriverError> {
         let id = RunId::parse(&handle.id).ok_or_else(|| Self::unknown(handle))?;
-        let pids = if id.supervisor.exists_with_arg(&id.run) {
+        let pids = if self.supervisor_alive(&id) {
             process::descendants(id.supervisor.pid)
         } else if id.process.exists() {
             process::session_members(id.process)
@@ -645,16 +649,6 @@ impl Inner {
     }
 }
 
-/// SIGKILLs the task's process group and every process below its supervisor.
-fn kill_run(id: &RunId) {
-    if id.process.exists() {
-        let _ = process::signal_group(id.process.pid, RawSignal::KILL);
-    }
-    if id.supervisor.exists_with_arg(&id.run) {
-        process::kill_all(process::descendants(id.supervisor.pid));
-    }
-}
-
 /// How a recorded exit reads to the reconcilers.
 fn exit_result(status: ExitStatus) -> ExitResult {
     ExitResult {
@@ -681,18 +675,18 @@ fn recorded_exit(control: &Path, run: &str) -> ExitResult {
     }
 }
 
-/// Watches a supervisor this agent started: its `exited` line, or its end.
-async fn watch_child(
-    mut child: Child,
-    stdout: Option<BufReader<ChildStdout>>,
+/// Watches a run this agent started: its supervisor's `exited` line, or its end.
+async fn watch_run(
+    reports: Option<BufReader<pipe::Receiver>>,
+    supervisor: ProcessId,
     state: Arc<RunState>,
     control: PathBuf,
     run: String,
 ) {
     let mut reported = None;
-    if let Some(mut stdout) = stdout {
+    if let Some(mut reports) = reports {
         let mut line = String::new();
-        if let Ok(n) = stdout.read_line(&mut line).await
+        if let Ok(n) = reports.read_line(&mut line).await
             && n > 0
             && let Ok(Report::Exited(status)) = Report::parse(&line)
         {
@@ -702,12 +696,13 @@ async fn watch_child(
     let result = match reported {
         Some(result) => result,
         None => {
-            let _ = child.wait().await;
+            // The pipe closed without a report: the supervisor died; its record (if it
+            // wrote one) says how the task ended.
+            wait_for_exit(supervisor).await;
             recorded_exit(&control, &run)
         }
     };
     state.exit.send_replace(Some(result));
-    let _ = child.wait().await;
 }
 
 /// Watches a supervisor an earlier agent started, until it exits.
@@ -727,7 +722,7 @@ async fn wait_for_exit(process: ProcessId) {
         if !process.exists() {
             return;
         }
-        if let Some(fd) = readable_pidfd(pidfd) {
+        if let Ok(fd) = zygote::register(pidfd, tokio::io::Interest::READABLE) {
             let _ = fd.readable().await;
             return;
         }
@@ -737,19 +732,6 @@ async fn wait_for_exit(process: ProcessId) {
     }
 }
 
-/// Registers `pidfd` with tokio's reactor; it becomes readable when its process exits.
-#[allow(unsafe_code)]
-fn readable_pidfd(
-    pidfd: std::os::fd::OwnedFd,
-) -> Option<tokio::io::unix::AsyncFd<std::os::fd::OwnedFd>> {
-    // SAFETY: the `AsyncFd` takes ownership of the `OwnedFd`, which keeps the descriptor
-    // open, unchanged and returned by every `as_raw_fd` until the `AsyncFd` drops it.
-    unsafe {
-        tokio::io::unix::AsyncFd::register_with_interest(pidfd, tokio::io::Interest::READABLE)
-    }
-    .ok()
-}
-
 fn is_zombie(pid: u32) -> bool {
     std::fs::read_to_string(format!("/proc/{pid}/stat"))
         .ok()
@@ -757,70 +739,43 @@ fn is_zombie(pid: u32) -> bool {
         .is_some_and(|stat| stat.state == b'Z')
 }
 
-/// A supervisor spawned by a start that has not returned yet: if the start is dropped
+/// A run launched by a start that has not returned yet: if the start is dropped
 /// (cancelled), the run is stopped in the background rather than leaked.
 struct Pending {
-    child: Option<Child>,
-    stdout: Option<BufReader<ChildStdout>>,
-}
-
-impl Pending {
-    /// The start returned: the caller owns the supervisor now.
-    fn defuse(&mut self) -> (Child, Option<BufReader<ChildStdout>>) {
-        let child = self.child.take().expect("defused once");
-        (child, self.stdout.take())
-    }
-
-    /// The supervisor gave up (or broke the protocol): reap it in the background.
-    fn reap(&mut self) {
-        if let Some(mut child) = self.child.take() {
-            let _ = child.start_kill();
-            tokio::spawn(async move {
-                let _ = child.wait().await;
-            });
-        }
-    }
+    /// The supervisor's report pipe; `None` once the start returned or the run is known
+    /// not to have started.
+    reports: Option<BufReader<pipe::Receiver>>,
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        let Some(mut child) = self.child.take() else {
+        let Some(reports) = self.reports.take() else {
             return;
         };
-        let stdout = self.stdout.take();
-        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
-            let _ = child.start_kill();
-            return;
-        };
-        runtime.spawn(abandon(child, stdout));
+        // Outside a runtime nothing can wait for the report; the supervisor then runs
+        // its task until the next start of the task finds its run record.
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(abandon(reports));
+        }
     }
 }
 
 /// Stops a run whose start was cancelled: waits for the supervisor's report, then kills
-/// the task and everything below the supervisor (or the supervisor itself, if it has not
-/// started the task).
-async fn abandon(mut child: Child, stdout: Option<BufReader<ChildStdout>>) {
-    let supervisor = child.id();
+/// the task and everything below the supervisor.
+async fn abandon(mut reports: BufReader<pipe::Receiver>) {
     let mut line = String::new();
-    let report = match stdout {
-        Some(mut stdout) => {
-            match tokio::time::timeout(HANDSHAKE_TIMEOUT, stdout.read_line(&mut line)).await {
-                Ok(Ok(n)) if n > 0 => Report::parse(&line).ok(),
-                _ => None,
-            }
-        }
-        None => None,
-    };
-    match (report, supervisor) {
-        (Some(Report::Started { task_pid, .. }), Some(supervisor)) => {
-            let _ = process::signal_group(task_pid, RawSignal::KILL);
-            process::kill_all(process::descendants(supervisor));
-        }
-        _ => {
-            let _ = child.start_kill();
-        }
+    let read = tokio::time::timeout(HANDSHAKE_TIMEOUT, reports.read_line(&mut line)).await;
+    if let Ok(Ok(n)) = read
+        && n > 0
+        && let Ok(Report::Started {
+            task_pid,
+            supervisor_pid,
+            ..
+        }) = Report::parse(&line)
+    {
+        let _ = process::signal_group(task_pid, RawSignal::KILL);
+        process::kill_all(process::descendants(supervisor_pid));
     }
-    let _ = child.wait().await;
 }
 
 impl Driver for ExecDriver {
@@ -885,7 +840,7 @@ impl Driver for ExecDriver {
         let handle = handle.clone();
         Box::pin(async move {
             let id = RunId::parse(&handle.id).ok_or_else(|| Inner::unknown(&handle))?;
-            kill_run(&id);
+            self.inner.kill_run(&id);
             Ok(())
         })
     }

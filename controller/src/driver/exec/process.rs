@@ -1,6 +1,8 @@
 //! Processes as `/proc` shows them: identity (pid and start time), trees, sessions,
 //! signals and resource use. A pid alone never identifies a process: it is reused.
 
+use std::path::Path;
+
 use procfs::process::Process;
 use rustix::process::{Pid, Signal};
 
@@ -29,17 +31,19 @@ impl ProcessId {
             .is_some_and(|stat| stat.starttime == self.start)
     }
 
-    /// Whether it exists and its command line holds `needle` as one argument.
-    pub(crate) fn exists_with_arg(self, needle: &str) -> bool {
-        let Some(process) = process(self.pid) else {
+    /// Whether it exists and its working directory is `dir` (the same directory, by
+    /// device and inode, whatever path leads there).
+    pub(crate) fn exists_in(self, dir: &Path) -> bool {
+        use std::os::unix::fs::MetadataExt;
+        if !self.exists() {
             return false;
-        };
-        let same = process
-            .stat()
-            .is_ok_and(|stat| stat.starttime == self.start);
-        same && process
-            .cmdline()
-            .is_ok_and(|args| args.iter().any(|a| a == needle))
+        }
+        let cwd = std::fs::metadata(format!("/proc/{}/cwd", self.pid));
+        let dir = std::fs::metadata(dir);
+        match (cwd, dir) {
+            (Ok(cwd), Ok(dir)) => cwd.dev() == dir.dev() && cwd.ino() == dir.ino(),
+            _ => false,
+        }
     }
 }
 
@@ -160,23 +164,14 @@ mod tests {
     fn a_process_is_known_by_pid_and_start_time_together() {
         let mut child = std::process::Command::new("sleep")
             .arg("30")
+            .current_dir("/tmp")
             .spawn()
             .expect("sleep runs");
         let pid = child.id();
         let start = start_time(pid).expect("running");
         assert!(ProcessId { pid, start }.exists());
-        // Until exec has set up its arguments (spawn returns a moment before), the
-        // command line reads empty.
-        let has_arguments =
-            || process(pid).is_some_and(|p| p.cmdline().is_ok_and(|a| !a.is_empty()));
-        for _ in 0..100_000 {
-            if has_arguments() {
-                break;
-            }
-            std::thread::yield_now();
-        }
-        assert!(ProcessId { pid, start }.exists_with_arg("30"));
-        assert!(!ProcessId { pid, start }.exists_with_arg("31"));
+        assert!(ProcessId { pid, start }.exists_in(Path::new("/tmp")));
+        assert!(!ProcessId { pid, start }.exists_in(Path::new("/")));
         assert!(
             !ProcessId {
                 pid,
@@ -185,9 +180,17 @@ mod tests {
             .exists()
         );
         assert!(descendants(std::process::id()).contains(&pid));
-        let used = usage([pid]);
-        assert_eq!(used.processes, 1);
-        assert!(used.rss_bytes > 0);
+        assert_eq!(usage([pid]).processes, 1);
+        // Resident memory is accounted lazily: a process that just started may show none.
+        let mut rss = 0;
+        for _ in 0..1_000 {
+            rss = usage([pid]).rss_bytes;
+            if rss > 0 {
+                break;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(5));
+        }
+        assert!(rss > 0);
         kill_all([pid]);
         child.wait().expect("reaped");
         assert!(!ProcessId { pid, start }.exists());

@@ -2,9 +2,9 @@
 //! in the handle's `id` so the store holds it.
 //!
 //! `<alloc-id>/<task>/<run>.<supervisor-pid>.<supervisor-start>.<task-pid>.<task-start>`,
-//! where `run` is 16 random hex digits (it names the supervisor's record files and is on
-//! its command line) and the start times are clock ticks since boot. The text is opaque
-//! to everything but this driver.
+//! where `run` is 16 random hex digits (it names the supervisor's record files) and the
+//! start times are clock ticks since boot. The text is opaque to everything but this
+//! driver.
 
 use stead_schemas::spec::Name;
 

@@ -1,0 +1,156 @@
+//! The agent's end of the supervisors' fork server (`stead-supervisor --zygote`).
+//!
+//! The server is started on the first task start and lives as long as the driver: it
+//! exits when the driver drops its end of the socket. A start request is one
+//! `SOCK_SEQPACKET` message carrying the supervisor's arguments, the task's environment
+//! and the write end of a fresh pipe, on which the forked supervisor reports.
+
+use std::io::{self, IoSlice};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::path::Path;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex, PoisonError};
+
+use rustix::net::{
+    AddressFamily, SendAncillaryBuffer, SendAncillaryMessage, SendFlags, SocketFlags, SocketType,
+    sendmsg, socketpair,
+};
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
+use tokio::net::unix::pipe;
+use tokio::process::Child;
+
+/// A running fork server.
+struct Server {
+    socket: AsyncFd<OwnedFd>,
+    pid: Option<u32>,
+    /// Held so tokio reaps the server when it exits.
+    _child: Child,
+}
+
+/// The fork server, started when first needed and again if it died.
+#[derive(Default)]
+pub(super) struct Zygote {
+    server: Mutex<Option<Arc<Server>>>,
+}
+
+/// Registers `fd` with tokio's reactor for `interest`.
+#[allow(unsafe_code)]
+pub(super) fn register(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<OwnedFd>> {
+    // SAFETY: the `AsyncFd` takes ownership of the `OwnedFd`, which keeps the descriptor
+    // open, unchanged and returned by every `as_raw_fd` until the `AsyncFd` drops it.
+    unsafe { AsyncFd::register_with_interest(fd, interest) }.map_err(io::Error::from)
+}
+
+impl Server {
+    fn spawn(supervisor: &Path) -> io::Result<Server> {
+        let (ours, theirs) = socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )?;
+        // The server blocks on its end; only ours is non-blocking.
+        rustix::fs::fcntl_setfl(&theirs, rustix::fs::OFlags::empty())?;
+        let child = tokio::process::Command::new(supervisor)
+            .arg("--zygote")
+            .stdin(Stdio::from(theirs))
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .env_clear()
+            .current_dir("/")
+            .kill_on_drop(false)
+            .spawn()?;
+        Ok(Server {
+            socket: register(ours, Interest::WRITABLE)?,
+            pid: child.id(),
+            _child: child,
+        })
+    }
+
+    /// Sends one request with `report` attached.
+    async fn send(&self, request: &[u8], report: &OwnedFd) -> io::Result<()> {
+        loop {
+            let mut ready = self.socket.writable().await?;
+            let sent = ready.try_io(|socket| {
+                let fds = [report.as_fd()];
+                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+                let mut control = SendAncillaryBuffer::new(&mut space);
+                control.push(SendAncillaryMessage::ScmRights(&fds));
+                sendmsg(
+                    socket.get_ref(),
+                    &[IoSlice::new(request)],
+                    &mut control,
+                    SendFlags::NOSIGNAL,
+                )
+                .map_err(io::Error::from)
+            });
+            match sent {
+                Ok(result) => return result.map(|_| ()),
+                Err(_would_block) => continue,
+            }
+        }
+    }
+}
+
+impl Zygote {
+    fn server(&self, supervisor: &Path) -> io::Result<Arc<Server>> {
+        let mut slot = self.server.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(server) = &*slot {
+            return Ok(Arc::clone(server));
+        }
+        let server = Arc::new(Server::spawn(supervisor)?);
+        *slot = Some(Arc::clone(&server));
+        Ok(server)
+    }
+
+    /// Forgets `dead` (unless another start already replaced it).
+    fn forget(&self, dead: &Arc<Server>) {
+        let mut slot = self.server.lock().unwrap_or_else(PoisonError::into_inner);
+        if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, dead)) {
+            *slot = None;
+        }
+    }
+
+    /// The fork server's pid, once it runs.
+    pub(super) fn pid(&self) -> Option<u32> {
+        self.server
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .as_ref()
+            .and_then(|s| s.pid)
+    }
+
+    /// Asks the fork server for a supervisor running `request`; returns the pipe it
+    /// reports on. A server that died is started again, once.
+    pub(super) async fn launch(
+        &self,
+        supervisor: &Path,
+        request: &[u8],
+    ) -> io::Result<pipe::Receiver> {
+        let (read, write) = std::io::pipe()?;
+        let receiver = pipe::Receiver::from_owned_fd(OwnedFd::from(read))?;
+        let write = OwnedFd::from(write);
+        let mut retried = false;
+        loop {
+            let server = self.server(supervisor)?;
+            match server.send(request, &write).await {
+                Ok(()) => return Ok(receiver),
+                Err(error) if !retried && is_gone(&error) => {
+                    self.forget(&server);
+                    retried = true;
+                }
+                Err(error) => return Err(error),
+            }
+        }
+    }
+}
+
+/// Whether a send failed because the server is gone.
+fn is_gone(error: &io::Error) -> bool {
+    matches!(
+        error.kind(),
+        io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected
+    )
+}

@@ -1,0 +1,134 @@
+//! The fork server: `stead-supervisor --zygote`, one per agent.
+//!
+//! It reads start requests ([`crate::protocol::encode_request`]) from its stdin, a
+//! `SOCK_SEQPACKET` socket to the agent, each with the write end of the pipe that run's
+//! supervisor reports on. For each it forks twice: the grandchild becomes the supervisor
+//! (orphaned at once, so neither the server nor the agent is its parent and it outlives
+//! both), the child exits and is reaped. Forking this small, single-threaded process
+//! costs a fraction of executing a new one, and the supervisors share its pages.
+//!
+//! The server exits when the agent closes the socket (the agent left); supervisors it
+//! forked keep running.
+
+use std::ffi::OsString;
+use std::io::{self, IoSliceMut};
+use std::mem::MaybeUninit;
+use std::os::fd::{AsFd, OwnedFd};
+use std::process::ExitCode;
+
+use rustix::io::Errno;
+use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recvmsg};
+use rustix::process::{Pid, WaitOptions};
+
+use crate::args::SupervisorArgs;
+use crate::protocol::{self, Report};
+use crate::supervise;
+
+/// The largest request accepted; the agent's socket buffer bounds what it can send.
+const MAX_REQUEST: usize = 1 << 20;
+
+/// Serves start requests on stdin until the agent closes it.
+pub(crate) fn serve() -> ExitCode {
+    // Terminal signals aimed at the agent's process group do not stop starting tasks.
+    let _ = rustix::process::setsid();
+    // Untouched pages cost nothing; a request touches only as much as it is long.
+    let mut buffer = vec![0u8; MAX_REQUEST];
+    loop {
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let received = recvmsg(
+            rustix::stdio::stdin(),
+            &mut [IoSliceMut::new(&mut buffer)],
+            &mut control,
+            RecvFlags::CMSG_CLOEXEC,
+        );
+        let message = match received {
+            Ok(message) => message,
+            Err(Errno::INTR) => continue,
+            Err(_) => return ExitCode::from(1),
+        };
+        let report: Option<OwnedFd> = control.drain().find_map(|message| match message {
+            RecvAncillaryMessage::ScmRights(mut fds) => fds.next(),
+            _ => None,
+        });
+        let Some(report) = report else {
+            if message.bytes == 0 {
+                return ExitCode::SUCCESS; // the agent closed the socket
+            }
+            continue; // a request without a pipe has no one to answer
+        };
+        if message.flags.contains(ReturnFlags::TRUNC) {
+            answer(&report, "the start request is too large".to_owned());
+            continue;
+        }
+        match protocol::decode_request(&buffer[..message.bytes]) {
+            Ok((args, environment)) => fork_supervisor(&args, environment, report),
+            Err(error) => answer(&report, error.to_string()),
+        }
+    }
+}
+
+/// Reports on `report` that the run failed before it started.
+fn answer(report: &OwnedFd, message: String) {
+    let line = Report::Failed {
+        recoverable: false,
+        message,
+    }
+    .to_line();
+    let _ = rustix::io::write(report, line.as_bytes());
+}
+
+/// `fork()`: `None` in the child, the child's pid in the parent.
+#[allow(unsafe_code)]
+fn fork() -> io::Result<Option<Pid>> {
+    // SAFETY: the fork server is single-threaded (it never starts a thread), so the
+    // child is a whole copy: no lock or allocator state is held by a thread that does not
+    // exist in the child, and the child may go on running ordinary Rust code.
+    let pid = unsafe { libc::fork() };
+    match pid {
+        -1 => Err(io::Error::last_os_error()),
+        0 => Ok(None),
+        pid => Ok(Pid::from_raw(pid)),
+    }
+}
+
+/// Forks the supervisor of one run as an orphan, and reaps the intermediate child.
+fn fork_supervisor(args: &SupervisorArgs, environment: Vec<(OsString, OsString)>, report: OwnedFd) {
+    match fork() {
+        Err(error) => answer(&report, format!("forking the supervisor: {error}")),
+        Ok(Some(child)) => {
+            // The child forks the supervisor and exits at once.
+            while let Err(Errno::INTR) = rustix::process::waitpid(Some(child), WaitOptions::empty())
+            {
+            }
+        }
+        Ok(None) => match fork() {
+            Ok(None) => become_supervisor(args, environment, report),
+            Ok(Some(_)) => std::process::exit(0),
+            Err(error) => {
+                answer(&report, format!("forking the supervisor: {error}"));
+                std::process::exit(1);
+            }
+        },
+    }
+}
+
+/// Turns a fresh fork into the supervisor of `args`: stdin (the server's socket) becomes
+/// `/dev/null`, stdout the report pipe.
+fn become_supervisor(
+    args: &SupervisorArgs,
+    environment: Vec<(OsString, OsString)>,
+    report: OwnedFd,
+) -> ! {
+    match std::fs::File::open("/dev/null") {
+        Ok(null) => {
+            let _ = rustix::stdio::dup2_stdin(null.as_fd());
+        }
+        Err(_) => std::process::exit(1),
+    }
+    if rustix::stdio::dup2_stdout(&report).is_err() {
+        std::process::exit(1);
+    }
+    drop(report);
+    std::process::exit(i32::from(supervise::run(args, environment)))
+}
