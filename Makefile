@@ -29,8 +29,9 @@ unit:
 ALLOCS ?= 10000
 IDLE_SECONDS ?= 10
 bench: deps
-	$(CARGO) build --locked --release -p stead-bench
+	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor
 	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
+	target/release/stead-bench exec 500
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60
