@@ -167,18 +167,6 @@ impl ExecError {
     }
 }
 
-/// `outer: inner: innermost`.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 /// What the driver knows of one run.
 struct RunState {
     id: RunId,
@@ -670,7 +658,7 @@ fn recorded_exit(control: &Path, run: &str) -> ExitResult {
         Err(error) => ExitResult {
             exit_code: 0,
             signal: None,
-            error: Some(error_chain(&error)),
+            error: Some(crate::alloc::error_chain(&error)),
         },
     }
 }
@@ -798,7 +786,7 @@ impl Driver for ExecDriver {
                 .map_err(|error| DriverError::Start {
                     alloc_id,
                     task,
-                    message: error_chain(&error),
+                    message: crate::alloc::error_chain(&error),
                     recoverable: error.recoverable(),
                 })
         })
