@@ -127,20 +127,21 @@ async fn core(allocs: usize, idle: Duration, tick: Duration) -> anyhow::Result<(
     for spec in second {
         node.apply(spec);
     }
-    let converged = time_until(&clock, Duration::from_secs(300), || {
-        let statuses = node.statuses();
-        statuses.len() == allocs
-            && statuses
-                .iter()
-                .all(|s| new_ids.contains(&s.id) && s.tasks.values().all(|t| t.state == "running"))
-    })
-    .await?;
+    let submitted = start.elapsed();
+    let converged = submitted
+        + time_until(&clock, Duration::from_secs(300), || {
+            let statuses = node.statuses();
+            statuses.len() == allocs
+                && statuses.iter().all(|s| {
+                    new_ids.contains(&s.id) && s.tasks.values().all(|t| t.state == "running")
+                })
+        })
+        .await?;
 
     let start_drain = clock.instant();
     node.shutdown(Shutdown::Drain).await;
     let drained = start_drain.elapsed();
     let left = mock.running().len();
-    let _ = start;
 
     let per_alloc = (rss_after.saturating_sub(rss_before)) as f64 / allocs as f64;
     let idle_share = cpu_idle.as_secs_f64() / idle.as_secs_f64() * 100.0;
