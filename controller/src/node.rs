@@ -86,7 +86,8 @@ impl Shared {
     }
 
     /// Counts a failed store write; the worker retries on its next change.
-    pub(crate) fn report_store_error(&self, _name: &Name, _error: &StoreError) {
+    pub(crate) fn report_store_error(&self, name: &Name, error: &StoreError) {
+        tracing::warn!(alloc = %name, error = %crate::alloc::error_chain(error), "store write failed");
         *self.store_errors.lock().unwrap_or_else(|e| e.into_inner()) += 1;
     }
 
