@@ -4,7 +4,7 @@
 CARGO ?= cargo
 SPECS ?= deploy/examples
 
-.PHONY: run test deps fmt-check clippy unit bench fuzz
+.PHONY: run test deps fmt-check clippy unit bench soak fuzz
 
 run: deps
 	$(CARGO) build --locked -p stead-controller -p stead-supervisor
@@ -29,9 +29,18 @@ unit:
 ALLOCS ?= 10000
 IDLE_SECONDS ?= 10
 bench: deps
-	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor
+	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor -p stead-controller
 	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 	target/release/stead-bench exec 500
+	target/release/stead-bench store 1000 10 3
+
+# The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
+# (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.
+CRASH_ITERATIONS ?= 500
+CRASH_SEED ?= $(shell date +%s)
+soak: deps
+	STEAD_CRASH_ITERATIONS=$(CRASH_ITERATIONS) STEAD_CRASH_SEED=$(CRASH_SEED) \
+	  $(CARGO) test --locked -p stead-tests --test state_crash -- --nocapture
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

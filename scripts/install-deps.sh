@@ -4,8 +4,9 @@
 set -euo pipefail
 
 # gcc/libc6-dev: the linker and C runtime for rustc and crates that build C;
+# g++: RocksDB's C++ sources; libclang-dev: bindgen, for RocksDB's bindings;
 # pkg-config: locating system libraries from build scripts.
-packages=(gcc libc6-dev pkg-config)
+packages=(gcc g++ libc6-dev libclang-dev pkg-config)
 
 missing=()
 for package in "${packages[@]}"; do

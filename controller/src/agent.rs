@@ -20,7 +20,8 @@ use crate::metrics::Metrics;
 use crate::node::{Node, NodeConfig};
 use crate::queue::Shutdown;
 use crate::source::{Syncer, list_specs};
-use crate::store::{MemoryStore, Store};
+use crate::store::rocks::OpenError;
+use crate::store::{RocksDbOptions, RocksDbStore, Store};
 
 /// `stead agent` flags; each overrides the config file's key of the same meaning.
 #[derive(Debug, Clone, Args)]
@@ -72,6 +73,8 @@ pub struct Settings {
     pub token: Option<String>,
     /// Log format, when configured.
     pub log_format: Option<stead_schemas::config::LogFormat>,
+    /// How the state store is sized and synced.
+    pub store: RocksDbOptions,
 }
 
 /// Why the agent could not start or run.
@@ -101,6 +104,9 @@ pub enum AgentError {
     /// Signal handlers could not be installed.
     #[error("cannot install signal handlers")]
     Signals(#[source] std::io::Error),
+    /// The state store could not be opened.
+    #[error(transparent)]
+    OpenStore(#[from] OpenError),
     /// Reading the store at start-up failed.
     #[error("cannot restore state")]
     Restore(#[source] crate::store::StoreError),
@@ -158,6 +164,15 @@ impl Settings {
             toggle.and_then(|t| t.enabled).unwrap_or(true)
         };
         let drivers = config.drivers.clone().unwrap_or_default();
+        let store = config.store.clone().unwrap_or_default();
+        let store_defaults = RocksDbOptions::default();
+        let store = RocksDbOptions {
+            memory_budget: store
+                .memory_mb
+                .map_or(store_defaults.memory_budget, |mb| (mb as usize) << 20),
+            sync: store.sync.unwrap_or(store_defaults.sync),
+            dedupe: true,
+        };
         let mock_driver = enabled(drivers.mock.as_ref());
         let exec_driver = enabled(drivers.exec.as_ref());
         Ok(Settings {
@@ -181,6 +196,8 @@ impl Settings {
                 limits,
                 tick: config.tick.map_or(Duration::from_secs(1), |d| d.get()),
                 seed: None,
+                alloc_root: None,
+                fingerprint_period: Duration::from_secs(15),
             },
             shutdown: if drain {
                 Shutdown::Drain
@@ -197,6 +214,7 @@ impl Settings {
                 Some(_) => Some(stead_schemas::config::LogFormat::Text),
                 None => config.log_format,
             },
+            store,
         })
     }
 }
@@ -330,10 +348,11 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         drivers.push(Arc::new(ExecDriver::new(config, clock)));
     }
     let drivers = Drivers::new(drivers);
-    // State lives in memory until the RocksDB store lands: tasks survive an agent
-    // restart only once it does.
-    let store: Arc<dyn Store> = Arc::new(MemoryStore::default());
-    let node = Arc::new(Node::new(settings.node, drivers.clone(), store, clock));
+    let mut node_config = settings.node.clone();
+    node_config.alloc_root = Some(crate::allocdir::AllocDirs::new(&data_dir).root().to_owned());
+    let store: Arc<dyn Store> =
+        Arc::new(RocksDbStore::open(&data_dir.join("state"), settings.store)?);
+    let node = Arc::new(Node::new(node_config, drivers.clone(), store, clock));
     let metrics = Metrics::install().map_err(AgentError::Metrics)?;
     let state = ApiState::new(node.clone(), drivers, data_dir.clone())
         .with_token(settings.token.clone())
@@ -345,17 +364,7 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     for corrupt in &restored.corrupt {
         tracing::error!(alloc = %corrupt.name, error = %crate::alloc::error_chain(corrupt), "cannot restore alloc");
     }
-    let known = node
-        .statuses()
-        .iter()
-        .filter_map(|s| {
-            Some((
-                s.name.parse().ok()?,
-                stead_schemas::Revision::from_hex(&s.revision)?,
-            ))
-        })
-        .collect::<Vec<_>>();
-    let mut syncer = Syncer::new(known);
+    let mut syncer = Syncer::new(restored.allocs.clone());
     let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let mut resync = tokio::time::interval(settings.resync);

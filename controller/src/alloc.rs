@@ -108,8 +108,10 @@ struct Current {
     desired: AllocDesired,
     state: AllocState,
     handles: BTreeMap<Name, TaskHandle>,
-    /// A hash of what was last persisted and published, to skip both when nothing changed.
+    /// A hash of what was last persisted, to skip writing when nothing changed.
     saved: Option<u64>,
+    /// A hash of what was last published.
+    published: Option<u64>,
     /// Restarts and failed tasks already counted in the metrics.
     counted: (u64, u64),
 }
@@ -129,6 +131,31 @@ pub(crate) enum Start {
         /// Whether its spec was removed.
         removed: bool,
     },
+    /// An alloc whose stored record cannot be used: it shows as failed with `reason` and
+    /// runs nothing until its spec changes revision, a user restarts it, or it is removed.
+    /// Its record is left as it is (a newer agent may still read it).
+    Broken {
+        /// Why, naming the alloc.
+        reason: String,
+        /// The revision the record names, when it can be read.
+        revision: Option<String>,
+    },
+}
+
+/// A restored alloc that cannot run until asked.
+struct Broken {
+    reason: String,
+    /// Whether the source has said anything of the alloc since the restore: until then
+    /// an absent target means "not listed yet", not "removed".
+    heard: bool,
+    /// The revision it stands for; the first spec seen is taken as it when unknown.
+    revision: Option<String>,
+}
+
+/// Retrying a failed store write with exponential backoff.
+struct StoreRetry {
+    at: Timestamp,
+    delays: backon::ExponentialBackoff,
 }
 
 /// One alloc's worker.
@@ -143,6 +170,8 @@ pub(crate) struct Worker {
     next_run: u64,
     reports: Reports,
     rng: fastrand::Rng,
+    broken: Option<Broken>,
+    store_retry: Option<StoreRetry>,
 }
 
 impl Worker {
@@ -166,6 +195,8 @@ impl Worker {
             next_run: 0,
             reports,
             rng,
+            broken: None,
+            store_retry: None,
         };
         match start {
             Start::Fresh(target) => worker.target = target,
@@ -175,6 +206,14 @@ impl Worker {
                 handles,
                 removed,
             } => worker.restore(spec, state, handles, removed),
+            Start::Broken { reason, revision } => {
+                worker.broken = Some(Broken {
+                    reason,
+                    heard: false,
+                    revision,
+                });
+                worker.publish_broken();
+            }
         }
         worker
     }
@@ -199,6 +238,28 @@ impl Worker {
                 task_state.process = Process::Idle;
             }
         }
+        if let Some(reason) = self.missing_alloc_dir(&spec, &state) {
+            // Whatever still runs of it cannot be resumed without its dir: stop it.
+            tracing::error!(alloc = %self.name, %reason, "cannot resume alloc");
+            let now = self.shared.clock.now();
+            state.fail_restore(&reason, now, self.shared.config.limits.max_events);
+            for handle in handles.into_values() {
+                if let Some(driver) = self.shared.drivers.get(handle.driver) {
+                    tokio::spawn(async move { driver.destroy(&handle).await });
+                }
+            }
+            let counted = outcomes(&state);
+            self.current = Some(Current {
+                spec,
+                desired,
+                state,
+                handles: BTreeMap::new(),
+                saved: None,
+                published: None,
+                counted,
+            });
+            return;
+        }
         let counted = outcomes(&state);
         let mut current = Current {
             spec: spec.clone(),
@@ -206,6 +267,7 @@ impl Worker {
             state,
             handles: BTreeMap::new(),
             saved: None,
+            published: None,
             counted,
         };
         for (task, handle) in handles {
@@ -233,6 +295,9 @@ impl Worker {
             let pending = self.mailbox.take();
             if let Some(target) = pending.target {
                 self.target = target;
+                if let Some(broken) = &mut self.broken {
+                    broken.heard = true;
+                }
             }
             if let Some(how) = pending.shutdown {
                 self.shutdown = Some(self.shutdown.map_or(how, |s| s.max(how)));
@@ -257,6 +322,10 @@ impl Worker {
                 Step::Wait(wake_at) => wake_at,
             };
             self.persist_and_publish();
+            let wake_at = match (wake_at, self.store_retry.as_ref().map(|r| r.at)) {
+                (Some(a), Some(b)) => Some(a.min(b)),
+                (a, b) => a.or(b),
+            };
             // The node's ticker wakes every worker once per tick through its mailbox, so
             // an idle worker holds no timer of its own; a timer is armed only when the
             // reconciler has something due.
@@ -276,6 +345,28 @@ impl Worker {
 
     /// One reconcile of the current revision, and the transitions between revisions.
     fn step(&mut self, now: Timestamp) -> Step {
+        if let Some(broken) = &mut self.broken {
+            match (&self.target, self.shutdown) {
+                (_, Some(_)) => return Step::Exit,
+                (Target::Absent, None) if !broken.heard => return Step::Wait(None),
+                (Target::Absent, None) => {
+                    self.broken = None;
+                    return self.finish_destroy();
+                }
+                (Target::Spec(spec), None) => {
+                    let revision = spec.revision.to_string();
+                    match &broken.revision {
+                        None => {
+                            broken.revision = Some(revision);
+                            return Step::Wait(None);
+                        }
+                        Some(stored) if *stored == revision => return Step::Wait(None),
+                        // A new revision: it starts afresh.
+                        Some(_) => self.broken = None,
+                    }
+                }
+            }
+        }
         if self.current.is_none() {
             match (&self.target, self.shutdown) {
                 (Target::Spec(spec), None) => {
@@ -288,6 +379,7 @@ impl Worker {
                         state,
                         handles: BTreeMap::new(),
                         saved: None,
+                        published: None,
                         counted: (0, 0),
                     });
                 }
@@ -305,6 +397,7 @@ impl Worker {
             current.spec = spec.clone();
         }
         current.desired.run = run;
+        current.desired.unavailable_drivers = self.shared.unavailable_drivers();
         let began = self.shared.clock.instant();
         let plan = current.state.reconcile(&current.desired, now);
         tracing::trace!(effects = plan.effects.len(), wake_at = ?plan.wake_at, "reconciled");
@@ -541,6 +634,20 @@ impl Worker {
     }
 
     fn handle_command(&mut self, command: UserCommand, now: Timestamp) {
+        if self.broken.is_some()
+            && let UserCommand::Restart { reply, .. } = command
+        {
+            // Starting afresh is the way out of a record that cannot be used.
+            let result = match self.target {
+                Target::Spec(_) => {
+                    self.broken = None;
+                    Ok(())
+                }
+                Target::Absent => Err(CommandError::Refused(CommandRefusal::TaskNotRunning)),
+            };
+            let _ = reply.send(result);
+            return;
+        }
         let Some(current) = &mut self.current else {
             let error = CommandError::Refused(CommandRefusal::TaskNotRunning);
             match command {
@@ -631,30 +738,110 @@ impl Worker {
         );
         current.counted = (restarts, failures);
         let fingerprint = fingerprint(&current.state, &current.handles, removed);
-        if current.saved == Some(fingerprint) {
+        if current.saved != Some(fingerprint) {
+            let now = self.shared.clock.now();
+            let due = self
+                .store_retry
+                .as_ref()
+                .is_none_or(|retry| now >= retry.at);
+            if due {
+                let record = record_of(&self.name, current, removed);
+                match self.shared.store.put_alloc(&record) {
+                    Ok(()) => {
+                        current.saved = Some(fingerprint);
+                        if self.store_retry.take().is_some() {
+                            self.shared.store_recovered(&self.name);
+                        }
+                    }
+                    Err(error) => {
+                        self.shared.report_store_error(&self.name, &error);
+                        let retry = self.store_retry.get_or_insert_with(|| StoreRetry {
+                            at: now,
+                            delays: store_backoff(),
+                        });
+                        let delay = retry.delays.next().unwrap_or(STORE_RETRY_MAX);
+                        retry.at = now + delay;
+                    }
+                }
+            }
+        }
+        if current.published == Some(fingerprint) {
             return;
         }
-        let record = AllocRecord {
-            version: ALLOC_RECORD_VERSION,
-            name: self.name.clone(),
-            spec: current.spec.spec.clone(),
-            revision: current.spec.revision.to_string(),
-            removed,
-            state: store::state_to_record(&current.state),
-            handles: current
-                .handles
-                .iter()
-                .map(|(task, handle)| (task.to_string(), store::handle_to_record(handle)))
-                .collect(),
-        };
-        match self.shared.store.put_alloc(&record) {
-            Ok(()) => current.saved = Some(fingerprint),
-            Err(error) => self.shared.report_store_error(&self.name, &error),
-        }
+        current.published = Some(fingerprint);
         let status = status_of(&self.name, current, removed);
         self.shared
             .publish(&self.name, status, current.handles.clone());
     }
+
+    /// Publishes the status of a broken alloc: failed, with why.
+    fn publish_broken(&self) {
+        let Some(broken) = &self.broken else { return };
+        let status = AllocStatus {
+            name: self.name.to_string(),
+            id: String::new(),
+            revision: broken.revision.clone().unwrap_or_default(),
+            desired_status: "run".to_owned(),
+            client_status: "failed".to_owned(),
+            spec_error: None,
+            state_error: Some(broken.reason.clone()),
+            tasks: BTreeMap::new(),
+        };
+        self.shared.publish(&self.name, status, BTreeMap::new());
+    }
+
+    /// Why a restored alloc cannot resume for want of its alloc dir: a task of a driver
+    /// that builds one (exec) has started, yet the dir is gone.
+    fn missing_alloc_dir(&self, spec: &ValidSpec, state: &AllocState) -> Option<String> {
+        let root = self.shared.config.alloc_root.as_ref()?;
+        let needs_dir = spec.spec.spec.tasks.iter().any(|task| {
+            task.driver == stead_schemas::spec::DriverKind::Exec
+                && state
+                    .tasks
+                    .get(&task.name)
+                    .is_some_and(|t| t.started_at.is_some())
+        });
+        let dir = root.join(spec.id.as_str());
+        (needs_dir && !dir.is_dir()).then(|| {
+            format!(
+                "alloc {}: alloc dir {} is missing, so its tasks cannot be resumed",
+                self.name,
+                dir.display()
+            )
+        })
+    }
+}
+
+/// The record of the current revision.
+fn record_of(name: &Name, current: &Current, removed: bool) -> AllocRecord {
+    AllocRecord {
+        version: ALLOC_RECORD_VERSION,
+        name: name.clone(),
+        spec: current.spec.spec.clone(),
+        revision: current.spec.revision.to_string(),
+        removed,
+        state: store::state_to_record(&current.state),
+        handles: current
+            .handles
+            .iter()
+            .map(|(task, handle)| (task.to_string(), store::handle_to_record(handle)))
+            .collect(),
+    }
+}
+
+/// The longest wait between retries of a failed store write.
+const STORE_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Retries of a failed store write: 100 ms doubling to 30 s, with jitter, forever (the
+/// tasks keep running meanwhile; the record is written as soon as storage takes it).
+fn store_backoff() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(STORE_RETRY_MAX)
+        .with_jitter()
+        .without_max_times()
+        .build()
 }
 
 /// What the loop does after a step.
@@ -762,6 +949,7 @@ fn status_of(name: &Name, current: &Current, removed: bool) -> AllocStatus {
         desired_status: desired_status.to_owned(),
         client_status: current.state.client_status().as_str().to_owned(),
         spec_error: None,
+        state_error: None,
         tasks: current
             .state
             .tasks

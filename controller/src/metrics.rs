@@ -36,6 +36,8 @@ pub const TASK_FAILURES: &str = "stead_task_failures_total";
 pub const STORE_WRITES: &str = "stead_store_writes_total";
 /// Counter: store writes skipped because the record was unchanged.
 pub const STORE_SKIPPED_WRITES: &str = "stead_store_skipped_writes_total";
+/// Counter: bytes of keys and values the store's writes handed to storage.
+pub const STORE_BYTES_WRITTEN: &str = "stead_store_bytes_written_total";
 /// Counter: store writes that failed.
 pub const STORE_WRITE_ERRORS: &str = "stead_store_write_errors_total";
 /// Gauge: allocs by `client_status` (`pending`, `running`, `complete`, `failed`).
@@ -108,6 +110,7 @@ impl Metrics {
         let store = node.store_metrics();
         counter!(STORE_WRITES).absolute(store.writes);
         counter!(STORE_SKIPPED_WRITES).absolute(store.skipped_writes);
+        counter!(STORE_BYTES_WRITTEN).absolute(store.bytes_written);
         counter!(STORE_WRITE_ERRORS).absolute(node.store_errors());
         self.handle.run_upkeep();
         self.handle.render()
@@ -139,6 +142,11 @@ fn describe() {
         "Store writes skipped because the record was unchanged."
     );
     describe_counter!(STORE_WRITE_ERRORS, "Store writes that failed.");
+    describe_counter!(
+        STORE_BYTES_WRITTEN,
+        Unit::Bytes,
+        "Bytes of keys and values the store's writes handed to storage."
+    );
     describe_gauge!(ALLOCS, "Allocs by client status.");
     for name in [
         RECONCILES,

@@ -5,13 +5,14 @@
 //! status snapshots and never wait either. Locks here are held for a map operation,
 //! never across an `.await`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::Limits;
 use stead_schemas::ValidSpec;
-use stead_schemas::spec::{Name, Signal};
+use stead_schemas::spec::{DriverKind, Name, Signal};
 use stead_schemas::status::AllocStatus;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -23,7 +24,7 @@ use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store::{self, Store, StoreError};
 
 /// How the node runs its allocs.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone)]
 pub struct NodeConfig {
     /// Limits applied to every alloc.
     pub limits: Limits,
@@ -31,6 +32,11 @@ pub struct NodeConfig {
     pub tick: Duration,
     /// Seeds restart jitter, for reproducible tests; `None` draws it at random.
     pub seed: Option<u64>,
+    /// Where alloc dirs live (`<data-dir>/allocs`), checked when allocs are restored;
+    /// `None` when no driver builds them.
+    pub alloc_root: Option<PathBuf>,
+    /// How often every driver is fingerprinted again.
+    pub fingerprint_period: Duration,
 }
 
 impl Default for NodeConfig {
@@ -39,6 +45,8 @@ impl Default for NodeConfig {
             limits: Limits::default(),
             tick: Duration::from_secs(1),
             seed: None,
+            alloc_root: None,
+            fingerprint_period: Duration::from_secs(15),
         }
     }
 }
@@ -59,7 +67,32 @@ pub(crate) struct Shared {
     /// The driver handles of each alloc's tasks, published with its status (for stats).
     handles: RwLock<HashMap<Name, Arc<BTreeMap<Name, TaskHandle>>>>,
     version: watch::Sender<u64>,
-    store_errors: Mutex<u64>,
+    store_errors: Mutex<StoreHealth>,
+    /// Drivers whose last fingerprint was not healthy, with why.
+    unavailable_drivers: RwLock<BTreeMap<DriverKind, String>>,
+}
+
+/// Failed store writes: how many so far, and the allocs whose records are behind.
+#[derive(Debug, Default)]
+struct StoreHealth {
+    failures: u64,
+    behind: BTreeSet<Name>,
+}
+
+/// The state store's health, as `/v1/health` shows it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct StoreHealthReport {
+    /// Writes that failed since the agent started.
+    pub failures: u64,
+    /// Allocs whose latest state is not yet stored (their writes are being retried).
+    pub behind: Vec<String>,
+}
+
+impl StoreHealthReport {
+    /// Whether every alloc's latest state is stored.
+    pub fn is_healthy(&self) -> bool {
+        self.behind.is_empty()
+    }
 }
 
 impl Shared {
@@ -85,10 +118,35 @@ impl Shared {
         self.version.send_modify(|v| *v += 1);
     }
 
-    /// Counts a failed store write; the worker retries on its next change.
+    /// Drivers that cannot start tasks now, with why.
+    pub(crate) fn unavailable_drivers(&self) -> BTreeMap<DriverKind, String> {
+        self.unavailable_drivers
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+
+    /// Counts a failed store write; the worker retries it with backoff.
     pub(crate) fn report_store_error(&self, name: &Name, error: &StoreError) {
         tracing::warn!(alloc = %name, error = %crate::alloc::error_chain(error), "store write failed");
-        *self.store_errors.lock().unwrap_or_else(|e| e.into_inner()) += 1;
+        {
+            let mut health = self.store_errors.lock().unwrap_or_else(|e| e.into_inner());
+            health.failures += 1;
+            health.behind.insert(name.clone());
+        }
+        // Waiters on the node's state (`Node::wait_until`) look again.
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// The alloc's record is stored again after failed writes.
+    pub(crate) fn store_recovered(&self, name: &Name) {
+        tracing::info!(alloc = %name, "store write succeeded after retries");
+        self.store_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .behind
+            .remove(name);
+        self.version.send_modify(|v| *v += 1);
     }
 
     /// A destroyed alloc's worker leaves the registry, unless new input arrived for it
@@ -132,13 +190,75 @@ async fn tick(shared: std::sync::Weak<Shared>) {
     }
 }
 
+/// Fingerprints every driver now and then every `fingerprint_period`, until the node is
+/// gone. A change of health is logged and wakes every worker, so tasks held back by an
+/// unhealthy driver start as soon as it recovers.
+async fn fingerprint_drivers(shared: std::sync::Weak<Shared>) {
+    let Some(period) = shared.upgrade().map(|s| s.config.fingerprint_period) else {
+        return;
+    };
+    let mut interval = tokio::time::interval(period);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        interval.tick().await;
+        let Some(drivers) = shared.upgrade().map(|s| s.drivers.clone()) else {
+            return;
+        };
+        let mut unavailable = BTreeMap::new();
+        for (kind, driver) in drivers.iter() {
+            let fingerprint = driver.fingerprint().await;
+            if fingerprint.health != crate::driver::Health::Healthy {
+                unavailable.insert(
+                    kind,
+                    format!("{}: {}", fingerprint.health, fingerprint.description),
+                );
+            }
+        }
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        let changed = {
+            let mut current = shared
+                .unavailable_drivers
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            let changed = *current != unavailable;
+            if changed {
+                for kind in drivers.iter().map(|(kind, _)| kind) {
+                    match (current.get(&kind), unavailable.get(&kind)) {
+                        (Some(_), None) => {
+                            tracing::info!(driver = kind.as_str(), "driver healthy again")
+                        }
+                        (_, Some(problem)) if current.get(&kind) != Some(problem) => {
+                            tracing::warn!(driver = kind.as_str(), %problem, "driver unhealthy");
+                        }
+                        _ => {}
+                    }
+                }
+                *current = unavailable;
+            }
+            changed
+        };
+        if changed {
+            for entry in shared.registry().values() {
+                entry.mailbox.wake();
+            }
+        }
+    }
+}
+
 /// What restoring from the store found.
 #[derive(Debug, Default)]
 pub struct RestoreReport {
     /// Allocs whose workers resumed.
     pub restored: usize,
+    /// Every alloc the node now holds from the store, with the revision it stands for
+    /// (none for a record too damaged to name one): the source's starting knowledge.
+    pub allocs: Vec<(Name, Option<stead_schemas::Revision>)>,
     /// Records that could not be read, with why (each fails only its own alloc).
     pub corrupt: Vec<store::CorruptRecord>,
+    /// Records with no task state, deleted.
+    pub dropped: usize,
 }
 
 /// The node: its allocs, their workers and their published statuses.
@@ -160,10 +280,12 @@ impl Node {
                 statuses: RwLock::new(BTreeMap::new()),
                 handles: RwLock::new(HashMap::new()),
                 version,
-                store_errors: Mutex::new(0),
+                store_errors: Mutex::new(StoreHealth::default()),
+                unavailable_drivers: RwLock::new(BTreeMap::new()),
             }),
         };
         tokio::spawn(tick(Arc::downgrade(&node.shared)));
+        tokio::spawn(fingerprint_drivers(Arc::downgrade(&node.shared)));
         node
     }
 
@@ -174,13 +296,30 @@ impl Node {
             let record = match loaded {
                 Ok(record) => record,
                 Err(corrupt) => {
+                    if let Ok(name) = corrupt.name.parse() {
+                        report.allocs.push((name, None));
+                    }
+                    self.restore_broken(&corrupt);
                     report.corrupt.push(corrupt);
                     continue;
                 }
             };
             let name = record.name.clone();
+            if record.state.tasks.is_empty() {
+                // Nothing of it ever ran: forget it; its spec, if still there, starts it anew.
+                tracing::warn!(alloc = %name, "dropping a stored alloc with no task state");
+                if let Err(error) = self.shared.store.delete_alloc(&name) {
+                    self.shared.report_store_error(&name, &error);
+                }
+                report.dropped += 1;
+                continue;
+            }
+            let revision = record.revision.clone();
             match store::restore_record(record) {
                 Ok((spec, state, handles, removed)) => {
+                    report
+                        .allocs
+                        .push((name.clone(), Some(spec.revision.clone())));
                     self.spawn(
                         &mut self.shared.registry(),
                         name,
@@ -193,10 +332,35 @@ impl Node {
                     );
                     report.restored += 1;
                 }
-                Err(corrupt) => report.corrupt.push(corrupt),
+                Err(corrupt) => {
+                    report
+                        .allocs
+                        .push((name.clone(), stead_schemas::Revision::from_hex(&revision)));
+                    self.restore_broken_with(&corrupt, Some(revision));
+                    report.corrupt.push(corrupt);
+                }
             }
         }
         Ok(report)
+    }
+
+    /// Shows an alloc whose record cannot be used as failed, naming why; it runs nothing
+    /// until its spec changes, a user restarts it, or its spec is removed.
+    fn restore_broken(&self, corrupt: &store::CorruptRecord) {
+        self.restore_broken_with(corrupt, None);
+    }
+
+    fn restore_broken_with(&self, corrupt: &store::CorruptRecord, revision: Option<String>) {
+        // A key that is not a valid name cannot be shown or acted on; it is only logged.
+        let Ok(name) = corrupt.name.parse::<Name>() else {
+            return;
+        };
+        let reason = crate::alloc::error_chain(corrupt);
+        self.spawn(
+            &mut self.shared.registry(),
+            name,
+            Start::Broken { reason, revision },
+        );
     }
 
     /// Starts a worker for `name`; the caller holds the registry lock, so a retiring
@@ -327,11 +491,20 @@ impl Node {
 
     /// Store writes that failed.
     pub fn store_errors(&self) -> u64 {
-        *self
+        self.store_health().failures
+    }
+
+    /// Failed store writes and the allocs whose records are behind.
+    pub fn store_health(&self) -> StoreHealthReport {
+        let health = self
             .shared
             .store_errors
             .lock()
-            .unwrap_or_else(|e| e.into_inner())
+            .unwrap_or_else(|e| e.into_inner());
+        StoreHealthReport {
+            failures: health.failures,
+            behind: health.behind.iter().map(ToString::to_string).collect(),
+        }
     }
 
     /// Waits until `condition` holds for the node, re-checking whenever a status is

@@ -108,7 +108,8 @@ fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
 /// What the node was last told about each alloc, so that passes apply only changes.
 #[derive(Debug, Default)]
 pub struct Syncer {
-    applied: BTreeMap<Name, (Revision, Option<DesiredStatus>)>,
+    /// The revision (unknown for a restored record too damaged to name one) and status.
+    applied: BTreeMap<Name, (Option<Revision>, Option<DesiredStatus>)>,
 }
 
 /// What one pass changed.
@@ -123,7 +124,7 @@ pub struct SyncReport {
 impl Syncer {
     /// A syncer that also owns the allocs `known` to the node already (restored from the
     /// store), so that those whose spec is gone are removed after the first listing.
-    pub fn new(known: impl IntoIterator<Item = (Name, Revision)>) -> Self {
+    pub fn new(known: impl IntoIterator<Item = (Name, Option<Revision>)>) -> Self {
         Syncer {
             applied: known
                 .into_iter()
@@ -136,7 +137,7 @@ impl Syncer {
     pub fn sync(&mut self, node: &Node, listing: &Listing) -> SyncReport {
         let mut report = SyncReport::default();
         for (name, (_, spec)) in &listing.specs {
-            let key = (spec.revision.clone(), spec.spec.spec.desired_status);
+            let key = (Some(spec.revision.clone()), spec.spec.spec.desired_status);
             if self.applied.get(name) != Some(&key) {
                 node.apply(spec.clone());
                 self.applied.insert(name.clone(), key);

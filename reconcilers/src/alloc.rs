@@ -11,12 +11,12 @@ use std::fmt;
 use std::time::Duration;
 
 use stead_schemas::Timestamp;
-use stead_schemas::spec::{AllocBody, LifecycleHook, Name, Signal};
+use stead_schemas::spec::{AllocBody, DriverKind, LifecycleHook, Name, Signal};
 
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
 use crate::restart::Jitter;
-use crate::task::{Effect, KillReason, TaskPhase, TaskSettings, TaskState};
+use crate::task::{Effect, KillReason, Process, TaskPhase, TaskSettings, TaskState};
 
 /// Limits the agent puts on every alloc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -47,6 +47,8 @@ pub struct AllocDesired {
     pub shutdown_delay: Duration,
     /// Events kept per task.
     pub max_events: usize,
+    /// Drivers that cannot start tasks now, with why: their tasks stay pending.
+    pub unavailable_drivers: BTreeMap<DriverKind, String>,
 }
 
 impl AllocDesired {
@@ -61,6 +63,7 @@ impl AllocDesired {
             run,
             shutdown_delay: spec.shutdown_delay.map(|d| d.get()).unwrap_or_default(),
             max_events: limits.max_events,
+            unavailable_drivers: BTreeMap::new(),
         }
     }
 
@@ -234,9 +237,14 @@ impl AllocState {
             let Some(task) = self.tasks.get_mut(&settings.name) else {
                 continue;
             };
+            let driver_problem = desired
+                .unavailable_drivers
+                .get(&settings.driver)
+                .map(String::as_str);
             task.drive(
                 settings,
                 run,
+                driver_problem,
                 now,
                 desired.max_events,
                 &mut plan.effects,
@@ -454,6 +462,28 @@ impl AllocState {
             Observation::RecoverFailed { message } => {
                 state.observe_recover_failed(settings, &message, jitter, now, cap);
             }
+        }
+    }
+
+    /// The alloc cannot be resumed after an agent restart (its dir is gone, say): every
+    /// task that is not yet dead fails with a `Failed Restoring Task` event carrying
+    /// `reason`, and no process is expected any more. It runs again only when asked
+    /// (a restart or a new revision).
+    pub fn fail_restore(&mut self, reason: &str, now: Timestamp, cap: usize) {
+        for task in self.tasks.values_mut() {
+            if task.is_dead() && !task.has_process() {
+                continue;
+            }
+            task.phase = TaskPhase::Dead;
+            task.failed = true;
+            task.process = Process::Idle;
+            task.kill = None;
+            task.restart_at = None;
+            task.finished_at = Some(now);
+            task.push_event(
+                TaskEvent::new(TaskEventType::FailedRestoringTask, now, reason),
+                cap,
+            );
         }
     }
 
@@ -743,5 +773,66 @@ mod tests {
         assert!(state.reconcile(&stopping, at(3_009)).effects.is_empty());
         let plan = state.reconcile(&stopping, at(3_010));
         assert_eq!(plan.effects, [Effect::ForceKill { task: name("main") }]);
+    }
+
+    #[test]
+    fn a_failed_restore_fails_every_live_task_and_starts_nothing() {
+        let mut sim = Sim::new(LIFECYCLE);
+        for _ in 0..10 {
+            sim.step();
+        }
+        assert_eq!(sim.state.client_status(), ClientStatus::Running);
+        sim.log.clear();
+        sim.state
+            .fail_restore("alloc dir /data/allocs/web-1 is missing", sim.now, 50);
+        for _ in 0..3 {
+            sim.step();
+        }
+        assert!(
+            !sim.log.iter().any(|line| line.starts_with("start")),
+            "{:?}",
+            sim.log
+        );
+        assert_eq!(sim.state.client_status(), ClientStatus::Failed);
+        assert!(sim.state.is_terminal());
+        let init = &sim.state.tasks[&name("init")];
+        assert!(init.failed && init.is_dead());
+        let last = init.events.back().expect("an event");
+        assert_eq!(last.event_type, TaskEventType::FailedRestoringTask);
+        assert_eq!(last.message, "alloc dir /data/allocs/web-1 is missing");
+    }
+
+    #[test]
+    fn a_task_whose_driver_is_unhealthy_stays_pending_with_one_driver_failure_then_starts() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: exec, config: {command: /bin/true}}\n",
+        );
+        sim.desired
+            .unavailable_drivers
+            .insert(DriverKind::Exec, "supervisor not found".to_owned());
+        for _ in 0..5 {
+            sim.step();
+            sim.now = sim.now + Duration::from_secs(1);
+        }
+        assert!(sim.log.is_empty(), "{:?}", sim.log);
+        let main = &sim.state.tasks[&name("main")];
+        assert_eq!(main.phase, TaskPhase::Pending);
+        assert!(!main.failed);
+        let failures: Vec<_> = main
+            .events
+            .iter()
+            .filter(|e| e.event_type == TaskEventType::DriverFailure)
+            .collect();
+        assert_eq!(failures.len(), 1, "said once: {failures:?}");
+        assert_eq!(
+            failures[0].message,
+            "Driver exec is unhealthy: supervisor not found; the task starts when it recovers"
+        );
+        assert_eq!(sim.state.client_status(), ClientStatus::Pending);
+
+        sim.desired.unavailable_drivers.clear();
+        sim.step();
+        assert_eq!(sim.log, ["start main"]);
+        assert_eq!(sim.state.tasks[&name("main")].phase, TaskPhase::Running);
     }
 }

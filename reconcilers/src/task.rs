@@ -8,7 +8,9 @@
 use std::collections::VecDeque;
 use std::time::Duration;
 
-use stead_schemas::spec::{AllocBody, AllocType, LifecycleHook, Name, Signal, TaskSpec};
+use stead_schemas::spec::{
+    AllocBody, AllocType, DriverKind, LifecycleHook, Name, Signal, TaskSpec,
+};
 use stead_schemas::{RestartPolicy, Timestamp};
 
 use crate::event::{TaskEvent, TaskEventType};
@@ -31,6 +33,8 @@ pub struct TaskSettings {
     pub sidecar: bool,
     /// Whether the task leads the alloc.
     pub leader: bool,
+    /// The driver that runs it.
+    pub driver: DriverKind,
     /// Time between the kill signal and SIGKILL, already capped by the agent.
     pub kill_timeout: Duration,
     /// The signal sent first on a kill.
@@ -63,6 +67,7 @@ impl TaskSettings {
             hook,
             sidecar,
             leader: task.leader.unwrap_or(false),
+            driver: task.driver,
             kill_timeout,
             kill_signal: task.kill_signal.clone().unwrap_or_else(Signal::sigint),
             shutdown_delay: task.shutdown_delay.map(|d| d.get()).unwrap_or_default(),
@@ -345,11 +350,15 @@ impl TaskState {
     }
 
     /// One step towards running (`want_run`) or towards the kill in progress. Pushes the
-    /// effects to carry out and lowers `wake_at` to when the next step is due.
+    /// effects to carry out and lowers `wake_at` to when the next step is due. While the
+    /// task's driver is unavailable (`driver_problem`), a start is held back: the task
+    /// stays pending with one `Driver Failure` event and starts once the driver is back.
+    #[allow(clippy::too_many_arguments)]
     pub fn drive(
         &mut self,
         settings: &TaskSettings,
         want_run: bool,
+        driver_problem: Option<&str>,
         now: Timestamp,
         cap: usize,
         effects: &mut Vec<Effect>,
@@ -414,6 +423,22 @@ impl TaskState {
         }
         match self.restart_at {
             Some(at) if at > now => wake(at),
+            _ if driver_problem.is_some() => {
+                let message = format!(
+                    "Driver {} is unhealthy: {}; the task starts when it recovers",
+                    settings.driver.as_str(),
+                    driver_problem.unwrap_or_default()
+                );
+                let said = self.events.back().is_some_and(|event| {
+                    event.event_type == TaskEventType::DriverFailure && event.message == message
+                });
+                if !said {
+                    self.push_event(
+                        TaskEvent::new(TaskEventType::DriverFailure, now, message),
+                        cap,
+                    );
+                }
+            }
             _ => {
                 self.restart_at = None;
                 if !self.set_up {

@@ -39,6 +39,8 @@ pub struct AgentConfig {
     pub allow_root: Option<bool>,
     /// Garbage collection of terminal allocs.
     pub gc: Option<GcConfig>,
+    /// The state store under the data dir.
+    pub store: Option<StoreConfig>,
     /// Which drivers run.
     pub drivers: Option<DriversConfig>,
     /// Devices, by plugin.
@@ -79,6 +81,18 @@ pub struct GcConfig {
     pub disk_usage_threshold: Option<u8>,
     /// Allocs destroyed at once (default 2).
     pub parallel_destroys: Option<u32>,
+}
+
+/// The RocksDB state store.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct StoreConfig {
+    /// Memory for RocksDB's write buffers and block cache together, in MiB (default 8).
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: Option<u32>,
+    /// fsync every write, surviving power loss as well as crashes (default false: writes
+    /// reach the write-ahead log, which survives the agent's crash).
+    pub sync: Option<bool>,
 }
 
 /// Which drivers are enabled.
@@ -212,6 +226,7 @@ maxTaskEvents: 50
 shutdown: drain
 allowRoot: false
 gc: {interval: 1m, maxAllocs: 50, diskUsageThreshold: 80, parallelDestroys: 2}
+store: {memoryMB: 8, sync: true}
 drivers: {exec: {enabled: true}, mock: {enabled: false}}
 devices:
   static:
@@ -221,6 +236,13 @@ logFormat: json
         let config = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap();
         assert_eq!(config.shutdown, Some(ShutdownMode::Drain));
         assert_eq!(config.tick, Some(Duration::from_secs(1)));
+        assert_eq!(
+            config.store,
+            Some(StoreConfig {
+                memory_mb: Some(8),
+                sync: Some(true)
+            })
+        );
         assert_eq!(
             config.devices.unwrap().static_devices.unwrap()[0]
                 .instances

@@ -23,6 +23,10 @@ pub struct AllocStatus {
     pub client_status: String,
     /// The diagnostics of a broken edit while the last good revision keeps running.
     pub spec_error: Option<String>,
+    /// Why the alloc's stored state could not be resumed after an agent restart (a
+    /// corrupt record, a record of a newer agent, a missing alloc dir).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub state_error: Option<String>,
     /// Each task, by name.
     pub tasks: BTreeMap<String, TaskStatus>,
 }

@@ -9,6 +9,10 @@ use crate::normalize::{AllocId, Revision};
 use crate::spec::*;
 use crate::yaml::{MAX_SPEC_FILE_BYTES, Node, ParseError, Value, parse_documents};
 
+/// The one valid name a task may not have: each task's dir sits beside the alloc's
+/// shared `alloc/` dir.
+pub(crate) const RESERVED_TASK_NAME: &str = "alloc";
+
 /// A spec that passed validation, with its identity.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidSpec {
@@ -328,6 +332,15 @@ fn check_body(
                     "task name {:?} is already used by {}",
                     task.name.as_str(),
                     path.field("tasks").index(first)
+                ),
+            );
+        }
+        if task.name.as_str() == RESERVED_TASK_NAME {
+            cx.report(
+                node_location(node, "name"),
+                &task_path.field("name"),
+                format!(
+                    "task name {RESERVED_TASK_NAME:?} is reserved: the alloc dir's shared {RESERVED_TASK_NAME}/ directory has that name"
                 ),
             );
         }

@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use stead_controller::clock::Clock;
 use stead_controller::driver::mock::{MockDriver, MockOp};
-use stead_controller::driver::{Driver, Drivers};
+use stead_controller::driver::{Driver, Drivers, Health};
 use stead_controller::node::{Node, NodeConfig};
 use stead_controller::queue::Shutdown;
 use stead_controller::store::MemoryStore;
@@ -729,4 +729,56 @@ async fn a_fresh_node_over_the_same_store_reattaches_without_a_new_start_and_kee
         2,
         "no new Started event"
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_task_whose_driver_is_unhealthy_stays_pending_with_driver_failure_and_starts_on_recovery()
+{
+    let clock = Clock::starting_at(Timestamp::from_since_epoch(START));
+    let mock = MockDriver::new(clock);
+    mock.set_health(Health::Unhealthy);
+    let drivers = Drivers::new([Arc::new(mock.clone()) as Arc<dyn Driver>]);
+    let config = NodeConfig {
+        seed: Some(7),
+        fingerprint_period: Duration::from_secs(5),
+        ..NodeConfig::default()
+    };
+    let store = MemoryStore::default();
+    let h = Harness {
+        node: Node::new(config, drivers, Arc::new(store.clone()), clock),
+        mock,
+        store,
+        clock,
+    };
+    tokio::time::sleep(Duration::from_millis(1)).await;
+    h.node.apply(alloc(
+        "web",
+        "  tasks:\n    - {name: t, driver: mock, config: {}}\n",
+    ));
+    h.until("driver failure reported", |h| {
+        h.node.status("web").is_some_and(|s| {
+            s.tasks["t"]
+                .events
+                .iter()
+                .any(|e| e.event_type == "Driver Failure")
+        })
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(h.task_state("web", "t").as_deref(), Some("pending"));
+    assert_eq!(h.client_status("web").as_deref(), Some("pending"));
+    assert!(h.starts("t").is_empty());
+    assert_eq!(
+        h.event_messages("web", "t", "Driver Failure"),
+        ["Driver mock is unhealthy: unhealthy: unhealthy; the task starts when it recovers"]
+    );
+
+    h.mock.set_health(Health::Healthy);
+    let recovered_at = h.clock.now();
+    h.until("running", |h| {
+        h.task_state("web", "t").as_deref() == Some("running")
+    })
+    .await;
+    assert_eq!(h.starts("t").len(), 1);
+    assert!(h.starts("t")[0] <= recovered_at + Duration::from_secs(5));
 }

@@ -117,7 +117,7 @@ async fn an_alloc_known_before_the_first_listing_is_removed_only_by_a_listing_wi
         .map(|s| {
             (
                 s.name.parse().expect("name"),
-                stead_schemas::Revision::from_hex(&s.revision).expect("hex"),
+                Some(stead_schemas::Revision::from_hex(&s.revision).expect("hex")),
             )
         })
         .collect::<Vec<_>>();

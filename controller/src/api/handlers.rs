@@ -269,16 +269,22 @@ pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
 /// run fine because one driver is broken.
 pub(super) async fn health(State(state): State<ApiState>) -> Response {
     let mut components = BTreeMap::new();
-    let store_errors = state.node().store_errors();
+    let store = state.node().store_health();
+    let message = match (store.behind.len(), store.failures) {
+        (0, 0) => "every write succeeded".to_owned(),
+        (0, failures) => {
+            format!("writes succeed; {failures} failed since the agent started and were retried")
+        }
+        (behind, failures) => format!(
+            "degraded: the state of {behind} alloc(s) is not stored yet ({}), retrying with backoff; {failures} writes failed",
+            store.behind.join(", ")
+        ),
+    };
     components.insert(
         "store".to_owned(),
         ComponentHealth {
-            healthy: store_errors == 0,
-            message: if store_errors == 0 {
-                "every write succeeded".to_owned()
-            } else {
-                format!("{store_errors} writes failed since the agent started")
-            },
+            healthy: store.is_healthy(),
+            message,
         },
     );
     for (name, fingerprint) in fingerprints(&state).await {

@@ -6,10 +6,12 @@
 //! counted, as Nomad's boltdd does. A record that cannot be read fails its own alloc and
 //! no other: [`Store::load_allocs`] reports it as a [`CorruptRecord`] beside the rest.
 //!
-//! Implementations: [`MemoryStore`] here, and RocksDB. Both pass [`conformance`].
+//! Implementations: [`MemoryStore`] and [`RocksDbStore`]. Both pass [`conformance`].
 
 pub mod conformance;
+pub mod faulty;
 pub mod memory;
+pub mod rocks;
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -32,7 +34,9 @@ use stead_schemas::spec::Name;
 
 use crate::driver::TaskHandle;
 
+pub use faulty::FaultyStore;
 pub use memory::MemoryStore;
+pub use rocks::{RocksDbOptions, RocksDbStore};
 
 /// Where allocs' records are kept across agent restarts.
 ///
@@ -60,6 +64,8 @@ pub struct StoreMetrics {
     pub skipped_writes: u64,
     /// Records deleted (including deletes of records that were not there).
     pub deletes: u64,
+    /// Bytes handed to storage by the writes (keys and values).
+    pub bytes_written: u64,
 }
 
 /// A store operation that failed as a whole.
@@ -130,6 +136,7 @@ pub struct DedupeIndex {
     writes: AtomicU64,
     skipped_writes: AtomicU64,
     deletes: AtomicU64,
+    bytes_written: AtomicU64,
 }
 
 impl DedupeIndex {
@@ -157,6 +164,8 @@ impl DedupeIndex {
             Ok(()) => {
                 self.hashes().insert(key.to_owned(), hash);
                 self.writes.fetch_add(1, Ordering::Relaxed);
+                self.bytes_written
+                    .fetch_add((key.len() + bytes.len()) as u64, Ordering::Relaxed);
                 Ok(())
             }
             Err(error) => {
@@ -197,6 +206,7 @@ impl DedupeIndex {
             writes: self.writes.load(Ordering::Relaxed),
             skipped_writes: self.skipped_writes.load(Ordering::Relaxed),
             deletes: self.deletes.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
         }
     }
 
@@ -749,7 +759,8 @@ mod tests {
             StoreMetrics {
                 writes: 2,
                 skipped_writes: 0,
-                deletes: 0
+                deletes: 0,
+                bytes_written: 2 * (3 + record.encode().len() as u64),
             }
         );
     }

@@ -87,10 +87,15 @@ impl ExecDriverConfig {
     }
 }
 
-/// Where `stead-supervisor` is looked for by default: next to the running executable,
-/// else one directory up (where cargo puts binaries when tests run from `deps/`).
+/// Where `stead-supervisor` is looked for by default: `$STEAD_SUPERVISOR` when set (for
+/// packages that install it elsewhere, such as `/usr/libexec/stead`), else next to the
+/// running executable, else one directory up (where cargo puts binaries when tests run
+/// from `deps/`).
 pub fn default_supervisor_path() -> PathBuf {
     const NAME: &str = "stead-supervisor";
+    if let Some(path) = std::env::var_os("STEAD_SUPERVISOR").filter(|p| !p.is_empty()) {
+        return PathBuf::from(path);
+    }
     let Ok(exe) = std::env::current_exe() else {
         return PathBuf::from(NAME);
     };

@@ -1,0 +1,248 @@
+//! `stead-bench store`: the RocksDB store under churn, and the agent's idle memory.
+//!
+//! 1. N allocs (default 1,000) of three mock tasks each, on a real RocksDB store in a
+//!    temporary directory; one task of each alloc exits every second and is restarted,
+//!    the other two run steadily. Over a measured window: alloc state changes that reach
+//!    the store, batches written per second, and bytes written per state change, with
+//!    deduplication on and off, alternating in the same run.
+//! 2. The real `stead agent` (the release binary beside this one) with 100 running mock
+//!    allocs: its RSS after an idle period, and the RocksDB writes it made while idle.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+use stead_controller::clock::Clock;
+use stead_controller::driver::mock::MockDriver;
+use stead_controller::driver::{Driver, Drivers};
+use stead_controller::node::{Node, NodeConfig};
+use stead_controller::queue::Shutdown;
+use stead_controller::store::{RocksDbOptions, RocksDbStore, Store};
+use stead_schemas::ValidSpec;
+
+fn churn_spec(name: &str) -> anyhow::Result<ValidSpec> {
+    let yaml = format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  restart: {{attempts: 1000000, interval: 1h, delay: 1s, mode: delay}}\n  tasks:\n    - {{name: flappy, driver: mock, config: {{runFor: 1s}}}}\n    - {{name: steady, driver: mock, config: {{}}, env: {{A: '1', B: '2'}}}}\n    - {{name: sidecar, driver: mock, config: {{}}, env: {{C: '3'}}}}\n"
+    );
+    let file = stead_schemas::parse_spec_file(Path::new("bench.yaml"), &yaml);
+    match file.specs().next() {
+        Some(spec) => Ok(spec.clone()),
+        None => bail!("invalid bench spec: {:?}", file.all_diagnostics()),
+    }
+}
+
+/// One churn round: (state changes stored per second, batches per second, bytes per change).
+async fn churn_round(
+    allocs: usize,
+    window: Duration,
+    dedupe: bool,
+) -> anyhow::Result<(f64, f64, f64)> {
+    let dir = tempfile_dir("stead-bench-store")?;
+    let options = RocksDbOptions {
+        dedupe,
+        ..RocksDbOptions::default()
+    };
+    let store = Arc::new(RocksDbStore::open(&dir, options)?);
+    let clock = Clock::system();
+    let mock = MockDriver::new(clock);
+    let drivers = Drivers::new([Arc::new(mock) as Arc<dyn Driver>]);
+    let node = Node::new(NodeConfig::default(), drivers, store.clone(), clock);
+    for i in 0..allocs {
+        node.apply(churn_spec(&format!("churn{i}"))?);
+    }
+    let up = node
+        .wait_until(Duration::from_secs(120), |n| {
+            n.statuses().len() == allocs
+                && n.statuses()
+                    .iter()
+                    .all(|s| s.tasks["steady"].state == "running")
+        })
+        .await;
+    if !up {
+        bail!("allocs did not start");
+    }
+    // Warm up past the first restarts, then measure a window.
+    tokio::time::sleep(Duration::from_secs(3)).await;
+    let before = store.metrics();
+    let started = Instant::now();
+    tokio::time::sleep(window).await;
+    let after = store.metrics();
+    let elapsed = started.elapsed().as_secs_f64();
+    node.shutdown(Shutdown::Detach).await;
+    drop(node);
+    drop(store);
+    let _ = std::fs::remove_dir_all(&dir);
+    let puts = (after.writes + after.skipped_writes) - (before.writes + before.skipped_writes);
+    let writes = after.writes - before.writes;
+    let bytes = after.bytes_written - before.bytes_written;
+    Ok((
+        puts as f64 / elapsed,
+        writes as f64 / elapsed,
+        bytes as f64 / puts.max(1) as f64,
+    ))
+}
+
+fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
+    let dir = std::env::temp_dir().join(format!(
+        "{prefix}-{}-{}",
+        std::process::id(),
+        fastrand_suffix()
+    ));
+    std::fs::create_dir_all(&dir)?;
+    Ok(dir)
+}
+
+fn fastrand_suffix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_nanos() as u64)
+        .unwrap_or(0)
+}
+
+/// A GET on the agent's loopback API; the body (the agent answers with a length).
+fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
+    use std::io::{Read, Write};
+    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
+    write!(
+        stream,
+        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
+    )?;
+    let mut response = String::new();
+    stream.read_to_string(&mut response)?;
+    let (_, body) = response.split_once("\r\n\r\n").context("no body")?;
+    Ok(body.to_owned())
+}
+
+fn median(values: &mut [f64]) -> f64 {
+    values.sort_by(f64::total_cmp);
+    values[values.len() / 2]
+}
+
+/// The agent's RSS with 100 idle allocs, and its store writes while idle.
+fn agent_idle(allocs: usize, idle: Duration) -> anyhow::Result<(u64, u64, u64)> {
+    let exe = std::env::current_exe()?;
+    let stead = exe.with_file_name("stead");
+    if !stead.is_file() {
+        bail!(
+            "{} is missing: build it with `cargo build --release -p stead-controller`",
+            stead.display()
+        );
+    }
+    let root = tempfile_dir("stead-bench-agent")?;
+    let specs = root.join("specs");
+    std::fs::create_dir_all(&specs)?;
+    for i in 0..allocs {
+        std::fs::write(
+            specs.join(format!("idle{i}.yaml")),
+            format!(
+                "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: idle{i}}}\nspec:\n  tasks:\n    - {{name: main, driver: mock, config: {{}}}}\n"
+            ),
+        )?;
+    }
+    let port = std::net::TcpListener::bind("127.0.0.1:0")?
+        .local_addr()?
+        .port();
+    let config = root.join("agent.yaml");
+    std::fs::write(
+        &config,
+        format!(
+            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ndrivers: {{exec: {{enabled: false}}}}\n",
+            specs.display(),
+            root.join("data").display()
+        ),
+    )?;
+    let mut child = std::process::Command::new(&stead)
+        .args(["agent", "--config"])
+        .arg(&config)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()?;
+    let result = (|| {
+        let deadline = Instant::now() + Duration::from_secs(60);
+        loop {
+            let running = http_get(port, "/v1/allocs")
+                .ok()
+                .and_then(|body| serde_json::from_str::<Vec<serde_json::Value>>(&body).ok())
+                .is_some_and(|items| {
+                    items.len() == allocs && items.iter().all(|i| i["clientStatus"] == "running")
+                });
+            if running {
+                break;
+            }
+            if Instant::now() > deadline {
+                bail!("the agent's allocs did not all run");
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_secs(2));
+        let writes = || -> anyhow::Result<u64> {
+            let text = http_get(port, "/metrics")?;
+            text.lines()
+                .find(|l| l.starts_with("stead_store_writes_total"))
+                .and_then(|l| l.split_whitespace().last())
+                .and_then(|v| v.parse::<f64>().ok())
+                .map(|v| v as u64)
+                .context("no stead_store_writes_total in /metrics")
+        };
+        let before = writes()?;
+        std::thread::sleep(idle);
+        let after = writes()?;
+        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id()))?;
+        let field = |name: &str| -> anyhow::Result<u64> {
+            status
+                .lines()
+                .find(|l| l.starts_with(name))
+                .and_then(|l| l.split_whitespace().nth(1))
+                .context("no such field")?
+                .parse()
+                .context("a number")
+        };
+        Ok((field("VmRSS:")?, field("VmHWM:")?, after - before))
+    })();
+    let _ = child.kill();
+    let _ = child.wait();
+    let _ = std::fs::remove_dir_all(&root);
+    result
+}
+
+/// `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]`.
+pub(crate) fn run(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(2);
+    let allocs: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(1_000);
+    let window = Duration::from_secs(args.next().map(|a| a.parse()).transpose()?.unwrap_or(10));
+    let rounds: usize = args.next().map(|a| a.parse()).transpose()?.unwrap_or(3);
+    println!(
+        "store: {allocs} allocs of 3 mock tasks, one restarting every ~2 s; {window:?} windows, {rounds} rounds each, alternating"
+    );
+    let mut on = (Vec::new(), Vec::new(), Vec::new());
+    let mut off = (Vec::new(), Vec::new(), Vec::new());
+    for round in 0..rounds {
+        for dedupe in [true, false] {
+            let (changes, writes, bytes) = runtime.block_on(churn_round(allocs, window, dedupe))?;
+            println!(
+                "  round {round} dedupe {dedupe:5}: {changes:8.0} changes/s  {writes:8.0} batches/s  {bytes:8.0} bytes/change"
+            );
+            let target = if dedupe { &mut on } else { &mut off };
+            target.0.push(changes);
+            target.1.push(writes);
+            target.2.push(bytes);
+        }
+    }
+    let (on_bytes, off_bytes) = (median(&mut on.2), median(&mut off.2));
+    println!(
+        "store medians: dedupe on {:.0} changes/s, {:.0} batches/s, {on_bytes:.0} bytes/change; dedupe off {:.0} changes/s, {:.0} batches/s, {off_bytes:.0} bytes/change; bytes ratio off/on {:.2}",
+        median(&mut on.0),
+        median(&mut on.1),
+        median(&mut off.0),
+        median(&mut off.1),
+        off_bytes / on_bytes.max(1.0)
+    );
+    let (rss, hwm, idle_writes) = agent_idle(100, Duration::from_secs(10))?;
+    println!(
+        "agent idle with 100 running allocs: RSS {:.1} MiB (peak {:.1} MiB), {idle_writes} store writes over 10 s",
+        rss as f64 / 1024.0,
+        hwm as f64 / 1024.0
+    );
+    Ok(())
+}

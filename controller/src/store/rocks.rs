@@ -1,0 +1,615 @@
+//! The RocksDB [`Store`]: the embedded default, under `<data-dir>/state`.
+//!
+//! An alloc's record is kept in parts, one column family per kind, so a change to one
+//! task rewrites that task's part and nothing else:
+//!
+//! | family    | key              | value                                         |
+//! |-----------|------------------|-----------------------------------------------|
+//! | `allocs`  | `name`           | the record without task states and handles     |
+//! | `tasks`   | `name \0 task`   | the task's state (JSON `TaskStateRecord`)     |
+//! | `handles` | `name \0 task`   | the task's driver handle (`TaskHandleRecord`) |
+//! | `devices` | `name`           | device assignments (reserved for the device manager) |
+//! | `meta`    | `layout`         | the layout version of this database            |
+//!
+//! Each put is one atomic write batch holding only the parts whose bytes changed since
+//! they were last written or read (per-part content hashes, as Nomad's boltdd keeps per
+//! bucket); a put that changes nothing is skipped and counted. Writes go to the WAL
+//! without fsync unless configured: they survive the agent's crash, as the crash test
+//! checks; `sync: true` also survives the machine's.
+//!
+//! Names are validated `[a-z0-9-]` strings, so `\0` separates an alloc's part keys from
+//! every other alloc's and a prefix scan finds exactly its tasks.
+
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{DefaultHasher, Hash, Hasher};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Mutex, MutexGuard, PoisonError};
+
+use rocksdb::{
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, IteratorMode,
+    LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
+};
+use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStateRecord};
+use stead_schemas::spec::Name;
+
+use super::conformance::PlantRaw;
+use super::{CorruptRecord, Store, StoreError, StoreMetrics, decode_stored};
+
+/// The layout this agent writes; a database with a newer one is refused at open.
+pub const LAYOUT_VERSION: u32 = 1;
+
+const ALLOCS: &str = "allocs";
+const TASKS: &str = "tasks";
+const HANDLES: &str = "handles";
+const DEVICES: &str = "devices";
+const META: &str = "meta";
+const FAMILIES: [&str; 5] = [ALLOCS, TASKS, HANDLES, DEVICES, META];
+const LAYOUT_KEY: &[u8] = b"layout";
+
+/// How the database is sized and how durable its writes are.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RocksDbOptions {
+    /// Memory for memtables and the block cache together, in bytes: memtables are
+    /// charged to the cache, so RocksDB's own memory stays within this.
+    pub memory_budget: usize,
+    /// fsync every write (survives power loss, costs a disk flush per change).
+    pub sync: bool,
+    /// Skip unchanged parts and unchanged records (on by default; off only to measure
+    /// what deduplication saves).
+    pub dedupe: bool,
+}
+
+impl Default for RocksDbOptions {
+    fn default() -> Self {
+        RocksDbOptions {
+            memory_budget: 8 << 20,
+            sync: false,
+            dedupe: true,
+        }
+    }
+}
+
+/// Opening the database failed.
+#[derive(Debug, thiserror::Error)]
+pub enum OpenError {
+    /// RocksDB refused to open or create it.
+    #[error("cannot open the state database at {path}")]
+    Open {
+        /// The database directory.
+        path: PathBuf,
+        /// What RocksDB reported.
+        #[source]
+        source: rocksdb::Error,
+    },
+    /// A newer agent laid the database out.
+    #[error(
+        "the state database at {path} has layout version {found}, newer than this agent's {supported}"
+    )]
+    FutureLayout {
+        /// The database directory.
+        path: PathBuf,
+        /// The stored layout version.
+        found: u32,
+        /// [`LAYOUT_VERSION`].
+        supported: u32,
+    },
+    /// The layout marker is unreadable.
+    #[error("the state database at {path} has an unreadable layout marker {found:?}")]
+    BadLayout {
+        /// The database directory.
+        path: PathBuf,
+        /// The stored bytes.
+        found: Vec<u8>,
+    },
+}
+
+/// A part of an alloc's record: its family and key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+struct PartKey {
+    family: &'static str,
+    key: Vec<u8>,
+}
+
+/// The [`Store`] on RocksDB.
+pub struct RocksDbStore {
+    db: DB,
+    path: PathBuf,
+    write_options: WriteOptions,
+    dedupe: bool,
+    /// Per alloc, the hash of every part the database holds, when known.
+    index: Mutex<HashMap<String, HashMap<PartKey, u64>>>,
+    writes: AtomicU64,
+    skipped_writes: AtomicU64,
+    deletes: AtomicU64,
+    bytes_written: AtomicU64,
+}
+
+impl std::fmt::Debug for RocksDbStore {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RocksDbStore")
+            .field("path", &self.path)
+            .field("metrics", &self.metrics())
+            .finish_non_exhaustive()
+    }
+}
+
+impl RocksDbStore {
+    /// Opens (creating when missing) the database in `path`.
+    pub fn open(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
+        let open_error = |source| OpenError::Open {
+            path: path.to_owned(),
+            source,
+        };
+        let budget = options.memory_budget.max(1 << 20);
+        let cache = Cache::new_lru_cache(budget);
+        // Memtables are charged to the cache: one limit for both.
+        let buffers = WriteBufferManager::new_write_buffer_manager_with_cache(
+            budget / 2,
+            false,
+            cache.clone(),
+        );
+        let mut table = BlockBasedOptions::default();
+        table.set_block_cache(&cache);
+        table.set_cache_index_and_filter_blocks(true);
+        table.set_pin_l0_filter_and_index_blocks_in_cache(true);
+
+        let mut family_options = Options::default();
+        family_options.set_block_based_table_factory(&table);
+        family_options.set_write_buffer_size((budget / 8).max(64 << 10));
+        family_options.set_max_write_buffer_number(2);
+
+        let mut db_options = family_options.clone();
+        db_options.create_if_missing(true);
+        db_options.create_missing_column_families(true);
+        db_options.set_write_buffer_manager(&buffers);
+        // A node agent's state is small: bound the WAL, files, threads and RocksDB's log.
+        db_options.set_max_total_wal_size(4 << 20);
+        db_options.set_max_open_files(64);
+        db_options.set_max_background_jobs(2);
+        db_options.set_keep_log_file_num(2);
+        db_options.set_max_log_file_size(1 << 20);
+        db_options.set_log_level(LogLevel::Warn);
+        db_options.set_stats_dump_period_sec(0);
+        db_options.set_stats_persist_period_sec(0);
+
+        let families = FAMILIES
+            .iter()
+            .map(|name| ColumnFamilyDescriptor::new(*name, family_options.clone()));
+        let db = DB::open_cf_descriptors(&db_options, path, families).map_err(open_error)?;
+        let mut write_options = WriteOptions::default();
+        write_options.set_sync(options.sync);
+        let store = RocksDbStore {
+            db,
+            path: path.to_owned(),
+            write_options,
+            dedupe: options.dedupe,
+            index: Mutex::new(HashMap::new()),
+            writes: AtomicU64::new(0),
+            skipped_writes: AtomicU64::new(0),
+            deletes: AtomicU64::new(0),
+            bytes_written: AtomicU64::new(0),
+        };
+        store.check_layout()?;
+        Ok(store)
+    }
+
+    /// The database directory.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Reads the layout marker, writing it into a new database; a newer layout is refused.
+    fn check_layout(&self) -> Result<(), OpenError> {
+        let open_error = |source| OpenError::Open {
+            path: self.path.clone(),
+            source,
+        };
+        let meta = self.family(META);
+        match self.db.get_cf(meta, LAYOUT_KEY).map_err(open_error)? {
+            None => {
+                let mut batch = WriteBatch::default();
+                batch.put_cf(meta, LAYOUT_KEY, LAYOUT_VERSION.to_string());
+                self.db
+                    .write_opt(batch, &self.write_options)
+                    .map_err(open_error)
+            }
+            Some(found) => {
+                let parsed = std::str::from_utf8(&found)
+                    .ok()
+                    .and_then(|text| text.parse::<u32>().ok());
+                match parsed {
+                    // Layout 1 is the first: an older one would be migrated here.
+                    Some(LAYOUT_VERSION) => Ok(()),
+                    Some(version) if version > LAYOUT_VERSION => Err(OpenError::FutureLayout {
+                        path: self.path.clone(),
+                        found: version,
+                        supported: LAYOUT_VERSION,
+                    }),
+                    _ => Err(OpenError::BadLayout {
+                        path: self.path.clone(),
+                        found: found.clone(),
+                    }),
+                }
+            }
+        }
+    }
+
+    fn family(&self, name: &str) -> &ColumnFamily {
+        self.db
+            .cf_handle(name)
+            .expect("every family is created at open")
+    }
+
+    fn index(&self) -> MutexGuard<'_, HashMap<String, HashMap<PartKey, u64>>> {
+        // Every update is one map call, so a panic cannot leave it half updated.
+        self.index.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Queues the deletion of every part of `name` in `batch`.
+    fn delete_parts(&self, batch: &mut WriteBatch, name: &str) {
+        batch.delete_cf(self.family(ALLOCS), name);
+        batch.delete_cf(self.family(DEVICES), name);
+        let (from, to) = prefix_range(name);
+        batch.delete_range_cf(self.family(TASKS), &from, &to);
+        batch.delete_range_cf(self.family(HANDLES), &from, &to);
+    }
+
+    /// Every `(suffix, value)` of `family` under `name`'s prefix, in key order.
+    fn scan_prefix(&self, family: &str, name: &str) -> Result<Vec<(String, Vec<u8>)>, StoreError> {
+        let (from, _) = prefix_range(name);
+        let mut parts = Vec::new();
+        let mode = IteratorMode::From(&from, Direction::Forward);
+        for item in self.db.iterator_cf(self.family(family), mode) {
+            let (key, value) = item.map_err(load_error)?;
+            let Some(suffix) = key.strip_prefix(from.as_slice()) else {
+                break;
+            };
+            parts.push((
+                String::from_utf8_lossy(suffix).into_owned(),
+                value.into_vec(),
+            ));
+        }
+        Ok(parts)
+    }
+
+    /// Loads one alloc from its header bytes and its task and handle parts.
+    fn load_one(
+        &self,
+        name: &str,
+        header: &[u8],
+    ) -> Result<Result<(AllocRecord, HashMap<PartKey, u64>), CorruptRecord>, StoreError> {
+        let mut hashes = HashMap::new();
+        hashes.insert(part(ALLOCS, name.as_bytes()), hash_bytes(header));
+        let mut record = match decode_stored(name, header) {
+            Ok(record) => record,
+            Err(corrupt) => return Ok(Err(corrupt)),
+        };
+        let corrupt = |source| CorruptRecord {
+            name: name.to_owned(),
+            source: RecordError::Malformed { source },
+        };
+        for (task, bytes) in self.scan_prefix(TASKS, name)? {
+            hashes.insert(part(TASKS, &part_key(name, &task)), hash_bytes(&bytes));
+            match serde_json::from_slice::<TaskStateRecord>(&bytes) {
+                Ok(state) => {
+                    record.state.tasks.insert(task, state);
+                }
+                Err(error) => return Ok(Err(corrupt(error))),
+            }
+        }
+        for (task, bytes) in self.scan_prefix(HANDLES, name)? {
+            hashes.insert(part(HANDLES, &part_key(name, &task)), hash_bytes(&bytes));
+            match serde_json::from_slice::<TaskHandleRecord>(&bytes) {
+                Ok(handle) => {
+                    record.handles.insert(task, handle);
+                }
+                Err(error) => return Ok(Err(corrupt(error))),
+            }
+        }
+        Ok(Ok((record, hashes)))
+    }
+
+    /// Bytes written to the database since it was opened (keys and values of changed
+    /// parts).
+    pub fn bytes_written(&self) -> u64 {
+        self.bytes_written.load(Ordering::Relaxed)
+    }
+}
+
+impl Store for RocksDbStore {
+    fn put_alloc(&self, record: &AllocRecord) -> Result<(), StoreError> {
+        let name = record.name.as_str();
+        let parts = split(record);
+        let known = self.index().get(name).cloned();
+        let mut batch = WriteBatch::default();
+        if known.is_none() {
+            // Nothing is known of what the database holds for it: clear every part first.
+            self.delete_parts(&mut batch, name);
+        }
+        let mut hashes = HashMap::with_capacity(parts.len());
+        let mut bytes = 0u64;
+        let mut changed = false;
+        for (key, value) in &parts {
+            let hash = hash_bytes(value);
+            let unchanged = self.dedupe && known.as_ref().and_then(|k| k.get(key)) == Some(&hash);
+            if !unchanged {
+                batch.put_cf(self.family(key.family), &key.key, value);
+                bytes += (key.key.len() + value.len()) as u64;
+                changed = true;
+            }
+            hashes.insert(key.clone(), hash);
+        }
+        for key in known.iter().flat_map(HashMap::keys) {
+            if !hashes.contains_key(key) {
+                batch.delete_cf(self.family(key.family), &key.key);
+                changed = true;
+            }
+        }
+        if !changed {
+            self.skipped_writes.fetch_add(1, Ordering::Relaxed);
+            return Ok(());
+        }
+        match self.db.write_opt(batch, &self.write_options) {
+            Ok(()) => {
+                self.index().insert(name.to_owned(), hashes);
+                self.writes.fetch_add(1, Ordering::Relaxed);
+                self.bytes_written.fetch_add(bytes, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(error) => {
+                self.index().remove(name);
+                Err(StoreError::Write {
+                    name: record.name.clone(),
+                    source: Box::new(error),
+                })
+            }
+        }
+    }
+
+    fn delete_alloc(&self, name: &Name) -> Result<(), StoreError> {
+        let mut batch = WriteBatch::default();
+        self.delete_parts(&mut batch, name.as_str());
+        let result = self.db.write_opt(batch, &self.write_options);
+        self.index().remove(name.as_str());
+        match result {
+            Ok(()) => {
+                self.deletes.fetch_add(1, Ordering::Relaxed);
+                Ok(())
+            }
+            Err(error) => Err(StoreError::Delete {
+                name: name.clone(),
+                source: Box::new(error),
+            }),
+        }
+    }
+
+    fn load_allocs(&self) -> Result<Vec<Result<AllocRecord, CorruptRecord>>, StoreError> {
+        let mut loaded = Vec::new();
+        let mut headers = Vec::new();
+        for item in self
+            .db
+            .iterator_cf(self.family(ALLOCS), IteratorMode::Start)
+        {
+            let (key, value) = item.map_err(load_error)?;
+            headers.push((String::from_utf8_lossy(&key).into_owned(), value));
+        }
+        for (name, header) in headers {
+            match self.load_one(&name, &header)? {
+                Ok((record, hashes)) => {
+                    self.index().insert(name, hashes);
+                    loaded.push(Ok(record));
+                }
+                Err(corrupt) => {
+                    self.index().remove(&name);
+                    loaded.push(Err(corrupt));
+                }
+            }
+        }
+        Ok(loaded)
+    }
+
+    fn metrics(&self) -> StoreMetrics {
+        StoreMetrics {
+            writes: self.writes.load(Ordering::Relaxed),
+            skipped_writes: self.skipped_writes.load(Ordering::Relaxed),
+            deletes: self.deletes.load(Ordering::Relaxed),
+            bytes_written: self.bytes_written.load(Ordering::Relaxed),
+        }
+    }
+}
+
+impl PlantRaw for RocksDbStore {
+    fn plant_raw(&self, name: &str, bytes: Vec<u8>) {
+        self.db
+            .put_cf(self.family(ALLOCS), name, bytes)
+            .expect("planting a raw record");
+        self.index().remove(name);
+    }
+}
+
+/// The parts of a record: the header (the record without task states and handles), each
+/// task's state and each task's handle, encoded.
+fn split(record: &AllocRecord) -> BTreeMap<PartKey, Vec<u8>> {
+    let name = record.name.as_str();
+    let mut parts = BTreeMap::new();
+    for (task, state) in &record.state.tasks {
+        let bytes = serde_json::to_vec(state).expect("task states serialize to JSON");
+        parts.insert(part(TASKS, &part_key(name, task)), bytes);
+    }
+    for (task, handle) in &record.handles {
+        let bytes = serde_json::to_vec(handle).expect("handles serialize to JSON");
+        parts.insert(part(HANDLES, &part_key(name, task)), bytes);
+    }
+    let mut header = AllocRecord {
+        version: record.version,
+        name: record.name.clone(),
+        spec: record.spec.clone(),
+        revision: record.revision.clone(),
+        removed: record.removed,
+        state: record.state.clone(),
+        handles: BTreeMap::new(),
+    };
+    header.state.tasks.clear();
+    parts.insert(part(ALLOCS, name.as_bytes()), header.encode());
+    parts
+}
+
+fn part(family: &'static str, key: &[u8]) -> PartKey {
+    PartKey {
+        family,
+        key: key.to_vec(),
+    }
+}
+
+/// `name \0 task`.
+fn part_key(name: &str, task: &str) -> Vec<u8> {
+    let mut key = Vec::with_capacity(name.len() + 1 + task.len());
+    key.extend_from_slice(name.as_bytes());
+    key.push(0);
+    key.extend_from_slice(task.as_bytes());
+    key
+}
+
+/// The key range `[name \0, name \1)` holding exactly `name`'s task parts.
+fn prefix_range(name: &str) -> (Vec<u8>, Vec<u8>) {
+    let mut from = name.as_bytes().to_vec();
+    from.push(0);
+    let mut to = name.as_bytes().to_vec();
+    to.push(1);
+    (from, to)
+}
+
+fn hash_bytes(bytes: &[u8]) -> u64 {
+    let mut hasher = DefaultHasher::new();
+    bytes.hash(&mut hasher);
+    hasher.finish()
+}
+
+fn load_error(error: rocksdb::Error) -> StoreError {
+    StoreError::Load {
+        source: Box::new(error),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::store::conformance::{self, sample_record};
+
+    fn open(dir: &Path) -> RocksDbStore {
+        RocksDbStore::open(dir, RocksDbOptions::default()).expect("opens")
+    }
+
+    #[test]
+    fn rocksdb_store_passes_the_conformance_suite() {
+        let root = tempfile::tempdir().expect("temp dir");
+        let counter = AtomicU64::new(0);
+        conformance::run_all(|| {
+            let n = counter.fetch_add(1, Ordering::Relaxed);
+            Box::new(open(&root.path().join(format!("db-{n}"))))
+        });
+    }
+
+    #[test]
+    fn records_survive_reopening() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        {
+            let store = open(dir.path());
+            store.put_alloc(&sample_record("web", 3)).expect("written");
+            store.put_alloc(&sample_record("api", 1)).expect("written");
+        }
+        let store = open(dir.path());
+        let loaded: Vec<AllocRecord> = store
+            .load_allocs()
+            .expect("loads")
+            .into_iter()
+            .map(|r| r.expect("decodes"))
+            .collect();
+        assert_eq!(
+            loaded,
+            vec![sample_record("api", 1), sample_record("web", 3)]
+        );
+        // What was read is known: writing it again is skipped.
+        store.put_alloc(&sample_record("web", 3)).expect("skipped");
+        assert_eq!(store.metrics().skipped_writes, 1);
+        assert_eq!(store.metrics().writes, 0);
+    }
+
+    #[test]
+    fn a_task_change_rewrites_only_that_tasks_part() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        let first = sample_record("web", 0);
+        store.put_alloc(&first).expect("written");
+        let after_first = store.bytes_written();
+        let mut second = first.clone();
+        second
+            .state
+            .tasks
+            .values_mut()
+            .for_each(|task| task.restarts += 1);
+        store.put_alloc(&second).expect("written");
+        let delta = store.bytes_written() - after_first;
+        let task_part = serde_json::to_vec(&second.state.tasks["server"])
+            .expect("encodes")
+            .len() as u64;
+        assert_eq!(delta, task_part + "web\0server".len() as u64);
+        assert!(delta < after_first / 2, "{delta} of {after_first}");
+    }
+
+    #[test]
+    fn a_dropped_handle_is_deleted() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        let mut record = sample_record("web", 0);
+        store.put_alloc(&record).expect("written");
+        record.handles.clear();
+        store.put_alloc(&record).expect("written");
+        drop(store);
+        let store = open(dir.path());
+        let loaded = store.load_allocs().expect("loads");
+        assert_eq!(loaded[0].as_ref().expect("decodes"), &record);
+    }
+
+    #[test]
+    fn a_garbage_task_part_fails_only_its_alloc() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        store.put_alloc(&sample_record("api", 0)).expect("written");
+        store.put_alloc(&sample_record("web", 0)).expect("written");
+        store
+            .db
+            .put_cf(store.family(TASKS), part_key("web", "server"), b"{not json")
+            .expect("planted");
+        let loaded = store.load_allocs().expect("loads");
+        assert_eq!(loaded[0].as_ref().ok(), Some(&sample_record("api", 0)));
+        match &loaded[1] {
+            Err(CorruptRecord {
+                name,
+                source: RecordError::Malformed { .. },
+            }) => assert_eq!(name, "web"),
+            other => panic!("expected web to be malformed, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn a_database_of_a_newer_layout_is_refused_naming_it() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        {
+            let store = open(dir.path());
+            store
+                .db
+                .put_cf(store.family(META), LAYOUT_KEY, "2")
+                .expect("planted");
+        }
+        let error = RocksDbStore::open(dir.path(), RocksDbOptions::default())
+            .expect_err("a newer layout is refused");
+        let message = error.to_string();
+        assert!(
+            message.contains(&dir.path().display().to_string()),
+            "{message}"
+        );
+        assert!(message.contains("layout version 2"), "{message}");
+    }
+}

@@ -1,0 +1,316 @@
+//! A real `stead agent` process for the tests that crash and restart it: its directories,
+//! its config, a minimal blocking HTTP client for its API, and the process table.
+
+#![allow(dead_code, unreachable_pub)]
+
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use stead_schemas::status::AllocStatus;
+
+/// The agent binary cargo built for these tests.
+pub fn agent_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_stead-test-agent"))
+}
+
+/// The supervisor binary cargo built for these tests.
+pub fn supervisor_binary() -> PathBuf {
+    PathBuf::from(env!("CARGO_BIN_EXE_stead-test-supervisor"))
+}
+
+/// Whether the tests run as root.
+pub fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find(|l| l.starts_with("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(2))
+            == Some("0")
+    })
+}
+
+/// A free loopback port (bound and released; the agent binds it right after).
+pub fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .and_then(|l| l.local_addr())
+        .map(|a| a.port())
+        .expect("a free port")
+}
+
+/// The directories and config of one agent, kept across its restarts.
+pub struct AgentDirs {
+    pub root: tempfile::TempDir,
+    pub specs: PathBuf,
+    pub data: PathBuf,
+    pub config: PathBuf,
+    pub port: u16,
+}
+
+impl AgentDirs {
+    /// Fresh directories and a config with `extra` YAML lines appended.
+    pub fn new(extra: &str) -> Self {
+        let root = tempfile::tempdir().expect("temp dir");
+        let specs = root.path().join("specs");
+        let data = root.path().join("data");
+        std::fs::create_dir_all(&specs).expect("specs dir");
+        let port = free_port();
+        let config = root.path().join("agent.yaml");
+        let text = format!(
+            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 200ms\nresync: 500ms\nallowRoot: {}\nlogFormat: text\n{extra}",
+            specs.display(),
+            data.display(),
+            running_as_root(),
+        );
+        std::fs::write(&config, text).expect("config written");
+        AgentDirs {
+            root,
+            specs,
+            data,
+            config,
+            port,
+        }
+    }
+
+    /// Writes a spec file atomically (temp file, then rename), as editors do.
+    pub fn write_spec(&self, name: &str, yaml: &str) {
+        let tmp = self.specs.join(format!(".{name}.yaml.tmp"));
+        std::fs::write(&tmp, yaml).expect("spec written");
+        std::fs::rename(&tmp, self.specs.join(format!("{name}.yaml"))).expect("spec renamed");
+    }
+
+    /// Deletes a spec file.
+    pub fn remove_spec(&self, name: &str) {
+        std::fs::remove_file(self.specs.join(format!("{name}.yaml"))).expect("spec removed");
+    }
+
+    /// Starts the agent and waits until its API answers.
+    pub fn start(&self) -> Agent {
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.root.path().join("agent.log"))
+            .expect("agent log");
+        let child = Command::new(agent_binary())
+            .args(["agent", "--config"])
+            .arg(&self.config)
+            .env("STEAD_SUPERVISOR", supervisor_binary())
+            .env("RUST_LOG", "info")
+            .stdin(Stdio::null())
+            .stdout(log.try_clone().expect("log handle"))
+            .stderr(log)
+            .spawn()
+            .expect("agent spawned");
+        let mut agent = Agent {
+            child,
+            port: self.port,
+            log: self.root.path().join("agent.log"),
+        };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if agent.try_get("/v1/health").is_some() {
+                return agent;
+            }
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                panic!("agent exited with {status}:\n{}", agent.log_text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent API not up:\n{}",
+                agent.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+}
+
+/// A running agent process.
+pub struct Agent {
+    pub child: Child,
+    pub port: u16,
+    pub log: PathBuf,
+}
+
+impl Agent {
+    /// SIGKILLs the agent and reaps it; its tasks' supervisors live on.
+    pub fn kill9(mut self) {
+        self.child.kill().expect("agent killed");
+        self.child.wait().expect("agent reaped");
+    }
+
+    /// SIGTERMs the agent and waits for it to exit.
+    pub fn terminate(mut self) -> std::process::ExitStatus {
+        let pid = rustix::process::Pid::from_raw(self.child.id() as i32).expect("a pid");
+        rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("signalled");
+        self.child.wait().expect("agent reaped")
+    }
+
+    /// The agent's log so far.
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    /// A GET of `path`: status code and body, or `None` when the agent does not answer.
+    pub fn try_get(&self, path: &str) -> Option<(u16, String)> {
+        self.request("GET", path)
+    }
+
+    /// A POST of `path` with an empty JSON body.
+    pub fn post(&self, path: &str) -> Option<(u16, String)> {
+        self.request("POST", path)
+    }
+
+    fn request(&self, method: &str, path: &str) -> Option<(u16, String)> {
+        let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
+        stream
+            .set_read_timeout(Some(Duration::from_secs(10)))
+            .ok()?;
+        let body = if method == "POST" { "{}" } else { "" };
+        write!(
+            stream,
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            body.len()
+        )
+        .ok()?;
+        let mut response = Vec::new();
+        stream.read_to_end(&mut response).ok()?;
+        let text = String::from_utf8(response).ok()?;
+        let (head, body) = text.split_once("\r\n\r\n")?;
+        let code = head.split_whitespace().nth(1)?.parse().ok()?;
+        let body = if head
+            .to_ascii_lowercase()
+            .contains("transfer-encoding: chunked")
+        {
+            dechunk(body)
+        } else {
+            body.to_owned()
+        };
+        Some((code, body))
+    }
+
+    /// The alloc's status, when the agent knows it.
+    pub fn status(&self, name: &str) -> Option<AllocStatus> {
+        match self.try_get(&format!("/v1/allocs/{name}"))? {
+            (200, body) => Some(serde_json::from_str(&body).expect("a status document")),
+            _ => None,
+        }
+    }
+
+    /// The names of every alloc the agent shows.
+    pub fn alloc_names(&self) -> Vec<String> {
+        let (_, body) = self.try_get("/v1/allocs").expect("the agent answers");
+        let items: Vec<serde_json::Value> = serde_json::from_str(&body).expect("a list");
+        items
+            .iter()
+            .filter_map(|item| item["name"].as_str().map(str::to_owned))
+            .collect()
+    }
+}
+
+impl Drop for Agent {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+fn dechunk(body: &str) -> String {
+    let mut out = String::new();
+    let mut rest = body;
+    while let Some((size, tail)) = rest.split_once("\r\n") {
+        let Ok(size) = usize::from_str_radix(size.trim(), 16) else {
+            break;
+        };
+        if size == 0 || tail.len() < size {
+            break;
+        }
+        out.push_str(&tail[..size]);
+        rest = tail[size..].trim_start_matches("\r\n");
+    }
+    out
+}
+
+/// Polls `condition` until it holds; panics with `what` and the last observation when
+/// `deadline` passes first.
+pub fn wait_for<T>(
+    what: &str,
+    deadline: Duration,
+    mut condition: impl FnMut() -> Result<T, String>,
+) -> T {
+    let end = Instant::now() + deadline;
+    loop {
+        match condition() {
+            Ok(value) => return value,
+            Err(last) => {
+                assert!(Instant::now() < end, "timed out waiting for {what}: {last}");
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// The pids of live processes whose command line contains `marker`.
+pub fn processes_with(marker: &str) -> Vec<u32> {
+    let mut pids = Vec::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return pids;
+    };
+    for entry in entries.flatten() {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|s| s.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        if cmdline.is_empty() || is_zombie(pid) {
+            continue;
+        }
+        if String::from_utf8_lossy(&cmdline).contains(marker) {
+            pids.push(pid);
+        }
+    }
+    pids.sort_unstable();
+    pids
+}
+
+fn is_zombie(pid: u32) -> bool {
+    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
+        stat.rsplit_once(") ")
+            .and_then(|(_, rest)| rest.split_whitespace().next())
+            == Some("Z")
+    })
+}
+
+/// Kills every process whose command line contains `marker` (test clean-up).
+pub fn kill_all_with(marker: &str) {
+    for pid in processes_with(marker) {
+        if let Some(pid) = rustix::process::Pid::from_raw(pid as i32) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
+    }
+}
+
+/// An exec alloc whose one task runs until stopped; its command line carries `marker`.
+pub fn service_spec(name: &str, marker: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 2s\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"trap 'exit 0' TERM; while :; do sleep 0.2; done\", \"{marker}\"]\n"
+    )
+}
+
+/// An exec batch alloc whose one task exits 0 at once.
+pub fn batch_spec(name: &str, marker: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  type: batch\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"exit 0\", \"{marker}\"]\n"
+    )
+}
+
+/// The workspace's path to `dir` as the config writes it.
+pub fn show(path: &Path) -> String {
+    path.display().to_string()
+}

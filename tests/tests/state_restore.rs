@@ -1,0 +1,225 @@
+//! Restore through the real agent binary on its RocksDB state: tasks survive an agent
+//! restart, a damaged record or a missing alloc dir fails only its own alloc with a
+//! message naming it, and a second agent on the same data dir is refused at once.
+
+mod agent_support;
+
+use std::process::Command;
+use std::time::Duration;
+
+use agent_support::{
+    AgentDirs, agent_binary, kill_all_with, processes_with, service_spec, wait_for,
+};
+use stead_controller::store::conformance::PlantRaw;
+use stead_controller::store::{RocksDbOptions, RocksDbStore};
+
+struct Cleanup(String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        kill_all_with(&self.0);
+    }
+}
+
+fn running_pid(agent: &agent_support::Agent, name: &str) -> Result<u32, String> {
+    let status = agent
+        .status(name)
+        .ok_or_else(|| format!("{name} not shown"))?;
+    let task = &status.tasks["main"];
+    task.pid
+        .filter(|_| task.state == "running")
+        .ok_or_else(|| format!("{name} is {}", task.state))
+}
+
+#[test]
+fn damaged_records_and_a_missing_alloc_dir_fail_only_their_allocs_and_the_agent_boots() {
+    let token = format!("stead-restore-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("");
+    for name in ["garbled", "gone", "healthy", "newer"] {
+        dirs.write_spec(name, &service_spec(name, &format!("{token}-{name}.")));
+    }
+    let agent = dirs.start();
+    let pids = wait_for("all running", Duration::from_secs(10), || {
+        ["garbled", "gone", "healthy", "newer"]
+            .iter()
+            .map(|name| running_pid(&agent, name))
+            .collect::<Result<Vec<_>, _>>()
+    });
+    let gone_id = agent.status("gone").expect("shown").id;
+    agent.kill9();
+
+    {
+        let store = RocksDbStore::open(&dirs.data.join("state"), RocksDbOptions::default())
+            .expect("the state opens while the agent is down");
+        store.plant_raw("garbled", b"{\"version\": 1, \"name\": ".to_vec());
+        let mut newer = stead_controller::store::conformance::sample_record("newer", 0);
+        newer.version += 1;
+        store.plant_raw("newer", newer.encode());
+    }
+    std::fs::remove_dir_all(dirs.data.join("allocs").join(&gone_id)).expect("alloc dir removed");
+
+    let agent = dirs.start();
+    let healthy = wait_for("healthy resumed", Duration::from_secs(5), || {
+        running_pid(&agent, "healthy")
+    });
+    assert_eq!(healthy, pids[2], "the healthy alloc kept its process");
+    for (name, needle) in [
+        ("garbled", "malformed"),
+        ("newer", "newer than"),
+        ("gone", "is missing"),
+    ] {
+        let status = wait_for(
+            &format!("{name} failed"),
+            Duration::from_secs(5),
+            || match agent.status(name) {
+                Some(s) if s.client_status == "failed" => Ok(s),
+                other => Err(format!("{other:?}")),
+            },
+        );
+        let text = serde_json::to_string(&status).expect("json");
+        assert!(text.contains(name) && text.contains(needle), "{text}");
+    }
+    // The missing dir's task was stopped rather than left behind.
+    wait_for(
+        "the gone alloc's process ended",
+        Duration::from_secs(5),
+        || {
+            let left = processes_with(&format!("{token}-gone."));
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    );
+    let log = agent.log_text();
+    assert!(log.contains("garbled") && log.contains("newer"), "{log}");
+    agent.terminate();
+}
+
+#[test]
+fn a_second_agent_on_the_same_data_dir_is_refused_at_once_naming_the_dir() {
+    let dirs = AgentDirs::new("");
+    let agent = dirs.start();
+    let output = Command::new(agent_binary())
+        .args(["agent", "--config"])
+        .arg(&dirs.config)
+        .args(["--listen", "127.0.0.1:0"])
+        .output()
+        .expect("second agent ran");
+    assert!(!output.status.success());
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        stderr.contains(&format!("data dir {} is in use", dirs.data.display())),
+        "{stderr}"
+    );
+    agent.terminate();
+}
+
+/// A task that idles until `$STEAD_TASK_DIR/local/exit` appears, then prints a line and
+/// exits 7; its command line carries `marker`.
+fn exit_on_trigger_spec(name: &str, marker: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  restart: {{attempts: 3, interval: 1h, delay: 1s, mode: fail}}\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"echo started; while [ ! -e \\\"$STEAD_TASK_DIR/local/exit\\\" ]; do sleep 0.05; done; rm -f \\\"$STEAD_TASK_DIR/local/exit\\\"; echo written-while-the-agent-was-down; exit 7\", \"{marker}\"]\n"
+    )
+}
+
+#[test]
+fn twenty_tasks_survive_an_agent_sigkill_with_their_pids_and_an_exit_while_down_is_reported() {
+    let token = format!("stead-survive-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("");
+    let names: Vec<String> = (0..20).map(|i| format!("svc{i}")).collect();
+    for name in &names {
+        dirs.write_spec(name, &service_spec(name, &format!("{token}-{name}.")));
+    }
+    dirs.write_spec(
+        "exiter",
+        &exit_on_trigger_spec("exiter", &format!("{token}-exiter.")),
+    );
+    let agent = dirs.start();
+    let pids = wait_for("all running", Duration::from_secs(20), || {
+        names
+            .iter()
+            .map(|name| running_pid(&agent, name))
+            .collect::<Result<Vec<_>, _>>()
+    });
+    wait_for("exiter running", Duration::from_secs(10), || {
+        running_pid(&agent, "exiter")
+    });
+    let exiter = agent.status("exiter").expect("shown");
+    let restarts_before: Vec<u32> = names
+        .iter()
+        .map(|n| agent.status(n).expect("shown").tasks["main"].restarts)
+        .collect();
+    agent.kill9();
+
+    // While the agent is down the exiter exits 7 and writes a line.
+    let task_dir = dirs.data.join("allocs").join(&exiter.id).join("main");
+    std::fs::write(task_dir.join("local").join("exit"), "").expect("trigger written");
+    wait_for("the exiter exited", Duration::from_secs(5), || {
+        let left = processes_with(&format!("{token}-exiter."));
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    });
+
+    let agent = dirs.start();
+    let after = wait_for("all resumed", Duration::from_secs(5), || {
+        names
+            .iter()
+            .map(|name| running_pid(&agent, name))
+            .collect::<Result<Vec<_>, _>>()
+    });
+    assert_eq!(after, pids, "the same processes run");
+    for (name, before) in names.iter().zip(&restarts_before) {
+        let status = agent.status(name).expect("shown");
+        let task = &status.tasks["main"];
+        assert_eq!(task.restarts, *before, "{name}");
+        let starts = task
+            .events
+            .iter()
+            .filter(|e| e.event_type == "Started")
+            .count();
+        assert_eq!(starts, 1, "{name}: no new Started event");
+    }
+    let status = wait_for(
+        "the exiter restarted by its policy",
+        Duration::from_secs(10),
+        || {
+            let status = agent.status("exiter").ok_or("not shown")?;
+            let task = &status.tasks["main"];
+            if task.restarts == 1 && task.state == "running" {
+                Ok(status)
+            } else {
+                Err(format!("{task:?}"))
+            }
+        },
+    );
+    let terminated = status.tasks["main"]
+        .events
+        .iter()
+        .find(|e| e.event_type == "Terminated")
+        .expect("a Terminated event");
+    assert_eq!(terminated.exit_code, Some(7), "{terminated:?}");
+    let logs = dirs
+        .data
+        .join("allocs")
+        .join(&exiter.id)
+        .join("alloc")
+        .join("logs");
+    let written: String = std::fs::read_dir(&logs)
+        .expect("logs dir")
+        .flatten()
+        .filter(|e| e.file_name().to_string_lossy().starts_with("main.stdout"))
+        .map(|e| std::fs::read_to_string(e.path()).unwrap_or_default())
+        .collect();
+    assert!(
+        written.contains("written-while-the-agent-was-down"),
+        "{written}"
+    );
+    agent.terminate();
+}

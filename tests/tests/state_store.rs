@@ -1,0 +1,259 @@
+//! The node over the RocksDB store, under paused time with the mock driver: idle nodes
+//! write nothing, failed writes degrade health and are retried until they succeed, and
+//! restore fails only the allocs whose records cannot be used.
+
+use std::path::Path;
+use std::sync::Arc;
+use std::time::Duration;
+
+use stead_controller::clock::Clock;
+use stead_controller::driver::mock::{MockDriver, MockOp};
+use stead_controller::driver::{Driver, Drivers};
+use stead_controller::node::{Node, NodeConfig};
+use stead_controller::queue::Shutdown;
+use stead_controller::store::conformance::{PlantRaw, sample_record};
+use stead_controller::store::{FaultyStore, RocksDbOptions, RocksDbStore, Store};
+use stead_schemas::record::ALLOC_RECORD_VERSION;
+use stead_schemas::{Timestamp, ValidSpec};
+
+/// 2026-11-22T00:00:00Z.
+const START: Duration = Duration::from_secs(1_795_305_600);
+const DEADLINE: Duration = Duration::from_secs(600);
+
+fn open(dir: &Path) -> Arc<RocksDbStore> {
+    Arc::new(RocksDbStore::open(dir, RocksDbOptions::default()).expect("store opens"))
+}
+
+fn node(store: Arc<dyn Store>, mock: &MockDriver, clock: Clock) -> Node {
+    let drivers = Drivers::new([Arc::new(mock.clone()) as Arc<dyn Driver>]);
+    let config = NodeConfig {
+        seed: Some(7),
+        tick: Duration::from_secs(1),
+        ..NodeConfig::default()
+    };
+    Node::new(config, drivers, store, clock)
+}
+
+fn clock() -> Clock {
+    Clock::starting_at(Timestamp::from_since_epoch(START))
+}
+
+fn alloc(name: &str, body: &str) -> ValidSpec {
+    let yaml =
+        format!("apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n{body}");
+    let file = stead_schemas::parse_spec_file(Path::new("test.yaml"), &yaml);
+    assert!(file.is_valid(), "{:#?}", file.all_diagnostics());
+    file.specs().next().expect("one spec").clone()
+}
+
+fn service(name: &str) -> ValidSpec {
+    alloc(
+        name,
+        "  tasks:\n    - {name: t, driver: mock, config: {}}\n",
+    )
+}
+
+fn running(node: &Node, name: &str) -> bool {
+    node.status(name)
+        .is_some_and(|s| s.tasks.get("t").is_some_and(|t| t.state == "running"))
+}
+
+fn starts(mock: &MockDriver, task: &str) -> usize {
+    mock.calls()
+        .into_iter()
+        .filter(|c| c.task.as_str() == task && c.op == MockOp::StartBegan)
+        .count()
+}
+
+#[tokio::test(start_paused = true)]
+async fn an_idle_node_with_100_running_allocs_performs_no_rocksdb_writes_over_10_ticks() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = open(dir.path());
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let node = node(store.clone(), &mock, clock);
+    for i in 0..100 {
+        node.apply(service(&format!("svc{i}")));
+    }
+    let all_running = node
+        .wait_until(DEADLINE, |n| {
+            (0..100).all(|i| running(n, &format!("svc{i}")))
+        })
+        .await;
+    assert!(all_running);
+    // Let the last transitions settle, then count.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let before = store.metrics();
+    assert!(before.writes >= 100, "{before:?}");
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    let after = store.metrics();
+    assert_eq!(after.writes, before.writes, "{before:?} -> {after:?}");
+    assert_eq!(after.bytes_written, before.bytes_written);
+    node.shutdown(Shutdown::Detach).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn failed_writes_keep_tasks_running_degrade_the_store_and_recover_by_themselves() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rocks = open(dir.path());
+    let faulty = FaultyStore::new(rocks.clone());
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let node = node(Arc::new(faulty.clone()), &mock, clock);
+    node.apply(service("web"));
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    assert!(node.store_health().is_healthy());
+
+    faulty.set_failing(true);
+    node.restart("web", None).await.expect("restart accepted");
+    let degraded = node
+        .wait_until(DEADLINE, |n| !n.store_health().is_healthy())
+        .await;
+    assert!(degraded);
+    assert_eq!(node.store_health().behind, vec!["web".to_owned()]);
+    // Retries back off: over a minute of failures, far fewer attempts than ticks... and
+    // the task keeps running throughout.
+    let failures_at_start = node.store_health().failures;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    let failures = node.store_health().failures - failures_at_start;
+    assert!((3..=15).contains(&failures), "{failures} retries in 60 s");
+    assert!(running(&node, "web"));
+    assert_eq!(node.status("web").expect("shown").tasks["t"].restarts, 1);
+
+    faulty.set_failing(false);
+    let recovered = node
+        .wait_until(DEADLINE, |n| n.store_health().is_healthy())
+        .await;
+    assert!(recovered);
+    let stored = rocks.load_allocs().expect("loads");
+    let record = stored[0].as_ref().expect("decodes");
+    assert_eq!(
+        record.state.tasks["t"].restarts, 1,
+        "the latest state is stored"
+    );
+    node.shutdown(Shutdown::Detach).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn restore_fails_only_the_corrupt_and_newer_records_naming_them_and_runs_them_on_a_new_revision()
+ {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    {
+        let store = open(dir.path());
+        let first = node(store.clone(), &mock, clock);
+        for name in ["api", "web", "zoo"] {
+            first.apply(service(name));
+        }
+        let up = first
+            .wait_until(DEADLINE, |n| {
+                ["api", "web", "zoo"].iter().all(|a| running(n, a))
+            })
+            .await;
+        assert!(up);
+        first.shutdown(Shutdown::Detach).await;
+        store.plant_raw("api", b"\x00\xffgarbage".to_vec());
+        let mut newer = sample_record("zoo", 0);
+        newer.version = ALLOC_RECORD_VERSION + 1;
+        store.plant_raw("zoo", newer.encode());
+    }
+    let starts_before = starts(&mock, "t");
+    let store = open(dir.path());
+    let second = node(store.clone(), &mock, clock);
+    let report = second.restore().expect("the agent boots");
+    assert_eq!(report.restored, 1);
+    assert_eq!(report.corrupt.len(), 2);
+    assert!(second.wait_until(DEADLINE, |n| running(n, "web")).await);
+
+    let api = second.status("api").expect("api is shown");
+    assert_eq!(api.client_status, "failed");
+    let reason = api.state_error.clone().expect("a reason");
+    assert!(
+        reason.contains("alloc \"api\"") && reason.contains("malformed"),
+        "{reason}"
+    );
+    let zoo = second.status("zoo").expect("zoo is shown");
+    assert_eq!(zoo.client_status, "failed");
+    let reason = zoo.state_error.clone().expect("a reason");
+    assert!(
+        reason.contains("zoo") && reason.contains("newer"),
+        "{reason}"
+    );
+
+    // The unchanged spec does not run them again; the broken records stay as they were.
+    second.apply(service("api"));
+    second.apply(service("zoo"));
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(starts(&mock, "t"), starts_before, "nothing started");
+    assert_eq!(second.status("zoo").expect("shown").client_status, "failed");
+
+    // A new revision starts afresh.
+    second.apply(alloc(
+        "api",
+        "  tasks:\n    - {name: t, driver: mock, config: {}, env: {V: '2'}}\n",
+    ));
+    assert!(second.wait_until(DEADLINE, |n| running(n, "api")).await);
+    assert_eq!(second.status("api").expect("shown").state_error, None);
+    second.shutdown(Shutdown::Detach).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_completed_batch_alloc_is_never_run_again_after_a_restart() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let batch = alloc(
+        "job",
+        "  type: batch\n  tasks:\n    - {name: t, driver: mock, config: {runFor: 1s}}\n",
+    );
+    {
+        let store = open(dir.path());
+        let first = node(store, &mock, clock);
+        first.apply(batch.clone());
+        let done = first
+            .wait_until(DEADLINE, |n| {
+                n.status("job")
+                    .is_some_and(|s| s.client_status == "complete")
+            })
+            .await;
+        assert!(done);
+        first.shutdown(Shutdown::Detach).await;
+    }
+    let store = open(dir.path());
+    let second = node(store, &mock, clock);
+    assert_eq!(second.restore().expect("restores").restored, 1);
+    second.apply(batch);
+    tokio::time::sleep(Duration::from_secs(10)).await;
+    assert_eq!(
+        second.status("job").expect("shown").client_status,
+        "complete"
+    );
+    assert_eq!(starts(&mock, "t"), 1, "never started again");
+    second.shutdown(Shutdown::Detach).await;
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_stored_alloc_with_no_task_state_is_dropped_and_its_record_deleted() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let store = open(dir.path());
+    let mut empty = sample_record("ghost", 0);
+    empty.state.tasks.clear();
+    empty.handles.clear();
+    store.put_alloc(&empty).expect("written");
+    store.put_alloc(&sample_record("kept", 0)).expect("written");
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let node = node(store.clone(), &mock, clock);
+    let report = node.restore().expect("restores");
+    assert_eq!((report.restored, report.dropped), (1, 1));
+    assert!(node.status("ghost").is_none());
+    let names: Vec<String> = store
+        .load_allocs()
+        .expect("loads")
+        .into_iter()
+        .map(|r| r.expect("decodes").name.to_string())
+        .collect();
+    assert_eq!(names, vec!["kept".to_owned()]);
+    node.shutdown(Shutdown::Detach).await;
+}
