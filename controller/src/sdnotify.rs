@@ -108,10 +108,10 @@ pub fn watchdog_interval_from_env() -> Option<Duration> {
 /// Half of `usec` microseconds, when `usec` is a positive number and `pid` is unset or
 /// names `own_pid`.
 pub fn watchdog_interval(usec: Option<&str>, pid: Option<&str>, own_pid: u32) -> Option<Duration> {
-    if let Some(pid) = pid.filter(|p| !p.is_empty()) {
-        if pid.trim().parse::<u32>().ok()? != own_pid {
-            return None;
-        }
+    if let Some(pid) = pid.filter(|p| !p.is_empty())
+        && pid.trim().parse::<u32>().ok()? != own_pid
+    {
+        return None;
     }
     let usec: u64 = usec?.trim().parse().ok().filter(|u| *u > 0)?;
     Some(Duration::from_micros(usec) / 2)
@@ -120,10 +120,10 @@ pub fn watchdog_interval(usec: Option<&str>, pid: Option<&str>, own_pid: u32) ->
 /// Notifies the service manager, when there is one, and logs a failure: a lost message
 /// must not stop the agent.
 pub fn notify(notifier: Option<&Notifier>, state: &str) {
-    if let Some(notifier) = notifier {
-        if let Err(error) = notifier.notify(state) {
-            tracing::warn!(error = %crate::alloc::error_chain(&error), "sd_notify failed");
-        }
+    if let Some(notifier) = notifier
+        && let Err(error) = notifier.notify(state)
+    {
+        tracing::warn!(error = %crate::alloc::error_chain(&error), "sd_notify failed");
     }
 }
 
@@ -142,6 +142,8 @@ pub fn start() -> Option<Notifier> {
             Ok(pinger) => {
                 tokio::spawn(async move {
                     let mut ticks = tokio::time::interval(period);
+                    // A stalled runtime must not make up for lost pings in a burst.
+                    ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
                     loop {
                         ticks.tick().await;
                         notify(Some(&pinger), WATCHDOG);
