@@ -25,13 +25,21 @@ clippy:
 unit:
 	scripts/cargo-test-summary.sh --locked --workspace
 
-# Benchmarks (release build; figures, not pass/fail). ALLOCS and IDLE_SECONDS scale the core one.
+# Benchmarks (release build; figures, not pass/fail). ALLOCS and IDLE_SECONDS scale the core one;
+# PEER_ROUNDS, PEER_IDLE_SECONDS and PEER_RESTARTS the one against supervisord and pm2, which
+# scripts/install-bench-deps.sh installs when missing. The peer report lands in target/bench-peers.md.
 ALLOCS ?= 10000
 IDLE_SECONDS ?= 10
+PEER_ROUNDS ?= 3
+PEER_IDLE_SECONDS ?= 60
+PEER_RESTARTS ?= 10
 bench: deps
-	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor
+	@scripts/install-bench-deps.sh
+	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor -p stead-controller
 	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 	target/release/stead-bench exec 500
+	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
+	  target/release/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

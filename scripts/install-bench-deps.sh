@@ -16,7 +16,7 @@ if ! command -v supervisord >/dev/null 2>&1; then
   fi
   echo "install-bench-deps: installing supervisor (Debian package)" >&2
   "${sudo[@]}" apt-get update -qq
-  # policy-rc.d-free: the package's own service is not needed; the benchmark runs
+  # The package's own service is not needed: the benchmark runs
   # supervisord with a generated config of its own.
   DEBIAN_FRONTEND=noninteractive "${sudo[@]}" apt-get install -y -qq --no-install-recommends supervisor
 fi

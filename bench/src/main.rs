@@ -7,6 +7,7 @@
 
 mod api;
 mod exec;
+mod peers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -191,8 +192,9 @@ fn main() -> anyhow::Result<()> {
         "core" => runtime.block_on(core(allocs, idle, tick)),
         "api" => api::run(&runtime),
         "exec" => exec::run(&runtime),
+        "peers" => peers::run_peers(),
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]`"
         ),
     }
 }
