@@ -25,14 +25,22 @@ clippy:
 unit:
 	scripts/cargo-test-summary.sh --locked --workspace
 
-# Benchmarks (release build; figures, not pass/fail). ALLOCS and IDLE_SECONDS scale the core one.
+# Benchmarks (release build; figures, not pass/fail). ALLOCS and IDLE_SECONDS scale the core one;
+# PEER_ROUNDS, PEER_IDLE_SECONDS and PEER_RESTARTS the one against supervisord and pm2, which
+# scripts/install-bench-deps.sh installs when missing. The peer report lands in target/bench-peers.md.
 ALLOCS ?= 10000
 IDLE_SECONDS ?= 10
+PEER_ROUNDS ?= 3
+PEER_IDLE_SECONDS ?= 60
+PEER_RESTARTS ?= 10
 bench: deps
+	@scripts/install-bench-deps.sh
 	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor -p stead-controller
 	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 	target/release/stead-bench exec 500
 	target/release/stead-bench store 1000 10 3
+	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
+	  target/release/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
 
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.
@@ -40,7 +48,7 @@ CRASH_ITERATIONS ?= 500
 CRASH_SEED ?= $(shell date +%s)
 soak: deps
 	STEAD_CRASH_ITERATIONS=$(CRASH_ITERATIONS) STEAD_CRASH_SEED=$(CRASH_SEED) \
-	  $(CARGO) test --locked -p stead-tests --test state_crash -- --nocapture
+	  $(CARGO) test --locked --workspace --test state_crash -- --nocapture
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

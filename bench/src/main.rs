@@ -8,6 +8,7 @@
 mod api;
 mod exec;
 mod store;
+mod peers;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -193,8 +194,9 @@ fn main() -> anyhow::Result<()> {
         "api" => api::run(&runtime),
         "exec" => exec::run(&runtime),
         "store" => store::run(&runtime),
+        "peers" => peers::run_peers(),
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]`"
         ),
     }
 }

@@ -328,6 +328,8 @@ fn start_api(
 
 /// Runs the agent until SIGINT or SIGTERM.
 pub async fn run(settings: Settings) -> Result<(), AgentError> {
+    // systemd's notification socket; the watchdog pings start now, readiness comes later.
+    let notifier = crate::sdnotify::start();
     let _lock = lock_data_dir(&settings.data_dir)?;
     // Tasks get absolute paths, whatever the agent's working directory.
     let data_dir =
@@ -369,6 +371,8 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let mut resync = tokio::time::interval(settings.resync);
     tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), "agent started");
+    // Ready for systemd (`Type=notify`) only now: state restored, the API serving.
+    crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
     loop {
         tokio::select! {
             _ = resync.tick() => {
@@ -391,6 +395,7 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         }
     }
     tracing::info!(mode = ?settings.shutdown, "shutting down");
+    crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
     stop_api.cancel();
     node.shutdown(settings.shutdown).await;
     let _ = tokio::task::spawn_blocking(move || api.join()).await;

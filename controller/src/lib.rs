@@ -12,6 +12,7 @@ pub mod logging;
 pub mod metrics;
 pub mod node;
 pub mod queue;
+pub mod sdnotify;
 pub mod source;
 pub mod spec_files;
 pub mod store;

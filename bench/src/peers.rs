@@ -1,0 +1,893 @@
+//! `stead-bench peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]`: stead against supervisord and
+//! pm2, same tasks, same machine, same run.
+//!
+//! Each manager runs as it would in production: the real `stead agent` (exec driver,
+//! specs in a directory), `supervisord` with a generated config, and pm2 with an
+//! ecosystem file. Every task's command line carries a marker (`sleep 1000017` is task
+//! 17, generation 1), so one observer serves all three: a task "runs" when a process
+//! with its marker is executing, found in `/proc`. Measured, ROUNDS times each (default
+//! 3): cold start of 10, 100 and 500 `sleep` tasks from launching the manager until all
+//! run, against a bare fork/exec loop; restart after `kill -9` of one task (RESTARTS
+//! kills per round, default 10); stop-all of 100 tasks that each take 1 s to exit on
+//! SIGTERM; changing one task's command among 100 (time to the new process; the other
+//! 99 pids must not change); and, once, the manager's own CPU, RSS and PSS over
+//! IDLE_SECONDS (default 60) with 100 tasks, every process of the manager counted
+//! (stead: the agent, its fork server and the per-task supervisors).
+//!
+//! Prints a Markdown report. Needs `stead` and `stead-supervisor` next to `stead-bench`
+//! (or `STEAD_BIN`), `supervisord`/`supervisorctl` and `pm2` on the PATH (or `PM2`, or
+//! `target/bench-deps/node_modules/.bin/pm2`, where `scripts/install-bench-deps.sh`
+//! puts it).
+
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, bail};
+
+/// How long any phase may take before the benchmark gives up.
+const LIMIT: Duration = Duration::from_secs(300);
+/// How often the process table is read while waiting.
+const POLL: Duration = Duration::from_millis(1);
+/// Cold-start sizes.
+const COLD: [usize; 3] = [10, 100, 500];
+/// The size of the pool the other measurements use.
+const POOL: usize = 100;
+/// A task that takes one second to exit on SIGTERM.
+const SLOW_STOP: &str = "trap 'sleep 1; exit 0' TERM; while :; do sleep 0.1; done";
+/// The marker of the slow-stopping tasks (their `$0`).
+const STOP_MARKER: &str = "bench-stop-";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Kind {
+    Stead,
+    Supervisord,
+    Pm2,
+}
+
+impl Kind {
+    const ALL: [Kind; 3] = [Kind::Stead, Kind::Supervisord, Kind::Pm2];
+
+    fn name(self) -> &'static str {
+        match self {
+            Kind::Stead => "stead",
+            Kind::Supervisord => "supervisord",
+            Kind::Pm2 => "pm2",
+        }
+    }
+}
+
+/// One task, as every manager runs it.
+#[derive(Debug, Clone)]
+struct Task {
+    name: String,
+    command: String,
+    args: Vec<String>,
+}
+
+/// Where the programs are.
+struct Tools {
+    stead: PathBuf,
+    pm2: PathBuf,
+    sleep: String,
+    shell: String,
+}
+
+/// The marker argument of sleep task `index` in `generation`.
+fn marker(index: usize, generation: usize) -> usize {
+    generation * 1_000_000 + index
+}
+
+fn sleep_task(tools: &Tools, index: usize, generation: usize) -> Task {
+    Task {
+        name: format!("t{index}"),
+        command: tools.sleep.clone(),
+        args: vec![marker(index, generation).to_string()],
+    }
+}
+
+fn slow_stop_task(tools: &Tools, index: usize) -> Task {
+    Task {
+        name: format!("t{index}"),
+        command: tools.shell.clone(),
+        args: vec![
+            "-c".to_owned(),
+            SLOW_STOP.to_owned(),
+            format!("{STOP_MARKER}{index}"),
+        ],
+    }
+}
+
+/// The running sleep tasks: (index, generation) → pid.
+fn sleep_tasks() -> HashMap<(usize, usize), u32> {
+    let mut found = HashMap::new();
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return found;
+    };
+    for entry in entries.filter_map(Result::ok) {
+        let Some(pid) = entry
+            .file_name()
+            .to_str()
+            .and_then(|n| n.parse::<u32>().ok())
+        else {
+            continue;
+        };
+        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
+            continue;
+        };
+        let mut args = cmdline.split(|b| *b == 0);
+        let (Some(program), Some(arg)) = (args.next(), args.next()) else {
+            continue;
+        };
+        if !program.ends_with(b"sleep") {
+            continue;
+        }
+        let Some(n) = std::str::from_utf8(arg)
+            .ok()
+            .and_then(|a| a.parse::<usize>().ok())
+        else {
+            continue;
+        };
+        if (1_000_000..10_000_000).contains(&n) {
+            found.insert((n % 1_000_000, n / 1_000_000), pid);
+        }
+    }
+    found
+}
+
+/// How many slow-stopping tasks (or their children) are alive.
+fn slow_stop_tasks() -> usize {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return 0;
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|e| {
+            e.file_name()
+                .to_str()
+                .is_some_and(|n| n.parse::<u32>().is_ok())
+        })
+        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
+        .filter(|c| {
+            c.windows(STOP_MARKER.len())
+                .any(|w| w == STOP_MARKER.as_bytes())
+        })
+        .count()
+}
+
+/// Polls `condition` until it holds; the time since `start`.
+fn until(
+    start: Instant,
+    what: &str,
+    mut condition: impl FnMut() -> bool,
+) -> anyhow::Result<Duration> {
+    while !condition() {
+        if start.elapsed() > LIMIT {
+            bail!("{what}: not reached within {LIMIT:?}");
+        }
+        std::thread::sleep(POLL);
+    }
+    Ok(start.elapsed())
+}
+
+/// The parent of `pid`.
+fn parent(pid: u32) -> Option<u32> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    stat[stat.rfind(')')? + 1..]
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
+
+/// The children of `pid`.
+fn children(pid: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|p| parent(*p) == Some(pid))
+        .collect()
+}
+
+/// A field of `/proc/<pid>/smaps_rollup`, in KiB.
+fn smaps_field(pid: u32, field: &str) -> u64 {
+    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else {
+        return 0;
+    };
+    text.lines()
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// User plus system CPU of `pid`, in clock ticks.
+fn cpu_ticks(pid: u32) -> u64 {
+    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+        return 0;
+    };
+    let Some(close) = stat.rfind(')') else {
+        return 0;
+    };
+    let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+    let field = |i: usize| {
+        fields
+            .get(i)
+            .and_then(|f| f.parse::<u64>().ok())
+            .unwrap_or(0)
+    };
+    field(11) + field(12)
+}
+
+fn kill(pid: u32, signal: rustix::process::Signal) {
+    if let Some(pid) = i32::try_from(pid)
+        .ok()
+        .and_then(rustix::process::Pid::from_raw)
+    {
+        let _ = rustix::process::kill_process(pid, signal);
+    }
+}
+
+/// Runs `command` to completion; fails with its output when it fails.
+fn run(command: &mut Command) -> anyhow::Result<()> {
+    let output = command
+        .stdin(Stdio::null())
+        .output()
+        .with_context(|| format!("running {command:?}"))?;
+    if !output.status.success() {
+        bail!(
+            "{command:?}: {}\n{}{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+    }
+    Ok(())
+}
+
+/// A manager running a set of tasks.
+struct Manager<'t> {
+    kind: Kind,
+    tools: &'t Tools,
+    dir: PathBuf,
+    tasks: Vec<Task>,
+    /// The agent or supervisord; pm2's daemon is not our child.
+    child: Option<Child>,
+}
+
+impl<'t> Manager<'t> {
+    /// Writes the manager's configuration for `tasks` and launches it.
+    fn start(kind: Kind, tools: &'t Tools, dir: &Path, tasks: Vec<Task>) -> anyhow::Result<Self> {
+        let _ = std::fs::remove_dir_all(dir);
+        std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
+        let mut manager = Manager {
+            kind,
+            tools,
+            dir: dir.to_owned(),
+            tasks,
+            child: None,
+        };
+        match kind {
+            Kind::Stead => {
+                let specs = dir.join("specs");
+                std::fs::create_dir_all(&specs)?;
+                for task in &manager.tasks {
+                    manager.write_spec(task)?;
+                }
+                let port = std::net::TcpListener::bind("127.0.0.1:0")?
+                    .local_addr()?
+                    .port();
+                let config = dir.join("agent.yaml");
+                std::fs::write(
+                    &config,
+                    format!(
+                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 1s\nresync: 1s\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
+                        specs.display(),
+                        dir.join("data").display()
+                    ),
+                )?;
+                let log = std::fs::File::create(dir.join("agent.log"))?;
+                manager.child = Some(
+                    Command::new(&tools.stead)
+                        .arg("agent")
+                        .arg("--config")
+                        .arg(&config)
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::null())
+                        .stderr(log)
+                        .spawn()
+                        .context("starting stead agent")?,
+                );
+            }
+            Kind::Supervisord => {
+                manager.write_supervisord_config()?;
+                manager.child = Some(
+                    Command::new("supervisord")
+                        .arg("--nodaemon")
+                        .arg("--configuration")
+                        .arg(dir.join("supervisord.conf"))
+                        .stdin(Stdio::null())
+                        .stdout(Stdio::null())
+                        .stderr(Stdio::null())
+                        .spawn()
+                        .context("starting supervisord")?,
+                );
+            }
+            Kind::Pm2 => {
+                manager.write_ecosystem()?;
+                run(manager.pm2().arg("start").arg(dir.join("ecosystem.json")))?;
+            }
+        }
+        Ok(manager)
+    }
+
+    fn write_spec(&self, task: &Task) -> anyhow::Result<()> {
+        let args: Vec<String> = task.args.iter().map(|a| format!("{a:?}")).collect();
+        let yaml = format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {}}}\nspec:\n  restart: {{attempts: 100000, interval: 24h, delay: 0s, mode: fail}}\n  tasks:\n    - name: main\n      driver: exec\n      config: {{command: {:?}, args: [{}]}}\n      killSignal: SIGTERM\n      killTimeout: 5s\n",
+            task.name,
+            task.command,
+            args.join(", ")
+        );
+        // Written aside and renamed, as an editor or a deploy tool does.
+        let path = self.dir.join("specs").join(format!("{}.yaml", task.name));
+        let temporary = self
+            .dir
+            .join("specs")
+            .join(format!(".{}.yaml.tmp", task.name));
+        std::fs::write(&temporary, yaml)?;
+        std::fs::rename(&temporary, &path)?;
+        Ok(())
+    }
+
+    fn write_supervisord_config(&self) -> anyhow::Result<()> {
+        let dir = self.dir.display();
+        let logs = self.dir.join("logs");
+        std::fs::create_dir_all(&logs)?;
+        let mut conf = format!(
+            "[unix_http_server]\nfile={dir}/supervisor.sock\n\n[supervisord]\nlogfile={dir}/supervisord.log\npidfile={dir}/supervisord.pid\nchildlogdir={}\nminfds=16384\nloglevel=warn\n\n[rpcinterface:supervisor]\nsupervisor.rpcinterface_factory = supervisor.rpcinterface:make_main_rpcinterface\n\n[supervisorctl]\nserverurl=unix://{dir}/supervisor.sock\n",
+            logs.display()
+        );
+        for task in &self.tasks {
+            let args: Vec<String> = task
+                .args
+                .iter()
+                .map(|a| {
+                    if a.contains(' ') {
+                        format!("\"{a}\"")
+                    } else {
+                        a.clone()
+                    }
+                })
+                .collect();
+            conf.push_str(&format!(
+                "\n[program:{}]\ncommand={} {}\nautostart=true\nautorestart=true\nstartsecs=0\nstartretries=100000\nstopsignal=TERM\nstopwaitsecs=5\n",
+                task.name,
+                task.command,
+                args.join(" ")
+            ));
+        }
+        std::fs::write(self.dir.join("supervisord.conf"), conf)?;
+        Ok(())
+    }
+
+    fn write_ecosystem(&self) -> anyhow::Result<()> {
+        let apps: Vec<String> = self
+            .tasks
+            .iter()
+            .map(|task| {
+                let args: Vec<String> = task.args.iter().map(|a| format!("{a:?}")).collect();
+                format!(
+                    "{{\"name\": {:?}, \"script\": {:?}, \"args\": [{}], \"interpreter\": \"none\", \"exec_mode\": \"fork\", \"autorestart\": true, \"restart_delay\": 0, \"kill_timeout\": 5000, \"out_file\": {:?}, \"error_file\": {:?}}}",
+                    task.name,
+                    task.command,
+                    args.join(", "),
+                    self.dir.join(format!("logs/{}.out", task.name)).display().to_string(),
+                    self.dir.join(format!("logs/{}.err", task.name)).display().to_string(),
+                )
+            })
+            .collect();
+        std::fs::write(
+            self.dir.join("ecosystem.json"),
+            format!("{{\"apps\": [\n{}\n]}}\n", apps.join(",\n")),
+        )?;
+        Ok(())
+    }
+
+    /// A `pm2` command on this manager's home; the daemon sends SIGTERM, like the others.
+    fn pm2(&self) -> Command {
+        let mut command = Command::new(&self.tools.pm2);
+        command
+            .env("PM2_HOME", self.dir.join("pm2"))
+            .env("PM2_KILL_SIGNAL", "SIGTERM")
+            .stdout(Stdio::null())
+            .stderr(Stdio::piped());
+        command
+    }
+
+    fn supervisorctl(&self) -> Command {
+        let mut command = Command::new("supervisorctl");
+        command
+            .arg("--configuration")
+            .arg(self.dir.join("supervisord.conf"));
+        command
+    }
+
+    /// The manager's main process.
+    fn main_pid(&self) -> Option<u32> {
+        match self.kind {
+            Kind::Stead | Kind::Supervisord => self.child.as_ref().map(Child::id),
+            Kind::Pm2 => std::fs::read_to_string(self.dir.join("pm2/pm2.pid"))
+                .ok()?
+                .trim()
+                .parse()
+                .ok(),
+        }
+    }
+
+    /// Every process of the manager besides the tasks: the main one, its other
+    /// children (stead's fork server), and the tasks' parents (stead's supervisors).
+    fn processes(&self, task_pids: &HashSet<u32>) -> Vec<u32> {
+        let mut all: HashSet<u32> = HashSet::new();
+        if let Some(main) = self.main_pid() {
+            all.insert(main);
+            all.extend(
+                children(main)
+                    .into_iter()
+                    .filter(|p| !task_pids.contains(p)),
+            );
+        }
+        all.extend(task_pids.iter().filter_map(|p| parent(*p)));
+        let mut all: Vec<u32> = all.into_iter().collect();
+        all.sort_unstable();
+        all
+    }
+
+    /// Replaces task `index`'s command with generation 2's, the way each manager expects.
+    fn change(&mut self, index: usize) -> anyhow::Result<()> {
+        let task = sleep_task(self.tools, index, 2);
+        let at = self
+            .tasks
+            .iter()
+            .position(|t| t.name == task.name)
+            .context("the task exists")?;
+        self.tasks[at] = task.clone();
+        match self.kind {
+            // The specs directory is the desired state: writing the file is the change.
+            Kind::Stead => self.write_spec(&task),
+            Kind::Supervisord => {
+                self.write_supervisord_config()?;
+                run(self.supervisorctl().arg("update"))
+            }
+            Kind::Pm2 => {
+                // pm2 keeps an app's arguments across restarts: delete, then start anew.
+                self.write_ecosystem()?;
+                run(self.pm2().args(["delete", &task.name]))?;
+                run(self
+                    .pm2()
+                    .arg("start")
+                    .arg(self.dir.join("ecosystem.json"))
+                    .args(["--only", &task.name]))
+            }
+        }
+    }
+
+    /// Stops every task the manager's way: stead drains on SIGTERM (every alloc at
+    /// once); `supervisorctl stop all`; `pm2 stop all`.
+    fn stop_all(&mut self) -> anyhow::Result<()> {
+        match self.kind {
+            Kind::Stead => {
+                if let Some(pid) = self.main_pid() {
+                    kill(pid, rustix::process::Signal::TERM);
+                }
+                Ok(())
+            }
+            Kind::Supervisord => run(self.supervisorctl().args(["stop", "all"])),
+            Kind::Pm2 => run(self.pm2().args(["stop", "all"])),
+        }
+    }
+
+    /// Stops the manager and every task, and waits until they are gone.
+    fn shut_down(mut self) -> anyhow::Result<()> {
+        match self.kind {
+            Kind::Stead | Kind::Supervisord => {
+                if let Some(pid) = self.main_pid() {
+                    kill(pid, rustix::process::Signal::TERM);
+                }
+            }
+            Kind::Pm2 => run(self.pm2().arg("kill"))?,
+        }
+        if let Some(child) = self.child.as_mut() {
+            let start = Instant::now();
+            until(start, "manager exit", || {
+                matches!(child.try_wait(), Ok(Some(_)))
+            })?;
+        }
+        let start = Instant::now();
+        until(start, "every task gone", || {
+            sleep_tasks().is_empty() && slow_stop_tasks() == 0
+        })?;
+        let _ = std::fs::remove_dir_all(&self.dir);
+        Ok(())
+    }
+}
+
+impl Drop for Manager<'_> {
+    fn drop(&mut self) {
+        if let Some(child) = self.child.as_mut()
+            && matches!(child.try_wait(), Ok(None))
+        {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        if self.kind == Kind::Pm2 && self.dir.join("pm2").exists() {
+            let _ = self.pm2().arg("kill").output();
+        }
+    }
+}
+
+/// Spawns `tasks` sleep processes in a loop, as bare as it gets; the time it took.
+fn bare_loop(tools: &Tools, tasks: usize) -> anyhow::Result<Duration> {
+    use std::os::unix::process::CommandExt;
+    let start = Instant::now();
+    let mut spawned = Vec::with_capacity(tasks);
+    for index in 0..tasks {
+        spawned.push(
+            Command::new(&tools.sleep)
+                .arg(marker(index, 1).to_string())
+                .process_group(0)
+                .spawn()
+                .context("spawning sleep")?,
+        );
+    }
+    let took = start.elapsed();
+    for child in &mut spawned {
+        let _ = child.kill();
+    }
+    for child in &mut spawned {
+        let _ = child.wait();
+    }
+    Ok(took)
+}
+
+/// Measurements by row, then by manager ("floor" for the bare loop).
+#[derive(Default)]
+struct Results {
+    rows: BTreeMap<String, BTreeMap<String, Vec<f64>>>,
+    notes: Vec<String>,
+}
+
+impl Results {
+    fn add(&mut self, row: &str, who: &str, value: f64) {
+        self.rows
+            .entry(row.to_owned())
+            .or_default()
+            .entry(who.to_owned())
+            .or_default()
+            .push(value);
+    }
+}
+
+fn median(values: &[f64]) -> f64 {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(f64::total_cmp);
+    sorted[sorted.len() / 2]
+}
+
+fn pool(tools: &Tools, generation: usize) -> Vec<Task> {
+    (0..POOL)
+        .map(|i| sleep_task(tools, i, generation))
+        .collect()
+}
+
+fn all_running(count: usize) -> impl FnMut() -> bool {
+    move || {
+        let tasks = sleep_tasks();
+        (0..count).all(|i| tasks.contains_key(&(i, 1)))
+    }
+}
+
+/// One round of every measurement for one manager.
+fn round(
+    kind: Kind,
+    tools: &Tools,
+    base: &Path,
+    restarts: usize,
+    idle: Option<Duration>,
+    results: &mut Results,
+) -> anyhow::Result<()> {
+    let dir = base.join(kind.name());
+    let who = kind.name();
+    for n in COLD {
+        let tasks = (0..n).map(|i| sleep_task(tools, i, 1)).collect();
+        let start = Instant::now();
+        let manager = Manager::start(kind, tools, &dir, tasks)?;
+        let took = until(start, "cold start", all_running(n))?;
+        results.add(
+            &format!("cold start, {n} tasks (s)"),
+            who,
+            took.as_secs_f64(),
+        );
+        if n != POOL {
+            manager.shut_down()?;
+            continue;
+        }
+        let mut manager = manager;
+
+        // Restart after kill -9 of task 0.
+        for _ in 0..restarts {
+            let old = *sleep_tasks().get(&(0, 1)).context("task 0 runs")?;
+            let start = Instant::now();
+            kill(old, rustix::process::Signal::KILL);
+            let took = until(start, "restart after kill -9", || {
+                sleep_tasks().get(&(0, 1)).is_some_and(|pid| *pid != old)
+            })?;
+            results.add("restart after kill -9 (ms)", who, took.as_secs_f64() * 1e3);
+        }
+
+        if let Some(idle) = idle {
+            // Let restarts and start-up work settle first.
+            std::thread::sleep(Duration::from_secs(2));
+            let task_pids: HashSet<u32> = sleep_tasks().values().copied().collect();
+            let processes = manager.processes(&task_pids);
+            let before: u64 = processes.iter().map(|p| cpu_ticks(*p)).sum();
+            std::thread::sleep(idle);
+            let after: u64 = processes.iter().map(|p| cpu_ticks(*p)).sum();
+            let ticks_per_second = 100.0;
+            let cpu = (after.saturating_sub(before)) as f64 / ticks_per_second / idle.as_secs_f64()
+                * 100.0;
+            let rss: u64 = processes.iter().map(|p| smaps_field(*p, "Rss")).sum();
+            let pss: u64 = processes.iter().map(|p| smaps_field(*p, "Pss")).sum();
+            results.add(
+                &format!(
+                    "idle CPU, {POOL} tasks, {} s (% of one core)",
+                    idle.as_secs()
+                ),
+                who,
+                cpu,
+            );
+            results.add(
+                &format!("manager RSS, {POOL} tasks (MiB)"),
+                who,
+                rss as f64 / 1024.0,
+            );
+            results.add(
+                &format!("manager PSS, {POOL} tasks (MiB)"),
+                who,
+                pss as f64 / 1024.0,
+            );
+            results.notes.push(format!(
+                "{who}: {} manager processes measured while idle",
+                processes.len()
+            ));
+        }
+
+        // Change one task's command among 100.
+        let changed = POOL / 2;
+        let before = sleep_tasks();
+        let start = Instant::now();
+        manager.change(changed)?;
+        let took = until(start, "changed command", || {
+            sleep_tasks().contains_key(&(changed, 2))
+        })?;
+        results.add(
+            "change one command of 100 (ms)",
+            who,
+            took.as_secs_f64() * 1e3,
+        );
+        let after = sleep_tasks();
+        let moved = (0..POOL)
+            .filter(|i| *i != changed)
+            .filter(|i| before.get(&(*i, 1)) != after.get(&(*i, 1)))
+            .count();
+        results.add(
+            "other pids changed by the change (of 99)",
+            who,
+            moved as f64,
+        );
+        manager.shut_down()?;
+    }
+
+    // Stop all of 100 tasks that take 1 s to exit.
+    let tasks = (0..POOL).map(|i| slow_stop_task(tools, i)).collect();
+    let start = Instant::now();
+    let mut manager = Manager::start(kind, tools, &dir, tasks)?;
+    until(start, "slow-stop tasks running", || {
+        slow_stop_tasks() >= POOL
+    })?;
+    // Let each shell reach its loop and install its trap.
+    std::thread::sleep(Duration::from_millis(500));
+    let start = Instant::now();
+    manager.stop_all()?;
+    let took = until(start, "stop all", || slow_stop_tasks() == 0)?;
+    results.add(
+        &format!("stop all {POOL}, 1 s to exit each (s)"),
+        who,
+        took.as_secs_f64(),
+    );
+    manager.shut_down()?;
+    Ok(())
+}
+
+fn version(program: &Path, args: &[&str]) -> String {
+    Command::new(program)
+        .args(args)
+        .output()
+        .ok()
+        .map(|o| String::from_utf8_lossy(&o.stdout).trim().to_owned())
+        .filter(|v| !v.is_empty())
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
+fn which(program: &str) -> Option<PathBuf> {
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|dir| Path::new(dir).join(program))
+        .find(|path| path.is_file())
+}
+
+fn machine() -> String {
+    let cpu = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|c| {
+            c.lines()
+                .find(|l| l.starts_with("model name"))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, m)| m.trim().to_owned())
+        })
+        .unwrap_or_else(|| "unknown".to_owned());
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    let kernel = std::fs::read_to_string("/proc/sys/kernel/osrelease")
+        .map(|k| k.trim().to_owned())
+        .unwrap_or_default();
+    let memory = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .next()?
+                .split_whitespace()
+                .nth(1)?
+                .parse::<u64>()
+                .ok()
+        })
+        .map_or(0, |kib| kib / 1024 / 1024);
+    let load = std::fs::read_to_string("/proc/loadavg")
+        .map(|l| l.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default();
+    format!("{cpu}, {cores} cores, {memory} GiB, Linux {kernel}; load average at the end {load}")
+}
+
+/// Runs the benchmark: `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]`.
+pub(crate) fn run_peers() -> anyhow::Result<()> {
+    let mut args = std::env::args().skip(2);
+    let rounds: usize = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(3)
+        .max(1);
+    let idle = Duration::from_secs(args.next().map(|a| a.parse()).transpose()?.unwrap_or(60));
+    let restarts: usize = args
+        .next()
+        .map(|a| a.parse())
+        .transpose()?
+        .unwrap_or(10)
+        .max(1);
+
+    let exe = std::env::current_exe()?;
+    let stead = std::env::var_os("STEAD_BIN")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| exe.with_file_name("stead"));
+    // The agent's exec driver finds its supervisor next to the agent.
+    if !stead.is_file() || !stead.with_file_name("stead-supervisor").is_file() {
+        bail!(
+            "no stead and stead-supervisor at {}; `cargo build --release -p stead-controller -p stead-supervisor -p stead-bench`, or set STEAD_BIN",
+            stead.display()
+        );
+    }
+    let pm2 = std::env::var_os("PM2")
+        .map(PathBuf::from)
+        .or_else(|| which("pm2"))
+        .or_else(|| {
+            Some(PathBuf::from("target/bench-deps/node_modules/.bin/pm2")).filter(|p| p.is_file())
+        })
+        .context("no pm2: run scripts/install-bench-deps.sh, or set PM2")?;
+    let supervisord =
+        which("supervisord").context("no supervisord: run scripts/install-bench-deps.sh")?;
+    let tools = Tools {
+        stead,
+        pm2,
+        sleep: which("sleep").context("no sleep")?.display().to_string(),
+        shell: which("sh").context("no sh")?.display().to_string(),
+    };
+    if !sleep_tasks().is_empty() || slow_stop_tasks() != 0 {
+        bail!("benchmark tasks from an earlier run still run; stop them first");
+    }
+    let base = std::env::temp_dir().join(format!("stead-bench-peers-{}", std::process::id()));
+
+    let mut results = Results::default();
+    for round_index in 0..rounds {
+        for n in COLD {
+            let took = bare_loop(&tools, n)?;
+            results.add(
+                &format!("cold start, {n} tasks (s)"),
+                "floor",
+                took.as_secs_f64(),
+            );
+        }
+        let measure_idle = (round_index + 1 == rounds).then_some(idle);
+        for kind in Kind::ALL {
+            eprintln!("peers: round {}/{rounds}: {}", round_index + 1, kind.name());
+            round(kind, &tools, &base, restarts, measure_idle, &mut results)
+                .with_context(|| format!("{} round {}", kind.name(), round_index + 1))?;
+        }
+    }
+    let _ = std::fs::remove_dir_all(&base);
+
+    println!("## Results\n");
+    println!("Machine: {}  ", machine());
+    println!(
+        "Versions: stead {} ({}), supervisord {}, pm2 {} (node {})  ",
+        env!("CARGO_PKG_VERSION"),
+        version(&tools.stead, &["--version"]),
+        version(&supervisord, &["--version"]),
+        version(&tools.pm2, &["--version"]),
+        version(Path::new("node"), &["--version"])
+    );
+    println!(
+        "Run: `stead-bench peers {rounds} {} {restarts}`: {rounds} rounds, {restarts} kills per round, idle {} s once\n",
+        idle.as_secs(),
+        idle.as_secs()
+    );
+    println!(
+        "| measurement | stead median (min-max) | supervisord median (min-max) | pm2 median (min-max) | floor | stead / supervisord | stead / pm2 |"
+    );
+    println!("|---|---|---|---|---|---|---|");
+    let cell = |values: Option<&Vec<f64>>| match values {
+        Some(v) if !v.is_empty() => {
+            let min = v.iter().copied().fold(f64::INFINITY, f64::min);
+            let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+            format!("{} ({}-{})", fmt(median(v)), fmt(min), fmt(max))
+        }
+        _ => "-".to_owned(),
+    };
+    let ratio = |a: Option<&Vec<f64>>, b: Option<&Vec<f64>>| match (a, b) {
+        (Some(a), Some(b)) if median(b) > 0.0 => format!("{:.2}", median(a) / median(b)),
+        _ => "-".to_owned(),
+    };
+    for (row, by) in &results.rows {
+        println!(
+            "| {row} | {} | {} | {} | {} | {} | {} |",
+            cell(by.get("stead")),
+            cell(by.get("supervisord")),
+            cell(by.get("pm2")),
+            by.get("floor").map_or("-".to_owned(), |v| fmt(median(v))),
+            ratio(by.get("stead"), by.get("supervisord")),
+            ratio(by.get("stead"), by.get("pm2")),
+        );
+    }
+    println!();
+    for note in &results.notes {
+        println!("- {note}");
+    }
+    Ok(())
+}
+
+/// Three significant figures, without exponent.
+fn fmt(value: f64) -> String {
+    if value == 0.0 {
+        "0".to_owned()
+    } else if value.abs() >= 100.0 {
+        format!("{value:.0}")
+    } else if value.abs() >= 10.0 {
+        format!("{value:.1}")
+    } else if value.abs() >= 1.0 {
+        format!("{value:.2}")
+    } else {
+        format!("{value:.3}")
+    }
+}
