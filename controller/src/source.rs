@@ -4,7 +4,8 @@
 //! merged file event costs nothing but latency. The rules:
 //! - an identical or semantically identical spec is not applied again;
 //! - an alloc whose file is gone is removed (stopped, then destroyed);
-//! - a file that became invalid keeps its alloc's last valid revision running;
+//! - a file that became invalid keeps its alloc's last valid revision running, and the
+//!   alloc's status shows the diagnostics (`specError`) until the file is fixed or gone;
 //! - two files declaring one alloc name: both are reported, the one whose path sorts
 //!   first wins (a stable rule that does not depend on listing order);
 //! - when any file could not be read, nothing is removed in that pass, since its allocs
@@ -109,6 +110,8 @@ fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
 #[derive(Debug, Default)]
 pub struct Syncer {
     applied: BTreeMap<Name, (Revision, Option<DesiredStatus>)>,
+    /// The spec errors the node shows now, by alloc.
+    errors: BTreeMap<Name, String>,
 }
 
 /// What one pass changed.
@@ -129,6 +132,7 @@ impl Syncer {
                 .into_iter()
                 .map(|(name, revision)| (name, (revision, None)))
                 .collect(),
+            errors: BTreeMap::new(),
         }
     }
 
@@ -156,7 +160,40 @@ impl Syncer {
                 report.removed.push(name);
             }
         }
+        self.sync_errors(node, listing);
         report
+    }
+
+    /// Shows each broken spec's diagnostics on its alloc (when one runs), and clears them
+    /// once the spec is valid again or the alloc is gone.
+    fn sync_errors(&mut self, node: &Node, listing: &Listing) {
+        for (name, diagnostics) in &listing.broken {
+            if !self.applied.contains_key(name) {
+                continue; // no alloc to show it on: the agent's log has it
+            }
+            let text = diagnostics
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("\n");
+            if self.errors.get(name) != Some(&text) {
+                node.set_spec_error(name, Some(text.clone()));
+                self.errors.insert(name.clone(), text);
+            }
+        }
+        let fixed: Vec<Name> = self
+            .errors
+            .keys()
+            .filter(|name| {
+                !listing.broken.contains_key(*name)
+                    && (listing.specs.contains_key(*name) || !self.applied.contains_key(*name))
+            })
+            .cloned()
+            .collect();
+        for name in fixed {
+            node.set_spec_error(&name, None);
+            self.errors.remove(&name);
+        }
     }
 }
 
