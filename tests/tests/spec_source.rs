@@ -60,7 +60,7 @@ async fn a_pass_applies_new_specs_and_an_identical_rewrite_changes_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_invalid_edit_keeps_the_last_valid_revision_and_a_deleted_file_removes_the_alloc() {
+async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_a_deleted_file_stops_the_alloc() {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("web.yaml");
     std::fs::write(&path, spec("web", "a")).expect("write");
@@ -83,14 +83,30 @@ async fn an_invalid_edit_keeps_the_last_valid_revision_and_a_deleted_file_remove
         "{report:?}"
     );
     tokio::time::sleep(Duration::from_secs(30)).await;
-    assert_eq!(node.status("web").expect("still there").id, id);
+    let status = node.status("web").expect("still there");
+    assert_eq!(status.id, id);
     assert!(running(&node, "web"));
+    let error = status.spec_error.as_deref().expect("the diagnostic is shown");
+    assert!(
+        error.contains("web.yaml:") && error.contains("stdoutStrin"),
+        "{error}"
+    );
+
+    // Fixed again: the error clears, and the same revision keeps running.
+    std::fs::write(&path, spec("web", "a")).expect("write");
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert!(report.applied.is_empty(), "{report:?}");
+    let status = node.status("web").expect("still there");
+    assert_eq!((status.id.as_str(), status.spec_error.as_deref()), (id.as_str(), None));
 
     std::fs::remove_file(&path).expect("remove");
     let report = syncer.sync(&node, &list_specs(dir.path()));
     assert_eq!(report.removed.len(), 1);
     assert!(
-        node.wait_until(DEADLINE, |n| n.status("web").is_none())
+        node.wait_until(DEADLINE, |n| n
+            .gc_candidates()
+            .iter()
+            .any(|c| c.key.as_str() == "web" && c.collectable))
             .await
     );
 }
@@ -136,7 +152,10 @@ async fn an_alloc_known_before_the_first_listing_is_removed_only_by_a_listing_wi
         "the kept alloc is untouched: {report:?}"
     );
     assert!(
-        node.wait_until(DEADLINE, |n| n.status("orphan").is_none())
+        node.wait_until(DEADLINE, |n| n
+            .gc_candidates()
+            .iter()
+            .any(|c| c.key.as_str() == "orphan" && c.collectable))
             .await
     );
     assert!(running(&node, "kept"));

@@ -1,0 +1,14 @@
+//! The `stead` binary for the specs-directory tests: the same entry point as
+//! `controller/src/main.rs`, built as a binary of this package so cargo builds it for the
+//! tests and tells them its path (`CARGO_BIN_EXE_stead-test-agent`).
+
+use std::process::ExitCode;
+
+fn main() -> ExitCode {
+    let code = stead_controller::cli::run(
+        std::env::args_os(),
+        &mut std::io::stdout(),
+        &mut std::io::stderr(),
+    );
+    ExitCode::from(code)
+}
