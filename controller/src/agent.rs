@@ -21,7 +21,7 @@ use crate::logging::{LogFormat, init_logging};
 use crate::metrics::Metrics;
 use crate::node::{Node, NodeConfig};
 use crate::queue::Shutdown;
-use crate::source::{Syncer, list_specs};
+use crate::source::{ListingCache, Syncer, list_specs_cached};
 use crate::store::{MemoryStore, Store};
 use crate::watch::SpecsWatcher;
 
@@ -402,6 +402,7 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     let changed = Arc::new(tokio::sync::Notify::new());
     let mut watcher = None;
     let mut gc = None;
+    let mut cache = ListingCache::default();
     tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
     loop {
         // (Re)start the watcher before listing, so no change falls between the two; a
@@ -416,8 +417,16 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             _ = interrupt.recv() => break,
         };
         let dir = settings.specs_dir.clone();
-        let listing = tokio::task::spawn_blocking(move || list_specs(&dir)).await;
-        let Ok(listing) = listing else { continue };
+        let now = clock.now();
+        let mut taken = std::mem::take(&mut cache);
+        let pass = tokio::task::spawn_blocking(move || {
+            let listing = list_specs_cached(&dir, &mut taken, now);
+            (listing, taken)
+        })
+        .await;
+        // A panicked pass loses the cache: the next pass reads everything again.
+        let Ok((listing, kept)) = pass else { continue };
+        cache = kept;
         for diagnostic in &listing.diagnostics {
             tracing::warn!("{diagnostic}");
         }

@@ -689,13 +689,23 @@ impl Worker {
                 .spec
                 .tasks
                 .iter()
-                .filter(|t| current.spec.spec.spec.tasks.iter().any(|o| o.name == t.name))
+                .filter(|t| {
+                    current
+                        .spec
+                        .spec
+                        .spec
+                        .tasks
+                        .iter()
+                        .any(|o| o.name == t.name)
+                })
                 .map(|t| t.name.clone())
                 .collect();
             // A few renames on one filesystem: done here, before the new revision exists,
             // so no task of it can start first.
             match new.migrate_from(&old, &tasks) {
-                Ok(()) => tracing::info!(from = %current.spec.id, to = %next.id, "sticky disk migrated"),
+                Ok(()) => {
+                    tracing::info!(from = %current.spec.id, to = %next.id, "sticky disk migrated")
+                }
                 Err(error) => {
                     tracing::warn!(error = %error_chain(&error), "cannot migrate the sticky disk")
                 }
@@ -745,10 +755,8 @@ impl Worker {
             failures.saturating_sub(current.counted.1),
         );
         current.counted = (restarts, failures);
-        let collectable = removed
-            && !current.desired.run
-            && current.state.is_terminal()
-            && self.ops.is_empty();
+        let collectable =
+            removed && !current.desired.run && current.state.is_terminal() && self.ops.is_empty();
         let fingerprint = fingerprint(&current.state, &current.handles, removed, collectable);
         if current.saved == Some(fingerprint) {
             return;

@@ -466,14 +466,24 @@ mod tests {
 
         new.migrate_from(&old, std::slice::from_ref(&kept))
             .expect("migrated");
-        assert_eq!(fs::read_to_string(new.data().join("db")).expect("moved"), "rows");
+        assert_eq!(
+            fs::read_to_string(new.data().join("db")).expect("moved"),
+            "rows"
+        );
         assert_eq!(
             fs::read_to_string(new.task(&kept).expect("task").local.join("cache")).expect("moved"),
             "warm"
         );
-        assert!(!new.path().join("helper").exists(), "only shared tasks move");
+        assert!(
+            !new.path().join("helper").exists(),
+            "only shared tasks move"
+        );
         assert!(!old.data().exists());
-        assert_eq!(mode(&new.data()), 0o777, "the moved directory keeps its mode");
+        assert_eq!(
+            mode(&new.data()),
+            0o777,
+            "the moved directory keeps its mode"
+        );
     }
 
     #[test]

@@ -11,9 +11,9 @@ use std::time::Duration;
 
 use stead_reconcilers::alloc::Limits;
 use stead_reconcilers::gc::GcCandidate;
-use stead_schemas::{Timestamp, ValidSpec};
 use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;
+use stead_schemas::{Timestamp, ValidSpec};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

@@ -201,7 +201,9 @@ mod tests {
 
     #[test]
     fn disk_pressure_never_takes_fewer_than_the_count_requires() {
-        let candidates: Vec<_> = (0..5).map(|i| candidate(i, true, at(u64::from(i)))).collect();
+        let candidates: Vec<_> = (0..5)
+            .map(|i| candidate(i, true, at(u64::from(i))))
+            .collect();
         let policy = GcPolicy {
             max_allocs: 1,
             ..GcPolicy::default()

@@ -80,7 +80,8 @@ async fn a_pass_applies_new_specs_and_an_identical_rewrite_changes_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_a_deleted_file_stops_the_alloc() {
+async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_a_deleted_file_stops_the_alloc()
+ {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("web.yaml");
     std::fs::write(&path, spec("web", "a")).expect("write");
@@ -106,7 +107,10 @@ async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_
     let status = node.status("web").expect("still there");
     assert_eq!(status.id, id);
     assert!(running(&node, "web"));
-    let error = status.spec_error.as_deref().expect("the diagnostic is shown");
+    let error = status
+        .spec_error
+        .as_deref()
+        .expect("the diagnostic is shown");
     assert!(
         error.contains("web.yaml:") && error.contains("stdoutStrin"),
         "{error}"
@@ -117,16 +121,20 @@ async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_
     let report = syncer.sync(&node, &list_specs(dir.path()));
     assert!(report.applied.is_empty(), "{report:?}");
     let status = node.status("web").expect("still there");
-    assert_eq!((status.id.as_str(), status.spec_error.as_deref()), (id.as_str(), None));
+    assert_eq!(
+        (status.id.as_str(), status.spec_error.as_deref()),
+        (id.as_str(), None)
+    );
 
     std::fs::remove_file(&path).expect("remove");
     let report = syncer.sync(&node, &list_specs(dir.path()));
     assert_eq!(report.removed.len(), 1);
     assert!(
-        node.wait_until(DEADLINE, |n| n
-            .gc_candidates()
-            .iter()
-            .any(|c| c.key.as_str() == "web" && c.collectable))
+        node.wait_until(DEADLINE, |n| n.gc_candidates().iter().any(|c| c
+            .key
+            .as_str()
+            == "web"
+            && c.collectable))
             .await
     );
 }
@@ -172,10 +180,11 @@ async fn an_alloc_known_before_the_first_listing_is_removed_only_by_a_listing_wi
         "the kept alloc is untouched: {report:?}"
     );
     assert!(
-        node.wait_until(DEADLINE, |n| n
-            .gc_candidates()
-            .iter()
-            .any(|c| c.key.as_str() == "orphan" && c.collectable))
+        node.wait_until(DEADLINE, |n| n.gc_candidates().iter().any(|c| c
+            .key
+            .as_str()
+            == "orphan"
+            && c.collectable))
             .await
     );
     assert!(running(&node, "kept"));
@@ -233,7 +242,11 @@ async fn after_a_restart_nothing_stops_before_the_first_listing_and_then_only_th
             .await
     );
     assert!(running(&second, "kept"));
-    assert_eq!(events(&second, "kept", "Started"), 1, "kept was never restarted");
+    assert_eq!(
+        events(&second, "kept", "Started"),
+        1,
+        "kept was never restarted"
+    );
     assert_eq!(events(&second, "kept", "Killing"), 0);
 }
 
