@@ -534,7 +534,7 @@ fn a_directory_of_two_thousand_specs_all_run() {
         .collect();
     let began = Instant::now();
     let agent = Agent::start("", &files);
-    agent.until("2000 allocs run", Duration::from_secs(60), |a| {
+    agent.until("2000 allocs run", Duration::from_secs(120), |a| {
         let list = a.list();
         (list.len() == 2_000 && list.iter().all(|i| i.client_status == "running")).then_some(())
     });
