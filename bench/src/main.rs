@@ -7,8 +7,8 @@
 
 mod api;
 mod exec;
-mod store;
 mod peers;
+mod store;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -722,6 +722,19 @@ fn version(program: &Path, args: &[&str]) -> String {
         .unwrap_or_else(|| "unknown".to_owned())
 }
 
+/// pm2's version, from its `package.json`: `pm2 --version` would spawn a daemon.
+fn pm2_version(pm2: &Path) -> String {
+    std::fs::canonicalize(pm2)
+        .ok()
+        .and_then(|bin| {
+            let package = bin.parent()?.parent()?.join("package.json");
+            let text = std::fs::read_to_string(package).ok()?;
+            let json: serde_json::Value = serde_json::from_str(&text).ok()?;
+            Some(json.get("version")?.as_str()?.to_owned())
+        })
+        .unwrap_or_else(|| "unknown".to_owned())
+}
+
 fn which(program: &str) -> Option<PathBuf> {
     std::env::var_os("PATH")?
         .to_str()?
@@ -835,7 +848,7 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         env!("CARGO_PKG_VERSION"),
         version(&tools.stead, &["--version"]),
         version(&supervisord, &["--version"]),
-        version(&tools.pm2, &["--version"]),
+        pm2_version(&tools.pm2),
         version(Path::new("node"), &["--version"])
     );
     println!(

@@ -10,18 +10,21 @@ use stead_schemas::config::{AgentConfig, ShutdownMode};
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 
+use crate::allocdir::AllocDirs;
 use crate::api::{ApiState, bind_tcp, bind_unix, router, serve_tcp, serve_unix};
 use crate::clock::Clock;
 use crate::driver::exec::{ExecDriver, ExecDriverConfig};
 use crate::driver::mock::MockDriver;
 use crate::driver::{Driver, Drivers};
+use crate::gc::GcSettings;
 use crate::logging::{LogFormat, init_logging};
 use crate::metrics::Metrics;
 use crate::node::{Node, NodeConfig};
 use crate::queue::Shutdown;
-use crate::source::{Syncer, list_specs};
+use crate::source::{ListingCache, Syncer, list_specs_cached};
 use crate::store::rocks::OpenError;
 use crate::store::{RocksDbOptions, RocksDbStore, Store};
+use crate::watch::SpecsWatcher;
 
 /// `stead agent` flags; each overrides the config file's key of the same meaning.
 #[derive(Debug, Clone, Args)]
@@ -57,6 +60,10 @@ pub struct Settings {
     pub listen: String,
     /// The full re-listing period.
     pub resync: Duration,
+    /// Whether file events trigger a listing (besides the resync).
+    pub watch: bool,
+    /// Garbage collection of terminal allocs.
+    pub gc: GcSettings,
     /// Node settings.
     pub node: NodeConfig,
     /// What happens to tasks on exit.
@@ -192,11 +199,12 @@ impl Settings {
                 .or(config.listen)
                 .unwrap_or_else(|| "127.0.0.1:4750".to_owned()),
             resync: config.resync.map_or(Duration::from_secs(20), |d| d.get()),
+            watch: config.watch.unwrap_or(true),
+            gc: gc_settings(config.gc.as_ref()),
             node: NodeConfig {
                 limits,
                 tick: config.tick.map_or(Duration::from_secs(1), |d| d.get()),
                 seed: None,
-                alloc_root: None,
                 fingerprint_period: Duration::from_secs(15),
             },
             shutdown: if drain {
@@ -216,6 +224,28 @@ impl Settings {
             },
             store,
         })
+    }
+}
+
+/// The `gc` keys over Nomad's defaults.
+fn gc_settings(config: Option<&stead_schemas::config::GcConfig>) -> GcSettings {
+    let defaults = GcSettings::default();
+    let Some(config) = config else {
+        return defaults;
+    };
+    GcSettings {
+        interval: config.interval.map_or(defaults.interval, |d| d.get()),
+        policy: stead_reconcilers::gc::GcPolicy {
+            max_allocs: config
+                .max_allocs
+                .map_or(defaults.policy.max_allocs, |n| n as usize),
+            disk_usage_threshold: config
+                .disk_usage_threshold
+                .map_or(defaults.policy.disk_usage_threshold, |p| p.min(100)),
+            parallel_destroys: config
+                .parallel_destroys
+                .map_or(defaults.policy.parallel_destroys, |n| (n as usize).max(1)),
+        },
     }
 }
 
@@ -350,11 +380,15 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         drivers.push(Arc::new(ExecDriver::new(config, clock)));
     }
     let drivers = Drivers::new(drivers);
-    let mut node_config = settings.node.clone();
-    node_config.alloc_root = Some(crate::allocdir::AllocDirs::new(&data_dir).root().to_owned());
     let store: Arc<dyn Store> =
         Arc::new(RocksDbStore::open(&data_dir.join("state"), settings.store)?);
-    let node = Arc::new(Node::new(node_config, drivers.clone(), store, clock));
+    let node = Arc::new(Node::with_alloc_dirs(
+        settings.node.clone(),
+        drivers.clone(),
+        store,
+        clock,
+        AllocDirs::new(&data_dir),
+    ));
     let metrics = Metrics::install().map_err(AgentError::Metrics)?;
     let state = ApiState::new(node.clone(), drivers, data_dir.clone())
         .with_token(settings.token.clone())
@@ -370,36 +404,80 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let mut resync = tokio::time::interval(settings.resync);
-    tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), "agent started");
+    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    // File events only say "look again"; the listing is the level. A wake-up that comes
+    // during a pass is kept, so the pass after it sees the change.
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let mut watcher = None;
+    let mut gc = None;
+    let mut cache = ListingCache::default();
+    tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
     // Ready for systemd (`Type=notify`) only now: state restored, the API serving.
     crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
     loop {
-        tokio::select! {
-            _ = resync.tick() => {
-                let dir = settings.specs_dir.clone();
-                let listing = tokio::task::spawn_blocking(move || list_specs(&dir)).await;
-                let Ok(listing) = listing else { continue };
-                for diagnostic in &listing.diagnostics {
-                    tracing::warn!("{diagnostic}");
-                }
-                let report = syncer.sync(&node, &listing);
-                for name in &report.applied {
-                    tracing::info!(alloc = %name, "applied");
-                }
-                for name in &report.removed {
-                    tracing::info!(alloc = %name, "removed");
-                }
-            }
+        // (Re)start the watcher before listing, so no change falls between the two; a
+        // directory that cannot be watched yet is tried again at the next resync.
+        if settings.watch && watcher.is_none() {
+            watcher = start_watcher(&settings.specs_dir, &changed);
+        }
+        let trigger = tokio::select! {
+            _ = resync.tick() => "resync",
+            () = changed.notified() => "watch",
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
+        };
+        let dir = settings.specs_dir.clone();
+        let now = clock.now();
+        let mut taken = std::mem::take(&mut cache);
+        let pass = tokio::task::spawn_blocking(move || {
+            let listing = list_specs_cached(&dir, &mut taken, now);
+            (listing, taken)
+        })
+        .await;
+        // A panicked pass loses the cache: the next pass reads everything again.
+        let Ok((listing, kept)) = pass else { continue };
+        cache = kept;
+        for diagnostic in &listing.diagnostics {
+            tracing::warn!("{diagnostic}");
+        }
+        let report = syncer.sync(&node, &listing);
+        for name in &report.applied {
+            tracing::info!(alloc = %name, trigger, "applied");
+        }
+        for name in &report.removed {
+            tracing::info!(alloc = %name, trigger, "removed");
+        }
+        // Garbage collection starts after the first full listing: an alloc restored as
+        // removed whose file came back while the agent was away is declared again first.
+        if gc.is_none() {
+            gc = Some(tokio::spawn(crate::gc::run(
+                node.clone(),
+                settings.gc,
+                data_dir.clone(),
+            )));
         }
     }
     tracing::info!(mode = ?settings.shutdown, "shutting down");
     crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
+    drop(watcher);
+    if let Some(gc) = gc {
+        gc.abort();
+    }
     stop_api.cancel();
     node.shutdown(settings.shutdown).await;
     let _ = tokio::task::spawn_blocking(move || api.join()).await;
     Ok(())
+}
+
+/// Watches `dir`, or logs why it cannot (the resync still lists it).
+fn start_watcher(dir: &Path, changed: &Arc<tokio::sync::Notify>) -> Option<SpecsWatcher> {
+    match SpecsWatcher::start(dir, changed.clone()) {
+        Ok(watcher) => Some(watcher),
+        Err(error) => {
+            tracing::warn!(error = %crate::alloc::error_chain(&error), "specs dir not watched; relying on resync");
+            None
+        }
+    }
 }
 
 #[cfg(test)]

@@ -29,7 +29,7 @@ use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
 use crate::driver::{Driver, DriverError, LogLimits, StartRequest, TaskHandle};
-use crate::node::Shared;
+use crate::node::{AllocFacts, Shared};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store;
 
@@ -57,6 +57,12 @@ pub enum CommandError {
     /// The alloc's worker is gone (the agent is shutting down).
     #[error("alloc {name:?} is shutting down")]
     ShuttingDown {
+        /// The alloc.
+        name: String,
+    },
+    /// Garbage collection asked for an alloc that is running or still declared.
+    #[error("alloc {name:?} is not collectable: it is not terminal or a spec declares it")]
+    NotCollectable {
         /// The alloc.
         name: String,
     },
@@ -172,6 +178,8 @@ pub(crate) struct Worker {
     rng: fastrand::Rng,
     broken: Option<Broken>,
     store_retry: Option<StoreRetry>,
+    /// A garbage collection request waiting to be carried out.
+    collect: Option<oneshot::Sender<Result<(), CommandError>>>,
 }
 
 impl Worker {
@@ -197,6 +205,7 @@ impl Worker {
             rng,
             broken: None,
             store_retry: None,
+            collect: None,
         };
         match start {
             Start::Fresh(target) => worker.target = target,
@@ -320,6 +329,10 @@ impl Worker {
                 Step::Exit => return,
                 Step::Again => continue,
                 Step::Wait(wake_at) => wake_at,
+                Step::Collect(reply) => match self.collect(reply).await {
+                    Step::Exit => return,
+                    _ => continue,
+                },
             };
             self.persist_and_publish();
             let wake_at = match (wake_at, self.store_retry.as_ref().map(|r| r.at)) {
@@ -410,10 +423,19 @@ impl Worker {
                 return Step::Exit;
             }
             match &self.target {
-                Target::Absent => return self.destroy(),
+                // The spec is gone and the alloc terminal: it stays (stopped) until
+                // garbage collection destroys it.
+                Target::Absent => {
+                    if let Some(reply) = self.collect.take() {
+                        return Step::Collect(reply);
+                    }
+                }
                 Target::Spec(spec) if spec.revision != current.spec.revision => {
-                    // The old revision is terminal: the new one may start now.
+                    // The old revision is terminal: the new one may start now, with the
+                    // old one's sticky disk.
+                    let spec = spec.clone();
                     self.persist_and_publish();
+                    self.hand_over_alloc_dir(&spec);
                     self.current = None;
                     return Step::Again;
                 }
@@ -633,6 +655,17 @@ impl Worker {
             .observe(&current.desired, &task, observation, jitter, now);
     }
 
+    /// Whether garbage collection may destroy the alloc now: its spec is gone, and it is
+    /// terminal with no driver operation in flight.
+    fn collectable(&self) -> bool {
+        matches!(self.target, Target::Absent)
+            && self.ops.is_empty()
+            && self
+                .current
+                .as_ref()
+                .is_some_and(|c| !c.desired.run && c.state.is_terminal())
+    }
+
     fn handle_command(&mut self, command: UserCommand, now: Timestamp) {
         if self.broken.is_some()
             && let UserCommand::Restart { reply, .. } = command
@@ -648,16 +681,39 @@ impl Worker {
             let _ = reply.send(result);
             return;
         }
+        let command = match command {
+            UserCommand::Collect { reply } => {
+                let refused = if self.collectable() {
+                    self.collect.replace(reply)
+                } else {
+                    Some(reply)
+                };
+                if let Some(reply) = refused {
+                    let _ = reply.send(Err(CommandError::NotCollectable {
+                        name: self.name.to_string(),
+                    }));
+                }
+                return;
+            }
+            command => command,
+        };
         let Some(current) = &mut self.current else {
             let error = CommandError::Refused(CommandRefusal::TaskNotRunning);
             match command {
-                UserCommand::Restart { reply, .. } | UserCommand::Signal { reply, .. } => {
+                UserCommand::Restart { reply, .. }
+                | UserCommand::Signal { reply, .. }
+                | UserCommand::Collect { reply } => {
                     let _ = reply.send(Err(error));
                 }
             }
             return;
         };
         match command {
+            UserCommand::Collect { reply } => {
+                let _ = reply.send(Err(CommandError::NotCollectable {
+                    name: self.name.to_string(),
+                }));
+            }
             UserCommand::Restart { task, reply } => {
                 let result = current
                     .state
@@ -700,6 +756,75 @@ impl Worker {
         }
     }
 
+    /// Garbage collection: removes the alloc dir (off the runtime's threads), then the
+    /// record, and leaves; answers `reply` once done.
+    async fn collect(&mut self, reply: oneshot::Sender<Result<(), CommandError>>) -> Step {
+        let dir = match (&self.shared.alloc_dirs, &self.current) {
+            (Some(dirs), Some(current)) => Some(dirs.alloc(&current.spec.id)),
+            _ => None,
+        };
+        if let Some(dir) = dir {
+            let removed = tokio::task::spawn_blocking(move || dir.remove()).await;
+            if let Ok(Err(error)) = removed {
+                tracing::warn!(error = %error_chain(&error), "cannot remove the alloc dir");
+            }
+        }
+        tracing::info!("garbage collected");
+        let step = self.destroy();
+        let _ = reply.send(Ok(()));
+        step
+    }
+
+    /// The old revision is terminal and `next` takes over: with a sticky (or migrating)
+    /// ephemeral disk, the old alloc dir's `alloc/data` and each shared task's `local`
+    /// move into the new one before any of its tasks start; then the old alloc dir goes
+    /// (nothing refers to it any more: the record now follows the new revision).
+    fn hand_over_alloc_dir(&self, next: &ValidSpec) {
+        let (Some(dirs), Some(current)) = (&self.shared.alloc_dirs, &self.current) else {
+            return;
+        };
+        if current.spec.id == next.id {
+            return; // two revisions sharing an id prefix share the directory too
+        }
+        let old = dirs.alloc(&current.spec.id);
+        let new = dirs.alloc(&next.id);
+        let disk = next.spec.spec.ephemeral_disk.as_ref();
+        let sticky = disk.is_some_and(|d| d.sticky == Some(true) || d.migrate == Some(true));
+        if sticky {
+            let tasks: Vec<Name> = next
+                .spec
+                .spec
+                .tasks
+                .iter()
+                .filter(|t| {
+                    current
+                        .spec
+                        .spec
+                        .spec
+                        .tasks
+                        .iter()
+                        .any(|o| o.name == t.name)
+                })
+                .map(|t| t.name.clone())
+                .collect();
+            // A few renames on one filesystem: done here, before the new revision exists,
+            // so no task of it can start first.
+            match new.migrate_from(&old, &tasks) {
+                Ok(()) => {
+                    tracing::info!(from = %current.spec.id, to = %next.id, "sticky disk migrated")
+                }
+                Err(error) => {
+                    tracing::warn!(error = %error_chain(&error), "cannot migrate the sticky disk")
+                }
+            }
+        }
+        tokio::task::spawn_blocking(move || {
+            if let Err(error) = old.remove() {
+                tracing::warn!(error = %error_chain(&error), "cannot remove the replaced alloc dir");
+            }
+        });
+    }
+
     /// The alloc is terminal and its spec is gone: release everything and leave.
     fn destroy(&mut self) -> Step {
         if let Some(current) = self.current.take() {
@@ -737,7 +862,9 @@ impl Worker {
             failures.saturating_sub(current.counted.1),
         );
         current.counted = (restarts, failures);
-        let fingerprint = fingerprint(&current.state, &current.handles, removed);
+        let collectable =
+            removed && !current.desired.run && current.state.is_terminal() && self.ops.is_empty();
+        let fingerprint = fingerprint(&current.state, &current.handles, removed, collectable);
         if current.saved != Some(fingerprint) {
             let now = self.shared.clock.now();
             let due = self
@@ -770,8 +897,17 @@ impl Worker {
         }
         current.published = Some(fingerprint);
         let status = status_of(&self.name, current, removed);
+        let facts = AllocFacts {
+            collectable,
+            finished_at: current
+                .state
+                .tasks
+                .values()
+                .filter_map(|t| t.finished_at)
+                .max(),
+        };
         self.shared
-            .publish(&self.name, status, current.handles.clone());
+            .publish(&self.name, status, current.handles.clone(), facts);
     }
 
     /// Publishes the status of a broken alloc: failed, with why.
@@ -787,13 +923,18 @@ impl Worker {
             state_error: Some(broken.reason.clone()),
             tasks: BTreeMap::new(),
         };
-        self.shared.publish(&self.name, status, BTreeMap::new());
+        let facts = AllocFacts {
+            collectable: false,
+            finished_at: None,
+        };
+        self.shared
+            .publish(&self.name, status, BTreeMap::new(), facts);
     }
 
     /// Why a restored alloc cannot resume for want of its alloc dir: a task of a driver
     /// that builds one (exec) has started, yet the dir is gone.
     fn missing_alloc_dir(&self, spec: &ValidSpec, state: &AllocState) -> Option<String> {
-        let root = self.shared.config.alloc_root.as_ref()?;
+        let root = self.shared.alloc_dirs.as_ref()?.root();
         let needs_dir = spec.spec.spec.tasks.iter().any(|task| {
             task.driver == stead_schemas::spec::DriverKind::Exec
                 && state
@@ -852,16 +993,24 @@ enum Step {
     Again,
     /// Leave.
     Exit,
+    /// Garbage collection destroys the alloc, then answers.
+    Collect(oneshot::Sender<Result<(), CommandError>>),
 }
 
 /// A hash of everything a record holds, computed on every pass to skip unchanged writes.
 /// Events only ever append (dropping the oldest at the cap), so their count, oldest and
 /// newest stand for all of them: hashing whole histories on every tick would cost more
 /// than the rest of the pass.
-fn fingerprint(state: &AllocState, handles: &BTreeMap<Name, TaskHandle>, removed: bool) -> u64 {
+fn fingerprint(
+    state: &AllocState,
+    handles: &BTreeMap<Name, TaskHandle>,
+    removed: bool,
+    collectable: bool,
+) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     removed.hash(&mut hasher);
+    collectable.hash(&mut hasher);
     handles.hash(&mut hasher);
     state.shutdown.hash(&mut hasher);
     state.main_released.hash(&mut hasher);

@@ -75,6 +75,17 @@ pub enum AllocDirError {
         #[source]
         source: io::Error,
     },
+    /// Moving a sticky directory into the replacing alloc failed.
+    #[error("moving {from} to {to}")]
+    Migrate {
+        /// The old directory.
+        from: PathBuf,
+        /// Where it was to go.
+        to: PathBuf,
+        /// Why.
+        #[source]
+        source: io::Error,
+    },
     /// Removing an alloc dir failed.
     #[error("removing {path}")]
     Remove {
@@ -237,6 +248,25 @@ impl AllocDir {
         Ok(dirs)
     }
 
+    /// Moves the sticky disk of `old` (the alloc this one replaces) into this alloc dir:
+    /// `alloc/data`, and `<task>/local` of each of `tasks` (those both revisions have).
+    /// Renames only, so it is quick and never copies; what is missing in `old` is
+    /// skipped. A target that already holds files (an earlier, interrupted hand-over) is
+    /// kept and its source left in place.
+    pub fn migrate_from(&self, old: &AllocDir, tasks: &[Name]) -> Result<(), AllocDirError> {
+        self.build()?;
+        move_dir(&old.data(), &self.data())?;
+        for task in tasks {
+            let (from, to) = (old.task(task)?, self.task(task)?);
+            if !from.local.is_dir() {
+                continue;
+            }
+            make_dir(&to.dir, 0o755, None)?;
+            move_dir(&from.local, &to.local)?;
+        }
+        Ok(())
+    }
+
     /// Removes the whole alloc dir; one that does not exist is removed already.
     pub fn remove(&self) -> Result<(), AllocDirError> {
         match fs::remove_dir_all(&self.path) {
@@ -247,6 +277,29 @@ impl AllocDir {
             _ => Ok(()),
         }
     }
+}
+
+/// Renames directory `from` to `to`, replacing `to` when it is an empty directory.
+fn move_dir(from: &Path, to: &Path) -> Result<(), AllocDirError> {
+    let error = |source| AllocDirError::Migrate {
+        from: from.to_owned(),
+        to: to.to_owned(),
+        source,
+    };
+    match fs::symlink_metadata(from) {
+        Ok(meta) if meta.file_type().is_dir() => {}
+        Ok(_) => return Ok(()), // not a directory: nothing of ours to move
+        Err(e) if e.kind() == io::ErrorKind::NotFound => return Ok(()),
+        Err(e) => return Err(error(e)),
+    }
+    match fs::remove_dir(to) {
+        Ok(()) => {}
+        Err(e) if e.kind() == io::ErrorKind::NotFound => {}
+        // Not empty: keep what the new alloc has.
+        Err(e) if e.kind() == io::ErrorKind::DirectoryNotEmpty => return Ok(()),
+        Err(e) => return Err(error(e)),
+    }
+    fs::rename(from, to).map_err(error)
 }
 
 /// Creates `path` if missing, checks it is a directory (not a symlink), and sets its
@@ -393,6 +446,44 @@ mod tests {
             Err(AllocDirError::NotADirectory { .. })
         ));
         assert_eq!(mode(elsewhere.path()), before);
+    }
+
+    #[test]
+    fn a_sticky_disk_moves_data_and_local_into_the_new_alloc_dir() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let old = dirs.alloc(&alloc_id());
+        let name: Name = "web".parse().expect("valid");
+        let revision = stead_schemas::Revision::from_hex(&"cd".repeat(32)).expect("hex");
+        let new = dirs.alloc(&AllocId::new(&name, &revision));
+        let kept: Name = "server".parse().expect("valid");
+        let dropped: Name = "helper".parse().expect("valid");
+        let kept_dir = old.build_task(&kept, None).expect("built");
+        let dropped_dir = old.build_task(&dropped, None).expect("built");
+        fs::write(old.data().join("db"), "rows").expect("written");
+        fs::write(kept_dir.local.join("cache"), "warm").expect("written");
+        fs::write(dropped_dir.local.join("cache"), "cold").expect("written");
+
+        new.migrate_from(&old, std::slice::from_ref(&kept))
+            .expect("migrated");
+        assert_eq!(
+            fs::read_to_string(new.data().join("db")).expect("moved"),
+            "rows"
+        );
+        assert_eq!(
+            fs::read_to_string(new.task(&kept).expect("task").local.join("cache")).expect("moved"),
+            "warm"
+        );
+        assert!(
+            !new.path().join("helper").exists(),
+            "only shared tasks move"
+        );
+        assert!(!old.data().exists());
+        assert_eq!(
+            mode(&new.data()),
+            0o777,
+            "the moved directory keeps its mode"
+        );
     }
 
     #[test]

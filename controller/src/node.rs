@@ -6,18 +6,19 @@
 //! never across an `.await`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::Limits;
-use stead_schemas::ValidSpec;
+use stead_reconcilers::gc::GcCandidate;
 use stead_schemas::spec::{DriverKind, Name, Signal};
 use stead_schemas::status::AllocStatus;
+use stead_schemas::{Timestamp, ValidSpec};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::alloc::{CommandError, Start, Worker, ask};
+use crate::allocdir::AllocDirs;
 use crate::clock::Clock;
 use crate::driver::{Drivers, TaskHandle};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
@@ -32,9 +33,6 @@ pub struct NodeConfig {
     pub tick: Duration,
     /// Seeds restart jitter, for reproducible tests; `None` draws it at random.
     pub seed: Option<u64>,
-    /// Where alloc dirs live (`<data-dir>/allocs`), checked when allocs are restored;
-    /// `None` when no driver builds them.
-    pub alloc_root: Option<PathBuf>,
     /// How often every driver is fingerprinted again.
     pub fingerprint_period: Duration,
 }
@@ -45,7 +43,6 @@ impl Default for NodeConfig {
             limits: Limits::default(),
             tick: Duration::from_secs(1),
             seed: None,
-            alloc_root: None,
             fingerprint_period: Duration::from_secs(15),
         }
     }
@@ -56,12 +53,27 @@ struct Entry {
     join: JoinHandle<()>,
 }
 
+/// What garbage collection needs to know of an alloc, published with its status.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) struct AllocFacts {
+    /// Terminal, nothing in flight, and no spec declares it any more.
+    pub(crate) collectable: bool,
+    /// When its last task finished.
+    pub(crate) finished_at: Option<Timestamp>,
+}
+
 /// What workers share with the dispatcher.
 pub(crate) struct Shared {
     pub(crate) config: NodeConfig,
     pub(crate) drivers: Drivers,
     pub(crate) store: Arc<dyn Store>,
     pub(crate) clock: Clock,
+    /// Where alloc dirs live, when the node has them (sticky disks move between them,
+    /// and destroying an alloc removes its own).
+    pub(crate) alloc_dirs: Option<AllocDirs>,
+    facts: RwLock<HashMap<Name, AllocFacts>>,
+    /// The diagnostics of each alloc whose spec is broken now, shown with its status.
+    spec_errors: RwLock<HashMap<Name, Arc<str>>>,
     registry: Mutex<HashMap<Name, Entry>>,
     statuses: RwLock<BTreeMap<Name, Arc<AllocStatus>>>,
     /// The driver handles of each alloc's tasks, published with its status (for stats).
@@ -106,7 +118,12 @@ impl Shared {
         name: &Name,
         status: AllocStatus,
         handles: BTreeMap<Name, TaskHandle>,
+        facts: AllocFacts,
     ) {
+        self.facts
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .insert(name.clone(), facts);
         self.handles
             .write()
             .unwrap_or_else(|e| e.into_inner())
@@ -162,6 +179,10 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
         self.handles
+            .write()
+            .unwrap_or_else(|e| e.into_inner())
+            .remove(name);
+        self.facts
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
@@ -269,6 +290,28 @@ pub struct Node {
 impl Node {
     /// A node with no allocs yet; call from within a tokio runtime (it starts the ticker).
     pub fn new(config: NodeConfig, drivers: Drivers, store: Arc<dyn Store>, clock: Clock) -> Self {
+        Self::build(config, drivers, store, clock, None)
+    }
+
+    /// A node whose allocs have directories below `alloc_dirs`: a replacing revision
+    /// receives a sticky disk from them, and destroying an alloc removes its directory.
+    pub fn with_alloc_dirs(
+        config: NodeConfig,
+        drivers: Drivers,
+        store: Arc<dyn Store>,
+        clock: Clock,
+        alloc_dirs: AllocDirs,
+    ) -> Self {
+        Self::build(config, drivers, store, clock, Some(alloc_dirs))
+    }
+
+    fn build(
+        config: NodeConfig,
+        drivers: Drivers,
+        store: Arc<dyn Store>,
+        clock: Clock,
+        alloc_dirs: Option<AllocDirs>,
+    ) -> Self {
         let (version, _) = watch::channel(0);
         let node = Node {
             shared: Arc::new(Shared {
@@ -276,6 +319,9 @@ impl Node {
                 drivers,
                 store,
                 clock,
+                alloc_dirs,
+                facts: RwLock::new(HashMap::new()),
+                spec_errors: RwLock::new(HashMap::new()),
                 registry: Mutex::new(HashMap::new()),
                 statuses: RwLock::new(BTreeMap::new()),
                 handles: RwLock::new(HashMap::new()),
@@ -423,15 +469,79 @@ impl Node {
         .await
     }
 
+    /// Destroys alloc `name` for garbage collection, if it is collectable (terminal and
+    /// no longer declared); returns once its directory and record are gone.
+    pub async fn collect(&self, name: &Name) -> Result<(), CommandError> {
+        let mailbox = self
+            .mailbox(name.as_str())
+            .ok_or_else(|| CommandError::UnknownAlloc {
+                name: name.to_string(),
+            })?;
+        ask(&mailbox, name.as_str(), |reply| UserCommand::Collect {
+            reply,
+        })
+        .await
+    }
+
+    /// Every alloc as garbage collection sees it.
+    pub fn gc_candidates(&self) -> Vec<GcCandidate<Name>> {
+        self.shared
+            .facts
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .iter()
+            .map(|(name, facts)| GcCandidate {
+                key: name.clone(),
+                collectable: facts.collectable,
+                finished_at: facts.finished_at,
+            })
+            .collect()
+    }
+
+    /// Records that the spec of alloc `name` is broken (`Some(diagnostics)`) or fine again
+    /// (`None`); the alloc's status shows it as `specError`.
+    pub fn set_spec_error(&self, name: &Name, error: Option<String>) {
+        {
+            let mut errors = self
+                .shared
+                .spec_errors
+                .write()
+                .unwrap_or_else(|e| e.into_inner());
+            match error {
+                Some(error) => errors.insert(name.clone(), error.into()),
+                None => errors.remove(name),
+            };
+        }
+        self.shared.version.send_modify(|v| *v += 1);
+    }
+
+    /// `status` with the alloc's current spec error, if any.
+    fn with_spec_error(&self, name: &Name, status: Arc<AllocStatus>) -> Arc<AllocStatus> {
+        let errors = self
+            .shared
+            .spec_errors
+            .read()
+            .unwrap_or_else(|e| e.into_inner());
+        match errors.get(name) {
+            Some(error) => Arc::new(AllocStatus {
+                spec_error: Some(error.to_string()),
+                ..(*status).clone()
+            }),
+            None => status,
+        }
+    }
+
     /// The published status of alloc `name`.
     pub fn status(&self, name: &str) -> Option<Arc<AllocStatus>> {
         let name: Name = name.parse().ok()?;
-        self.shared
+        let status = self
+            .shared
             .statuses
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .get(&name)
-            .cloned()
+            .cloned()?;
+        Some(self.with_spec_error(&name, status))
     }
 
     /// The driver handles of alloc `name`'s started tasks, as last published.
@@ -447,12 +557,17 @@ impl Node {
 
     /// Every published status, by name.
     pub fn statuses(&self) -> Vec<Arc<AllocStatus>> {
-        self.shared
+        let statuses: Vec<(Name, Arc<AllocStatus>)> = self
+            .shared
             .statuses
             .read()
             .unwrap_or_else(|e| e.into_inner())
-            .values()
-            .cloned()
+            .iter()
+            .map(|(name, status)| (name.clone(), status.clone()))
+            .collect();
+        statuses
+            .into_iter()
+            .map(|(name, status)| self.with_spec_error(&name, status))
             .collect()
     }
 

@@ -55,6 +55,12 @@ pub enum UserCommand {
         /// The answer.
         reply: oneshot::Sender<Result<(), CommandError>>,
     },
+    /// Garbage collection: destroy the alloc if it is still collectable (terminal, its
+    /// spec gone); answered once its directory and record are gone.
+    Collect {
+        /// The answer.
+        reply: oneshot::Sender<Result<(), CommandError>>,
+    },
 }
 
 /// Everything pending for a worker, taken at once.
@@ -221,6 +227,7 @@ mod tests {
             .map(|c| match c {
                 UserCommand::Restart { task, .. } => task.expect("named").to_string(),
                 UserCommand::Signal { task, .. } => task.to_string(),
+                UserCommand::Collect { .. } => "collect".to_owned(),
             })
             .collect();
         assert_eq!(order, names);

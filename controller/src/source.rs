@@ -4,17 +4,29 @@
 //! merged file event costs nothing but latency. The rules:
 //! - an identical or semantically identical spec is not applied again;
 //! - an alloc whose file is gone is removed (stopped, then destroyed);
-//! - a file that became invalid keeps its alloc's last valid revision running;
+//! - a file that became invalid keeps its alloc's last valid revision running, and the
+//!   alloc's status shows the diagnostics (`specError`) until the file is fixed or gone;
 //! - two files declaring one alloc name: both are reported, the one whose path sorts
 //!   first wins (a stable rule that does not depend on listing order);
 //! - when any file could not be read, nothing is removed in that pass, since its allocs
 //!   are unknown rather than gone.
+//!
+//! A [`ListingCache`] keeps each file's parse keyed by its stat (device, inode, size,
+//! mtime, ctime), so a pass over 2,000 unchanged specs only stats them. A file changed
+//! twice within one timestamp tick at the same size would look unchanged, so (like git's
+//! racy-index rule) a parse is trusted only when the file's mtime was at least
+//! [`RACY_MARGIN`] older than the pass that read it; otherwise the next pass reads it again.
 
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
 
 use stead_schemas::spec::{DesiredStatus, Name};
-use stead_schemas::{Diagnostic, Location, Revision, ValidSpec, parse_spec_bytes};
+use stead_schemas::{
+    Diagnostic, Location, Revision, SpecFile, Timestamp, ValidSpec, parse_spec_bytes,
+};
 
 use crate::node::Node;
 use crate::spec_files::collect_spec_files;
@@ -32,9 +44,63 @@ pub struct Listing {
     pub incomplete: bool,
 }
 
+/// How much older than a pass a file's times must be for its parse to be reused.
+pub const RACY_MARGIN: Duration = Duration::from_secs(2);
+
+/// What identifies one version of a file without reading it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(meta: &std::fs::Metadata) -> Self {
+        FileStamp {
+            dev: meta.dev(),
+            ino: meta.ino(),
+            len: meta.len(),
+            mtime: (meta.mtime(), meta.mtime_nsec()),
+            ctime: (meta.ctime(), meta.ctime_nsec()),
+        }
+    }
+
+    /// Whether the content's time is at least `RACY_MARGIN` before `now` (every content
+    /// change sets mtime; ctime, which `touch` cannot set back, only joins the equality).
+    fn settled_before(&self, now: Timestamp) -> bool {
+        let limit = now.saturating_duration_since(Timestamp::EPOCH);
+        let Some(limit) = limit.checked_sub(RACY_MARGIN) else {
+            return false;
+        };
+        let as_duration = |(secs, nanos): (i64, i64)| {
+            u64::try_from(secs)
+                .ok()
+                .map(|s| Duration::new(s, u32::try_from(nanos).unwrap_or(0)))
+        };
+        as_duration(self.mtime).is_some_and(|t| t < limit)
+    }
+}
+
+/// Parses of spec files from earlier passes, reused while a file is unchanged.
+#[derive(Debug, Default)]
+pub struct ListingCache {
+    files: HashMap<PathBuf, (FileStamp, Arc<SpecFile>)>,
+}
+
 /// Reads every spec file below `dir`.
 pub fn list_specs(dir: &Path) -> Listing {
+    list_specs_cached(dir, &mut ListingCache::default(), Timestamp::EPOCH)
+}
+
+/// Reads every spec file below `dir`, reusing the parses in `cache` of files unchanged
+/// since a pass at least [`RACY_MARGIN`] after their last change; `now` is the time of
+/// this pass.
+pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -> Listing {
     let mut listing = Listing::default();
+    let mut seen: HashMap<PathBuf, (FileStamp, Arc<SpecFile>)> = HashMap::new();
     let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
     for error in unreadable {
         listing.incomplete = true;
@@ -46,22 +112,34 @@ pub fn list_specs(dir: &Path) -> Listing {
         ));
     }
     for path in files {
-        let bytes = match read_spec(&path) {
-            Ok(bytes) => bytes,
-            Err(error) => {
-                listing.incomplete = true;
-                listing.diagnostics.push(Diagnostic::new(
-                    &path,
-                    Location::START,
-                    "",
-                    format!("cannot read: {error}"),
-                ));
-                continue;
-            }
+        let stamp = std::fs::metadata(&path).map(|m| FileStamp::of(&m));
+        let cached = match (&stamp, cache.files.remove(&path)) {
+            (Ok(stamp), Some((old, file))) if old == *stamp => Some(file),
+            _ => None,
         };
-        let file = parse_spec_bytes(&path, &bytes);
+        let file = match cached {
+            Some(file) => file,
+            None => match read_spec(&path) {
+                Ok(bytes) => Arc::new(parse_spec_bytes(&path, &bytes)),
+                Err(error) => {
+                    listing.incomplete = true;
+                    listing.diagnostics.push(Diagnostic::new(
+                        &path,
+                        Location::START,
+                        "",
+                        format!("cannot read: {error}"),
+                    ));
+                    continue;
+                }
+            },
+        };
+        if let Ok(stamp) = stamp
+            && stamp.settled_before(now)
+        {
+            seen.insert(path.clone(), (stamp, file.clone()));
+        }
         listing.diagnostics.extend(file.all_diagnostics());
-        for document in file.documents {
+        for document in file.documents.iter().cloned() {
             let Some(name) = document.name else { continue };
             match document.spec {
                 Some(spec) => match listing.specs.get(&name) {
@@ -93,6 +171,7 @@ pub fn list_specs(dir: &Path) -> Listing {
     // valid declaration runs.
     let specs = &listing.specs;
     listing.broken.retain(|name, _| !specs.contains_key(name));
+    cache.files = seen;
     listing
 }
 
@@ -110,6 +189,8 @@ fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
 pub struct Syncer {
     /// The revision (unknown for a restored record too damaged to name one) and status.
     applied: BTreeMap<Name, (Option<Revision>, Option<DesiredStatus>)>,
+    /// The spec errors the node shows now, by alloc.
+    errors: BTreeMap<Name, String>,
 }
 
 /// What one pass changed.
@@ -130,6 +211,7 @@ impl Syncer {
                 .into_iter()
                 .map(|(name, revision)| (name, (revision, None)))
                 .collect(),
+            errors: BTreeMap::new(),
         }
     }
 
@@ -157,7 +239,40 @@ impl Syncer {
                 report.removed.push(name);
             }
         }
+        self.sync_errors(node, listing);
         report
+    }
+
+    /// Shows each broken spec's diagnostics on its alloc (when one runs), and clears them
+    /// once the spec is valid again or the alloc is gone.
+    fn sync_errors(&mut self, node: &Node, listing: &Listing) {
+        for (name, diagnostics) in &listing.broken {
+            if !self.applied.contains_key(name) {
+                continue; // no alloc to show it on: the agent's log has it
+            }
+            let text = diagnostics
+                .iter()
+                .map(ToString::to_string)
+                .collect::<Vec<_>>()
+                .join("\n");
+            if self.errors.get(name) != Some(&text) {
+                node.set_spec_error(name, Some(text.clone()));
+                self.errors.insert(name.clone(), text);
+            }
+        }
+        let fixed: Vec<Name> = self
+            .errors
+            .keys()
+            .filter(|name| {
+                !listing.broken.contains_key(*name)
+                    && (listing.specs.contains_key(*name) || !self.applied.contains_key(*name))
+            })
+            .cloned()
+            .collect();
+        for name in fixed {
+            node.set_spec_error(&name, None);
+            self.errors.remove(&name);
+        }
     }
 }
 
@@ -186,6 +301,44 @@ mod tests {
         );
         assert_eq!(listing.diagnostics.len(), 1, "{:?}", listing.diagnostics);
         assert!(listing.diagnostics[0].file.ends_with("b.yaml"));
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_parse_is_reused_only_once_the_file_settled_before_the_pass_and_edits_are_seen() {
+        let dir = std::env::temp_dir().join(format!("stead-source-cache-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        write(&dir, "web.yaml", "web");
+        let mtime = std::fs::metadata(dir.join("web.yaml"))
+            .expect("stat")
+            .modified()
+            .expect("mtime")
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after the epoch");
+        let at = |offset: Duration| Timestamp::from_since_epoch(mtime + offset);
+        let mut cache = ListingCache::default();
+
+        // Read within the margin of the write: not trusted, read again next time.
+        let listing = list_specs_cached(&dir, &mut cache, at(Duration::from_millis(500)));
+        assert_eq!(listing.specs.len(), 1);
+        assert!(cache.files.is_empty());
+        // Read well after: kept.
+        list_specs_cached(&dir, &mut cache, at(Duration::from_secs(10)));
+        assert_eq!(cache.files.len(), 1);
+
+        // An edit changes the stamp: the new content is read.
+        write(&dir, "web.yaml", "api-v2");
+        let listing = list_specs_cached(&dir, &mut cache, at(Duration::from_secs(20)));
+        let names: Vec<&str> = listing.specs.keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["api-v2"]);
+        // A deleted file leaves the cache.
+        std::fs::remove_file(dir.join("web.yaml")).expect("removed");
+        assert!(
+            list_specs_cached(&dir, &mut cache, at(Duration::from_secs(30)))
+                .specs
+                .is_empty()
+        );
+        assert!(cache.files.is_empty());
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 

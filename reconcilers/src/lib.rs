@@ -5,10 +5,12 @@
 //! - [`task`]: one task's state and its steps towards running or dead.
 //! - [`alloc`]: lifecycle stages, leader and sibling deaths, kill order, client status.
 //! - [`event`]: task events with Nomad's type strings and messages.
+//! - [`gc`]: which terminal allocs garbage collection destroys (Nomad's policy).
 
 pub mod alloc;
 pub mod event;
 pub mod exit;
+pub mod gc;
 pub mod restart;
 pub mod task;
 

@@ -27,6 +27,13 @@ struct Harness {
     clock: Clock,
 }
 
+/// Whether garbage collection may destroy alloc `name`: terminal and no longer declared.
+fn collectable(node: &Node, name: &str) -> bool {
+    node.gc_candidates()
+        .iter()
+        .any(|c| c.key.as_str() == name && c.collectable)
+}
+
 fn harness() -> Harness {
     harness_with(Limits::default(), MemoryStore::default(), None)
 }
@@ -373,8 +380,13 @@ async fn a_task_slower_than_its_kill_timeout_is_force_killed_at_the_timeout() {
         forced.saturating_duration_since(signalled),
         Duration::from_secs(2)
     );
-    h.until("destroyed", |h| h.node.status("slow").is_none())
-        .await;
+    h.until("stopped, kept for garbage collection", |h| {
+        collectable(&h.node, "slow")
+    })
+    .await;
+    let name = "slow".parse().expect("name");
+    h.node.collect(&name).await.expect("collected");
+    assert!(h.node.status("slow").is_none(), "destroyed");
     assert!(h.mock.running().is_empty());
 }
 
@@ -408,8 +420,13 @@ async fn stopping_an_alloc_finishes_the_leader_before_its_followers() {
     })
     .await;
     h.node.remove(&"duo".parse().expect("name"));
-    h.until("destroyed", |h| h.node.status("duo").is_none())
-        .await;
+    h.until("stopped, kept for garbage collection", |h| {
+        collectable(&h.node, "duo")
+    })
+    .await;
+    let name = "duo".parse().expect("name");
+    h.node.collect(&name).await.expect("collected");
+    assert!(h.node.status("duo").is_none(), "destroyed");
     let signals: Vec<(String, Timestamp)> = h
         .mock
         .calls()
@@ -550,8 +567,13 @@ async fn a_stop_preempts_a_queued_update_and_cancels_the_start_in_flight() {
         .await;
     h.node.apply(revision(2));
     h.node.remove(&"web".parse().expect("name"));
-    h.until("destroyed", |h| h.node.status("web").is_none())
-        .await;
+    h.until("stopped, kept for garbage collection", |h| {
+        collectable(&h.node, "web")
+    })
+    .await;
+    let name = "web".parse().expect("name");
+    h.node.collect(&name).await.expect("collected");
+    assert!(h.node.status("web").is_none(), "destroyed");
     tokio::time::sleep(Duration::from_secs(120)).await;
     assert_eq!(h.starts("t").len(), 1, "nothing started after the stop");
     assert!(h.mock.running().is_empty());

@@ -80,6 +80,22 @@ impl LiveOutput {
     }
 }
 
+/// Removes alloc `name`, waits until it has stopped, and garbage-collects it.
+async fn remove_and_collect(agent: &api_support::TestAgent, name: &str) {
+    let name: stead_schemas::spec::Name = name.parse().expect("a name");
+    agent.node.remove(&name);
+    let stopped = agent
+        .node
+        .wait_until(Duration::from_secs(10), |n| {
+            n.gc_candidates()
+                .iter()
+                .any(|c| c.key == name && c.collectable)
+        })
+        .await;
+    assert!(stopped, "the removed alloc stops");
+    agent.node.collect(&name).await.expect("collected");
+}
+
 /// Starts `stead args…` on a thread of its own, writing into the returned output.
 fn spawn_cli(args: Vec<String>) -> (LiveOutput, std::thread::JoinHandle<(u8, String)>) {
     let output = LiveOutput::default();
@@ -126,7 +142,7 @@ async fn alloc_logs_follow_keeps_following_across_rotations_until_the_task_is_go
         .await;
 
     // When the alloc is gone the stream ends and the CLI exits cleanly.
-    agent.node.remove(&"web".parse().expect("a name"));
+    remove_and_collect(&agent, "web").await;
     let (code, err) = join(thread).await;
     assert_eq!((code, err.as_str()), (0, ""));
     assert_eq!(output.text(), "line 1\nline 2\nline 3\nline 4\nline 5\n");
@@ -274,7 +290,7 @@ async fn alloc_status_watch_shows_each_change_until_the_alloc_is_gone() {
         &["alloc", "status", "web", "--watch"],
     ));
     output.until_contains("Task \"main\" is \"running\"").await;
-    agent.node.remove(&"web".parse().expect("a name"));
+    remove_and_collect(&agent, "web").await;
     let (code, err) = join(thread).await;
     assert_eq!((code, err.as_str()), (0, ""));
     assert!(

@@ -19,18 +19,38 @@ fn spec(name: &str, command_marker: &str) -> String {
     )
 }
 
-fn node() -> Node {
-    let clock = Clock::starting_at(Timestamp::from_since_epoch(Duration::from_secs(
+fn clock() -> Clock {
+    Clock::starting_at(Timestamp::from_since_epoch(Duration::from_secs(
         1_800_000_000,
-    )));
-    let mock = MockDriver::new(clock);
+    )))
+}
+
+fn node() -> Node {
+    let clock = clock();
+    node_over(MemoryStore::default(), MockDriver::new(clock), clock)
+}
+
+/// A node over `store` and `mock`, which outlive it (as the store and tasks outlive an
+/// agent).
+fn node_over(store: MemoryStore, mock: MockDriver, clock: Clock) -> Node {
     let drivers = Drivers::new([Arc::new(mock) as Arc<dyn Driver>]);
-    Node::new(
-        NodeConfig::default(),
-        drivers,
-        Arc::new(MemoryStore::default()),
-        clock,
-    )
+    Node::new(NodeConfig::default(), drivers, Arc::new(store), clock)
+}
+
+fn collectable(node: &Node, name: &str) -> bool {
+    node.gc_candidates()
+        .iter()
+        .any(|c| c.key.as_str() == name && c.collectable)
+}
+
+fn events(node: &Node, name: &str, event_type: &str) -> usize {
+    node.status(name).map_or(0, |s| {
+        s.tasks
+            .values()
+            .flat_map(|t| &t.events)
+            .filter(|e| e.event_type == event_type)
+            .count()
+    })
 }
 
 fn running(node: &Node, name: &str) -> bool {
@@ -60,7 +80,8 @@ async fn a_pass_applies_new_specs_and_an_identical_rewrite_changes_nothing() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_invalid_edit_keeps_the_last_valid_revision_and_a_deleted_file_removes_the_alloc() {
+async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_a_deleted_file_stops_the_alloc()
+ {
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("web.yaml");
     std::fs::write(&path, spec("web", "a")).expect("write");
@@ -83,14 +104,37 @@ async fn an_invalid_edit_keeps_the_last_valid_revision_and_a_deleted_file_remove
         "{report:?}"
     );
     tokio::time::sleep(Duration::from_secs(30)).await;
-    assert_eq!(node.status("web").expect("still there").id, id);
+    let status = node.status("web").expect("still there");
+    assert_eq!(status.id, id);
     assert!(running(&node, "web"));
+    let error = status
+        .spec_error
+        .as_deref()
+        .expect("the diagnostic is shown");
+    assert!(
+        error.contains("web.yaml:") && error.contains("stdoutStrin"),
+        "{error}"
+    );
+
+    // Fixed again: the error clears, and the same revision keeps running.
+    std::fs::write(&path, spec("web", "a")).expect("write");
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert!(report.applied.is_empty(), "{report:?}");
+    let status = node.status("web").expect("still there");
+    assert_eq!(
+        (status.id.as_str(), status.spec_error.as_deref()),
+        (id.as_str(), None)
+    );
 
     std::fs::remove_file(&path).expect("remove");
     let report = syncer.sync(&node, &list_specs(dir.path()));
     assert_eq!(report.removed.len(), 1);
     assert!(
-        node.wait_until(DEADLINE, |n| n.status("web").is_none())
+        node.wait_until(DEADLINE, |n| n.gc_candidates().iter().any(|c| c
+            .key
+            .as_str()
+            == "web"
+            && c.collectable))
             .await
     );
 }
@@ -136,8 +180,128 @@ async fn an_alloc_known_before_the_first_listing_is_removed_only_by_a_listing_wi
         "the kept alloc is untouched: {report:?}"
     );
     assert!(
-        node.wait_until(DEADLINE, |n| n.status("orphan").is_none())
+        node.wait_until(DEADLINE, |n| n.gc_candidates().iter().any(|c| c
+            .key
+            .as_str()
+            == "orphan"
+            && c.collectable))
             .await
     );
     assert!(running(&node, "kept"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_restart_nothing_stops_before_the_first_listing_and_then_only_the_orphan_stops() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("kept.yaml"), spec("kept", "a")).expect("write");
+    std::fs::write(dir.path().join("orphan.yaml"), spec("orphan", "b")).expect("write");
+    let (clock, store) = (clock(), MemoryStore::default());
+    let mock = MockDriver::new(clock);
+    let first = node_over(store.clone(), mock.clone(), clock);
+    Syncer::new([]).sync(&first, &list_specs(dir.path()));
+    assert!(
+        first
+            .wait_until(DEADLINE, |n| running(n, "kept") && running(n, "orphan"))
+            .await
+    );
+    first
+        .shutdown(stead_controller::queue::Shutdown::Detach)
+        .await;
+
+    // While the agent is away, one spec is deleted.
+    std::fs::remove_file(dir.path().join("orphan.yaml")).expect("remove");
+    let second = node_over(store, mock, clock);
+    assert_eq!(second.restore().expect("restored").restored, 2);
+    assert!(
+        second
+            .wait_until(DEADLINE, |n| running(n, "kept") && running(n, "orphan"))
+            .await
+    );
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert!(
+        running(&second, "orphan") && events(&second, "orphan", "Killing") == 0,
+        "nothing is stopped before the first listing"
+    );
+
+    let known = second
+        .statuses()
+        .iter()
+        .map(|s| {
+            (
+                s.name.parse().expect("name"),
+                Some(stead_schemas::Revision::from_hex(&s.revision).expect("hex")),
+            )
+        })
+        .collect::<Vec<_>>();
+    let report = Syncer::new(known).sync(&second, &list_specs(dir.path()));
+    assert_eq!(report.removed.len(), 1);
+    assert!(report.applied.is_empty(), "{report:?}");
+    assert!(
+        second
+            .wait_until(DEADLINE, |n| collectable(n, "orphan"))
+            .await
+    );
+    assert!(running(&second, "kept"));
+    assert_eq!(
+        events(&second, "kept", "Started"),
+        1,
+        "kept was never restarted"
+    );
+    assert_eq!(events(&second, "kept", "Killing"), 0);
+}
+
+#[tokio::test(start_paused = true)]
+async fn one_gc_pass_over_sixty_removed_allocs_leaves_the_fifty_newest_and_the_running_one() {
+    let node = Arc::new(node());
+    let batch = |name: &str| {
+        let yaml = format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  type: batch\n  tasks:\n    - {{name: t, driver: mock, config: {{runFor: 1s}}}}\n"
+        );
+        let file = stead_schemas::parse_spec_file(std::path::Path::new("b.yaml"), &yaml);
+        file.specs().next().expect("valid").clone()
+    };
+    let complete = |node: &Node, name: &str| {
+        node.status(name)
+            .is_some_and(|s| s.client_status == "complete")
+    };
+    // Finished one after another; names run against age, so age alone decides.
+    let names: Vec<String> = (0..60).map(|i| format!("b-{:02}", 59 - i)).collect();
+    for name in &names {
+        node.apply(batch(name));
+        assert!(node.wait_until(DEADLINE, |n| complete(n, name)).await);
+    }
+    let web = spec("web", "w");
+    let file = stead_schemas::parse_spec_file(std::path::Path::new("web.yaml"), &web);
+    node.apply(file.specs().next().expect("valid").clone());
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    for name in &names {
+        node.remove(&name.parse().expect("name"));
+    }
+    assert!(
+        node.wait_until(DEADLINE, |n| names.iter().all(|name| collectable(n, name)))
+            .await
+    );
+
+    let data = tempfile::tempdir().expect("temp dir");
+    // A threshold of 100 % is never exceeded: only the count applies here.
+    let policy = stead_reconcilers::gc::GcPolicy {
+        disk_usage_threshold: 100,
+        ..stead_reconcilers::gc::GcPolicy::default()
+    };
+    let report = stead_controller::gc::collect_once(&node, &policy, data.path()).await;
+    assert!(report.refused.is_empty(), "{:?}", report.refused);
+    let mut collected: Vec<String> = report.collected.iter().map(|n| n.to_string()).collect();
+    collected.sort();
+    let mut oldest: Vec<String> = names[..10].to_vec();
+    oldest.sort();
+    assert_eq!(collected, oldest, "the ten that finished first went");
+    assert_eq!(node.statuses().len(), 51);
+    for name in &names[10..] {
+        assert!(node.status(name).is_some(), "{name} is kept");
+    }
+    assert!(running(&node, "web"), "a running alloc is never collected");
+
+    // A second pass finds nothing more to do.
+    let again = stead_controller::gc::collect_once(&node, &policy, data.path()).await;
+    assert!(again.collected.is_empty());
 }

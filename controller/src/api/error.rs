@@ -162,6 +162,11 @@ impl ApiError {
                 source: Box::new(source),
             },
             CommandError::ShuttingDown { name } => ApiError::ShuttingDown { name },
+            // Only garbage collection asks for collection; the API never does.
+            CommandError::NotCollectable { .. } => ApiError::TaskNotRunning {
+                alloc: alloc.to_owned(),
+                task: task.map(str::to_owned),
+            },
         }
     }
 

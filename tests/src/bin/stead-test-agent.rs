@@ -1,6 +1,7 @@
 //! The `stead` binary's entry point, built as a binary of this package so cargo builds it
 //! for the tests and tells them its path (`CARGO_BIN_EXE_stead-test-agent`): the tests
-//! that need a real agent process (crash, restart, packaging) run this one.
+//! that need a real agent process (crash, restart, specs directory, packaging) run this
+//! one.
 
 use std::process::ExitCode;
 

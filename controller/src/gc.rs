@@ -1,0 +1,142 @@
+//! The garbage-collection loop: every `interval`, destroy the terminal allocs that the
+//! pure policy (`stead_reconcilers::gc`) picks, a few at a time.
+//!
+//! A pass measures the data dir's filesystem, asks the policy, destroys what it chose
+//! (`parallelDestroys` at once; each destroy removes the alloc dir, the store record and
+//! the alloc), and, while the disk is still above the threshold, measures and asks again.
+//! The worker of each alloc checks again that it is collectable before it goes, so an
+//! alloc whose spec came back meanwhile is never destroyed.
+
+use std::collections::BTreeSet;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::Duration;
+
+use stead_reconcilers::gc::{DiskUsage, GcPolicy, GcReason, select_for_collection};
+use stead_schemas::spec::Name;
+use thiserror::Error;
+use tokio::task::JoinSet;
+
+use crate::alloc::CommandError;
+use crate::node::Node;
+
+/// How garbage collection runs (the agent's `gc` config).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GcSettings {
+    /// Time between passes (default 1m).
+    pub interval: Duration,
+    /// What a pass collects.
+    pub policy: GcPolicy,
+}
+
+impl Default for GcSettings {
+    fn default() -> Self {
+        GcSettings {
+            interval: Duration::from_secs(60),
+            policy: GcPolicy::default(),
+        }
+    }
+}
+
+/// The data dir's filesystem could not be measured.
+#[derive(Debug, Error)]
+#[error("cannot measure the filesystem of {}", path.display())]
+pub struct DiskUsageError {
+    /// The directory measured.
+    pub path: PathBuf,
+    /// Why.
+    #[source]
+    pub source: std::io::Error,
+}
+
+/// What one pass did.
+#[derive(Debug, Default)]
+pub struct GcReport {
+    /// Allocs destroyed, in the order they were chosen (oldest first).
+    pub collected: Vec<Name>,
+    /// Allocs chosen but not destroyed, with why (one whose spec came back, say).
+    pub refused: Vec<(Name, CommandError)>,
+}
+
+/// The usage of the filesystem holding `path`, as `df` counts it.
+pub fn disk_usage(path: &Path) -> Result<DiskUsage, DiskUsageError> {
+    let stats = rustix::fs::statvfs(path).map_err(|errno| DiskUsageError {
+        path: path.to_owned(),
+        source: errno.into(),
+    })?;
+    let block = stats.f_frsize.max(1);
+    Ok(DiskUsage {
+        used: stats.f_blocks.saturating_sub(stats.f_bfree) * block,
+        available: stats.f_bavail * block,
+    })
+}
+
+/// One garbage-collection pass over `node`, measuring the filesystem of `data_dir`.
+pub async fn collect_once(node: &Arc<Node>, policy: &GcPolicy, data_dir: &Path) -> GcReport {
+    let mut report = GcReport::default();
+    let mut tried: BTreeSet<Name> = BTreeSet::new();
+    loop {
+        let dir = data_dir.to_owned();
+        let disk = match tokio::task::spawn_blocking(move || disk_usage(&dir)).await {
+            Ok(Ok(usage)) => Some(usage),
+            Ok(Err(error)) => {
+                tracing::warn!(error = %crate::alloc::error_chain(&error), "gc measures no disk usage");
+                None
+            }
+            Err(_) => None,
+        };
+        let candidates: Vec<_> = node
+            .gc_candidates()
+            .into_iter()
+            .filter(|c| !tried.contains(&c.key))
+            .collect();
+        let chosen = select_for_collection(&candidates, policy, disk);
+        if chosen.is_empty() {
+            return report;
+        }
+        let pressure = chosen.iter().any(|(_, r)| *r == GcReason::DiskPressure);
+        let mut pending = chosen.into_iter().map(|(name, _)| name);
+        let mut running = JoinSet::new();
+        let parallel = policy.parallel_destroys.max(1);
+        loop {
+            while running.len() < parallel {
+                let Some(name) = pending.next() else { break };
+                tried.insert(name.clone());
+                let node = node.clone();
+                running.spawn(async move {
+                    let result = node.collect(&name).await;
+                    (name, result)
+                });
+            }
+            let Some(done) = running.join_next().await else {
+                break;
+            };
+            match done {
+                Ok((name, Ok(()))) => report.collected.push(name),
+                Ok((name, Err(error))) => report.refused.push((name, error)),
+                Err(_) => {} // a panicked destroy: its alloc is tried again next pass
+            }
+        }
+        if !pressure {
+            return report;
+        }
+    }
+}
+
+/// Runs a pass every `settings.interval`, forever (the agent aborts it on exit).
+pub async fn run(node: Arc<Node>, settings: GcSettings, data_dir: PathBuf) {
+    let mut interval = tokio::time::interval(settings.interval);
+    interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    interval.tick().await;
+    loop {
+        interval.tick().await;
+        let report = collect_once(&node, &settings.policy, &data_dir).await;
+        if !report.collected.is_empty() || !report.refused.is_empty() {
+            tracing::info!(
+                collected = report.collected.len(),
+                refused = report.refused.len(),
+                "garbage collection pass"
+            );
+        }
+    }
+}
