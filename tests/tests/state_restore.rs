@@ -223,3 +223,64 @@ fn twenty_tasks_survive_an_agent_sigkill_with_their_pids_and_an_exit_while_down_
     );
     agent.terminate();
 }
+
+#[test]
+fn a_spec_deleted_while_the_agent_was_down_stops_only_that_alloc_after_the_first_listing() {
+    let token = format!("stead-orphan-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("shutdown: detach\n");
+    for name in ["kept", "other", "orphan"] {
+        dirs.write_spec(name, &service_spec(name, &format!("{token}-{name}.")));
+    }
+    let agent = dirs.start();
+    let pids = wait_for("all running", Duration::from_secs(10), || {
+        ["kept", "other", "orphan"]
+            .iter()
+            .map(|name| running_pid(&agent, name))
+            .collect::<Result<Vec<_>, _>>()
+    });
+    assert!(
+        agent.terminate().success(),
+        "a detaching agent exits cleanly"
+    );
+    assert_eq!(
+        processes_with(&format!("{token}-orphan.")),
+        vec![pids[2]],
+        "detached tasks outlive the agent"
+    );
+    dirs.remove_spec("orphan");
+
+    let agent = dirs.start();
+    wait_for("the orphan stopped", Duration::from_secs(5), || {
+        let left = processes_with(&format!("{token}-orphan."));
+        let status = agent.status("orphan");
+        match (&left[..], status) {
+            ([], Some(status)) if status.desired_status == "stop" => Ok(()),
+            ([], None) => Ok(()),
+            (left, status) => Err(format!("{left:?} {status:?}")),
+        }
+    });
+    for (name, pid) in [("kept", pids[0]), ("other", pids[1])] {
+        assert_eq!(running_pid(&agent, name), Ok(pid), "{name} untouched");
+        let status = agent.status(name).expect("shown");
+        let events: Vec<&str> = status.tasks["main"]
+            .events
+            .iter()
+            .map(|e| e.event_type.as_str())
+            .collect();
+        assert!(!events.contains(&"Killing"), "{name}: {events:?}");
+    }
+    // Nothing was stopped before the listing: the log shows the first listing's removal
+    // before any kill of the orphan.
+    let log = agent.log_text();
+    let second_start = log.rfind("agent started").expect("started twice");
+    let after = &log[second_start..];
+    let removed = after
+        .find("removed")
+        .expect("the orphan was removed by a listing");
+    assert!(
+        !after[..removed].contains("Killing"),
+        "nothing was killed before the listing: {after}"
+    );
+    agent.terminate();
+}
