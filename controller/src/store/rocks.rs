@@ -111,6 +111,9 @@ struct PartKey {
     key: Vec<u8>,
 }
 
+/// One alloc as loaded: its record and the hash of each part read, or why it is unusable.
+type LoadedAlloc = Result<(AllocRecord, HashMap<PartKey, u64>), CorruptRecord>;
+
 /// The [`Store`] on RocksDB.
 pub struct RocksDbStore {
     db: DB,
@@ -274,11 +277,7 @@ impl RocksDbStore {
     }
 
     /// Loads one alloc from its header bytes and its task and handle parts.
-    fn load_one(
-        &self,
-        name: &str,
-        header: &[u8],
-    ) -> Result<Result<(AllocRecord, HashMap<PartKey, u64>), CorruptRecord>, StoreError> {
+    fn load_one(&self, name: &str, header: &[u8]) -> Result<LoadedAlloc, StoreError> {
         let mut hashes = HashMap::new();
         hashes.insert(part(ALLOCS, name.as_bytes()), hash_bytes(header));
         let mut record = match decode_stored(name, header) {
