@@ -22,6 +22,7 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::path::PathBuf;
 
+use stead_schemas::api::{DeviceGroupStatus, DeviceHolder, DeviceInstanceStatus};
 use stead_schemas::device::{
     AssignedDevice, DeviceFingerprint, DeviceGroupField, DeviceGroupId, DeviceHealth,
     DeviceInstanceId,
@@ -483,6 +484,87 @@ pub fn flags(assignments: &Assignments, inventory: &DeviceInventory) -> Vec<Devi
         }
     }
     flags
+}
+
+/// The node's devices for its status: every group a plugin reports (with each
+/// instance's health as the node sees it) and every group an alloc holds an instance of
+/// (an unreported instance shows as unhealthy), each instance with its holder.
+pub fn node_devices(
+    inventory: &DeviceInventory,
+    assignments: &Assignments,
+) -> Vec<DeviceGroupStatus> {
+    let mut holders: BTreeMap<&AssignedDevice, DeviceHolder> = BTreeMap::new();
+    for (alloc, tasks) in assignments {
+        for (task, devices) in tasks {
+            for device in devices {
+                holders.insert(
+                    device,
+                    DeviceHolder {
+                        alloc: alloc.to_string(),
+                        task: task.to_string(),
+                    },
+                );
+            }
+        }
+    }
+    let mut groups: BTreeMap<&DeviceGroupId, DeviceGroupStatus> = BTreeMap::new();
+    let mut instances: BTreeMap<(&DeviceGroupId, &DeviceInstanceId), DeviceInstanceStatus> =
+        BTreeMap::new();
+    let status_of = |device: &AssignedDevice, health: Option<DeviceHealth>| {
+        let (healthy, reason) = match health {
+            Some(DeviceHealth::Healthy) => (true, None),
+            Some(DeviceHealth::Unhealthy { reason }) => (false, reason),
+            None => (false, Some(FlagReason::NotReported.to_string())),
+        };
+        DeviceInstanceStatus {
+            id: device.instance.to_string(),
+            healthy,
+            reason,
+            held_by: holders.get(device).cloned(),
+        }
+    };
+    let group_status = |id: &DeviceGroupId| DeviceGroupStatus {
+        vendor: id.vendor().to_owned(),
+        device_type: id.device_type().to_owned(),
+        name: id.name().to_owned(),
+        plugin: None,
+        attributes: BTreeMap::new(),
+        instances: Vec::new(),
+    };
+    for (id, plugin, group) in inventory.groups() {
+        groups.insert(
+            id,
+            DeviceGroupStatus {
+                plugin: Some(plugin.to_string()),
+                attributes: group.attributes.clone(),
+                ..group_status(id)
+            },
+        );
+        for instance in group.instances.keys() {
+            let device = AssignedDevice {
+                group: id.clone(),
+                instance: instance.clone(),
+            };
+            let status = status_of(&device, inventory.health(&device));
+            instances.insert((id, instance), status);
+        }
+    }
+    for device in holders.keys() {
+        groups
+            .entry(&device.group)
+            .or_insert_with(|| group_status(&device.group));
+        instances
+            .entry((&device.group, &device.instance))
+            .or_insert_with(|| status_of(device, None));
+    }
+    for ((group, _), status) in instances {
+        groups
+            .get_mut(group)
+            .expect("every instance's group is listed")
+            .instances
+            .push(status);
+    }
+    groups.into_values().collect()
 }
 
 /// One held instance's stats.
@@ -1207,6 +1289,58 @@ mod tests {
         let inventory = inventory(vec![group("nvidia/gpu/a100", &healthy(&["gpu0"]))]);
         let assignments = held(&[("web", "train", &[("nvidia/gpu/a100", "gpu0")])]);
         assert_eq!(flags(&assignments, &inventory), []);
+    }
+
+    // Node status.
+
+    #[test]
+    fn node_status_shows_every_instance_with_its_health_and_holder() {
+        let mut inventory = DeviceInventory::default();
+        inventory
+            .report(
+                &name("static"),
+                &fingerprint(vec![group(
+                    "nvidia/gpu/a100",
+                    &[
+                        ("gpu0", unhealthy("xid 79")),
+                        ("gpu1", DeviceHealth::Healthy),
+                    ],
+                )]),
+            )
+            .unwrap();
+        let assignments = held(&[
+            ("web", "train", &[("nvidia/gpu/a100", "gpu0")]),
+            ("batch", "job", &[("acme/fpga/f1", "f0")]),
+        ]);
+        let shown: Vec<String> = node_devices(&inventory, &assignments)
+            .iter()
+            .flat_map(|group| {
+                group.instances.iter().map(move |instance| {
+                    format!(
+                        "{}/{}/{} ({}) {} healthy={} reason={:?} held_by={:?}",
+                        group.vendor,
+                        group.device_type,
+                        group.name,
+                        group.plugin.as_deref().unwrap_or("-"),
+                        instance.id,
+                        instance.healthy,
+                        instance.reason,
+                        instance
+                            .held_by
+                            .as_ref()
+                            .map(|h| format!("{}/{}", h.alloc, h.task)),
+                    )
+                })
+            })
+            .collect();
+        assert_eq!(
+            shown,
+            [
+                "acme/fpga/f1 (-) f0 healthy=false reason=Some(\"not reported by any device plugin\") held_by=Some(\"batch/job\")",
+                "nvidia/gpu/a100 (static) gpu0 healthy=false reason=Some(\"xid 79\") held_by=Some(\"web/train\")",
+                "nvidia/gpu/a100 (static) gpu1 healthy=true reason=None held_by=None",
+            ]
+        );
     }
 
     // Stats.
