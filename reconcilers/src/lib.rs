@@ -5,9 +5,11 @@
 //! - [`task`]: one task's state and its steps towards running or dead.
 //! - [`alloc`]: lifecycle stages, leader and sibling deaths, kill order, client status.
 //! - [`event`]: task events with Nomad's type strings and messages.
+//! - [`device`]: fingerprints, the node's inventory, device assignment, flags, stats, env.
 //! - [`gc`]: which terminal allocs garbage collection destroys (Nomad's policy).
 
 pub mod alloc;
+pub mod device;
 pub mod event;
 pub mod exit;
 pub mod gc;

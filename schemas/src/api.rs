@@ -67,7 +67,8 @@ pub struct NodeStatus {
     pub allocs: BTreeMap<String, u32>,
     /// Each enabled driver, by name.
     pub drivers: BTreeMap<String, DriverStatus>,
-    /// Device groups; empty until device plugins land.
+    /// Device groups, sorted by `vendor/type/name`: every group a plugin reports, and
+    /// every group an alloc holds an instance of.
     pub devices: Vec<DeviceGroupStatus>,
 }
 
@@ -94,7 +95,14 @@ pub struct DeviceGroupStatus {
     pub device_type: String,
     /// The model name.
     pub name: String,
-    /// The instances of the group.
+    /// The device plugin that reports it; unset when none does (an alloc holds an
+    /// instance of it, restored before its plugin reported).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub plugin: Option<String>,
+    /// Facts shared by every instance.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attributes: BTreeMap<String, String>,
+    /// The instances of the group, sorted by id.
     pub instances: Vec<DeviceInstanceStatus>,
 }
 
@@ -106,6 +114,22 @@ pub struct DeviceInstanceStatus {
     pub id: String,
     /// Whether it is usable.
     pub healthy: bool,
+    /// Why it is not healthy, when known (or that no plugin reports it).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// The task that holds it; unset when free.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub held_by: Option<DeviceHolder>,
+}
+
+/// The task that holds a device instance.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceHolder {
+    /// The alloc's name.
+    pub alloc: String,
+    /// The task's name.
+    pub task: String,
 }
 
 /// `GET /v1/health`: whether each part of the agent works.

@@ -7,6 +7,7 @@
 pub mod api;
 pub mod config;
 mod decode;
+pub mod device;
 pub mod diagnostic;
 pub mod duration;
 pub mod normalize;

@@ -555,13 +555,11 @@ checked_string!(
 
 fn check_device_name(s: &str) -> Result<(), String> {
     let parts: Vec<&str> = s.split('/').collect();
-    let part_ok = |p: &&str| {
-        !p.is_empty()
-            && p.as_bytes()[0].is_ascii_alphanumeric()
-            && p.bytes()
-                .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
-    };
-    if (parts.len() == 2 || parts.len() == 3) && parts.iter().all(part_ok) {
+    if (parts.len() == 2 || parts.len() == 3)
+        && parts
+            .iter()
+            .all(|part| crate::device::is_device_name_part(part))
+    {
         Ok(())
     } else {
         Err(format!(
