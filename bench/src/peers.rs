@@ -280,11 +280,14 @@ impl<'t> Manager<'t> {
                 let port = std::net::TcpListener::bind("127.0.0.1:0")?
                     .local_addr()?
                     .port();
+                // State in RocksDB under the data dir. The agent does not watch the
+                // specs dir yet; it re-lists it every `resync`, so a short one bounds
+                // how long a changed spec file waits.
                 let config = dir.join("agent.yaml");
                 std::fs::write(
                     &config,
                     format!(
-                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 1s\nresync: 1s\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
+                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 1s\nresync: 200ms\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
                         specs.display(),
                         dir.join("data").display()
                     ),
