@@ -6,8 +6,11 @@ SPECS ?= deploy/examples
 
 .PHONY: run test deps fmt-check clippy unit bench soak fuzz
 
+# The same build as `make test` (every target of the workspace), so the two share one
+# compile of RocksDB's C++; a narrower selection unifies features differently and
+# would compile it again.
 run: deps
-	$(CARGO) build --locked -p stead-controller -p stead-supervisor
+	$(CARGO) build --locked --workspace --all-targets
 	target/debug/stead validate $(SPECS)
 	target/debug/stead agent --config deploy/dev-agent.yaml --specs $(SPECS)
 
