@@ -26,6 +26,13 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+/// Now, through the agent's clock module (the only place that reads the clock).
+fn now() -> Instant {
+    stead_controller::clock::Clock::system()
+        .instant()
+        .into_std()
+}
+
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
 /// How often the process table is read while waiting.
@@ -280,14 +287,13 @@ impl<'t> Manager<'t> {
                 let port = std::net::TcpListener::bind("127.0.0.1:0")?
                     .local_addr()?
                     .port();
-                // State in RocksDB under the data dir. The agent does not watch the
-                // specs dir yet; it re-lists it every `resync`, so a short one bounds
-                // how long a changed spec file waits.
+                // State in RocksDB under the data dir; the specs dir is watched, with
+                // the default 20 s resync as the safety net.
                 let config = dir.join("agent.yaml");
                 std::fs::write(
                     &config,
                     format!(
-                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 1s\nresync: 200ms\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
+                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 1s\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
                         specs.display(),
                         dir.join("data").display()
                     ),
@@ -504,12 +510,12 @@ impl<'t> Manager<'t> {
             Kind::Pm2 => run(self.pm2().arg("kill"))?,
         }
         if let Some(child) = self.child.as_mut() {
-            let start = Instant::now();
+            let start = now();
             until(start, "manager exit", || {
                 matches!(child.try_wait(), Ok(Some(_)))
             })?;
         }
-        let start = Instant::now();
+        let start = now();
         until(start, "every task gone", || {
             sleep_tasks().is_empty() && slow_stop_tasks() == 0
         })?;
@@ -535,7 +541,7 @@ impl Drop for Manager<'_> {
 /// Spawns `tasks` sleep processes in a loop, as bare as it gets; the time it took.
 fn bare_loop(tools: &Tools, tasks: usize) -> anyhow::Result<Duration> {
     use std::os::unix::process::CommandExt;
-    let start = Instant::now();
+    let start = now();
     let mut spawned = Vec::with_capacity(tasks);
     for index in 0..tasks {
         spawned.push(
@@ -580,12 +586,6 @@ fn median(values: &[f64]) -> f64 {
     sorted[sorted.len() / 2]
 }
 
-fn pool(tools: &Tools, generation: usize) -> Vec<Task> {
-    (0..POOL)
-        .map(|i| sleep_task(tools, i, generation))
-        .collect()
-}
-
 fn all_running(count: usize) -> impl FnMut() -> bool {
     move || {
         let tasks = sleep_tasks();
@@ -606,7 +606,7 @@ fn round(
     let who = kind.name();
     for n in COLD {
         let tasks = (0..n).map(|i| sleep_task(tools, i, 1)).collect();
-        let start = Instant::now();
+        let start = now();
         let manager = Manager::start(kind, tools, &dir, tasks)?;
         let took = until(start, "cold start", all_running(n))?;
         results.add(
@@ -623,7 +623,7 @@ fn round(
         // Restart after kill -9 of task 0.
         for _ in 0..restarts {
             let old = *sleep_tasks().get(&(0, 1)).context("task 0 runs")?;
-            let start = Instant::now();
+            let start = now();
             kill(old, rustix::process::Signal::KILL);
             let took = until(start, "restart after kill -9", || {
                 sleep_tasks().get(&(0, 1)).is_some_and(|pid| *pid != old)
@@ -671,7 +671,7 @@ fn round(
         // Change one task's command among 100.
         let changed = POOL / 2;
         let before = sleep_tasks();
-        let start = Instant::now();
+        let start = now();
         manager.change(changed)?;
         let took = until(start, "changed command", || {
             sleep_tasks().contains_key(&(changed, 2))
@@ -696,14 +696,14 @@ fn round(
 
     // Stop all of 100 tasks that take 1 s to exit.
     let tasks = (0..POOL).map(|i| slow_stop_task(tools, i)).collect();
-    let start = Instant::now();
+    let start = now();
     let mut manager = Manager::start(kind, tools, &dir, tasks)?;
     until(start, "slow-stop tasks running", || {
         slow_stop_tasks() >= POOL
     })?;
     // Let each shell reach its loop and install its trap.
     std::thread::sleep(Duration::from_millis(500));
-    let start = Instant::now();
+    let start = now();
     manager.stop_all()?;
     let took = until(start, "stop all", || slow_stop_tasks() == 0)?;
     results.add(

@@ -21,9 +21,16 @@ use stead_controller::queue::Shutdown;
 use stead_controller::store::{RocksDbOptions, RocksDbStore, Store};
 use stead_schemas::ValidSpec;
 
+/// Now, through the agent's clock module (the only place that reads the clock).
+fn now() -> Instant {
+    stead_controller::clock::Clock::system()
+        .instant()
+        .into_std()
+}
+
 fn churn_spec(name: &str) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
-        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  restart: {{attempts: 1000000, interval: 1h, delay: 1s, mode: delay}}\n  tasks:\n    - {{name: flappy, driver: mock, config: {{runFor: 1s}}}}\n    - {{name: steady, driver: mock, config: {{}}, env: {{A: '1', B: '2'}}}}\n    - {{name: sidecar, driver: mock, config: {{}}, env: {{C: '3'}}}}\n"
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  restart: {{attempts: 1000, interval: 1h, delay: 1s, mode: delay}}\n  tasks:\n    - {{name: flappy, driver: mock, config: {{runFor: 1s}}}}\n    - {{name: steady, driver: mock, config: {{}}, env: {{A: '1', B: '2'}}}}\n    - {{name: sidecar, driver: mock, config: {{}}, env: {{C: '3'}}}}\n"
     );
     let file = stead_schemas::parse_spec_file(Path::new("bench.yaml"), &yaml);
     match file.specs().next() {
@@ -65,7 +72,7 @@ async fn churn_round(
     // Warm up past the first restarts, then measure a window.
     tokio::time::sleep(Duration::from_secs(3)).await;
     let before = store.metrics();
-    let started = Instant::now();
+    let started = now();
     tokio::time::sleep(window).await;
     let after = store.metrics();
     let elapsed = started.elapsed().as_secs_f64();
@@ -93,11 +100,10 @@ fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
     Ok(dir)
 }
 
+/// A number no other directory of this process has used.
 fn fastrand_suffix() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| d.as_nanos() as u64)
-        .unwrap_or(0)
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }
 
 /// A GET on the agent's loopback API; the body (the agent answers with a length).
@@ -159,7 +165,7 @@ fn agent_idle(allocs: usize, idle: Duration) -> anyhow::Result<(u64, u64, u64)> 
         .stderr(std::process::Stdio::null())
         .spawn()?;
     let result = (|| {
-        let deadline = Instant::now() + Duration::from_secs(60);
+        let deadline = now() + Duration::from_secs(60);
         loop {
             let running = http_get(port, "/v1/allocs")
                 .ok()
@@ -170,7 +176,7 @@ fn agent_idle(allocs: usize, idle: Duration) -> anyhow::Result<(u64, u64, u64)> 
             if running {
                 break;
             }
-            if Instant::now() > deadline {
+            if now() > deadline {
                 bail!("the agent's allocs did not all run");
             }
             std::thread::sleep(Duration::from_millis(100));
