@@ -122,6 +122,23 @@ struct Current {
     counted: (u64, u64),
 }
 
+impl Current {
+    /// A revision with no handles yet, nothing persisted or published, and the restarts
+    /// and failures its state already holds counted.
+    fn new(spec: Arc<ValidSpec>, desired: AllocDesired, state: AllocState) -> Self {
+        let counted = outcomes(&state);
+        Current {
+            spec,
+            desired,
+            state,
+            handles: BTreeMap::new(),
+            saved: None,
+            published: None,
+            counted,
+        }
+    }
+}
+
 /// Where a worker starts from.
 pub(crate) enum Start {
     /// A new alloc.
@@ -257,28 +274,10 @@ impl Worker {
                     tokio::spawn(async move { driver.destroy(&handle).await });
                 }
             }
-            let counted = outcomes(&state);
-            self.current = Some(Current {
-                spec,
-                desired,
-                state,
-                handles: BTreeMap::new(),
-                saved: None,
-                published: None,
-                counted,
-            });
+            self.current = Some(Current::new(spec, desired, state));
             return;
         }
-        let counted = outcomes(&state);
-        let mut current = Current {
-            spec: spec.clone(),
-            desired,
-            state,
-            handles: BTreeMap::new(),
-            saved: None,
-            published: None,
-            counted,
-        };
+        let mut current = Current::new(spec.clone(), desired, state);
         for (task, handle) in handles {
             let Some(driver) = self.shared.drivers.get(handle.driver) else {
                 continue;
@@ -386,15 +385,7 @@ impl Worker {
                     let spec = spec.clone();
                     let desired = self.desired_for(&spec);
                     let state = AllocState::new(&desired, now);
-                    self.current = Some(Current {
-                        spec,
-                        desired,
-                        state,
-                        handles: BTreeMap::new(),
-                        saved: None,
-                        published: None,
-                        counted: (0, 0),
-                    });
+                    self.current = Some(Current::new(spec, desired, state));
                 }
                 // Nothing runs: nothing to drain, nothing to keep.
                 (_, Some(_)) => return Step::Exit,

@@ -52,3 +52,14 @@ pub fn check_snapshot(path: &Path, actual: &str) -> Result<(), String> {
         ))
     }
 }
+
+/// Whether the tests run as root (some checks need it, others assume it).
+pub fn running_as_root() -> bool {
+    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
+        status
+            .lines()
+            .find(|l| l.starts_with("Uid:"))
+            .and_then(|l| l.split_whitespace().nth(2))
+            == Some("0")
+    })
+}

@@ -21,16 +21,8 @@ pub fn supervisor_binary() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_stead-test-supervisor"))
 }
 
-/// Whether the tests run as root.
-pub fn running_as_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
-        status
-            .lines()
-            .find(|l| l.starts_with("Uid:"))
-            .and_then(|l| l.split_whitespace().nth(2))
-            == Some("0")
-    })
-}
+#[allow(unused_imports)]
+pub use stead_tests::running_as_root;
 
 /// A free loopback port (bound and released; the agent binds it right after).
 pub fn free_port() -> u16 {

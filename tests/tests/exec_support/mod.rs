@@ -30,16 +30,8 @@ pub fn hog() -> PathBuf {
     PathBuf::from(env!("CARGO_BIN_EXE_stead-test-hog"))
 }
 
-/// Whether the tests run as root (some checks need it, others assume it).
-pub fn running_as_root() -> bool {
-    std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {
-        status
-            .lines()
-            .find(|l| l.starts_with("Uid:"))
-            .and_then(|l| l.split_whitespace().nth(2))
-            == Some("0")
-    })
-}
+#[allow(unused_imports)]
+pub use stead_tests::running_as_root;
 
 /// An exec driver over `data_dir` with the tests' supervisor.
 pub fn exec_driver(data_dir: &Path, allow_root: bool) -> ExecDriver {
