@@ -186,6 +186,12 @@ impl Shared {
             .write()
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
+        // A destroyed alloc has no state left to store: it no longer holds the store back.
+        self.store_errors
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .behind
+            .remove(name);
         self.version.send_modify(|v| *v += 1);
         true
     }

@@ -257,3 +257,42 @@ async fn a_stored_alloc_with_no_task_state_is_dropped_and_its_record_deleted() {
     assert_eq!(names, vec!["kept".to_owned()]);
     node.shutdown(Shutdown::Detach).await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn an_alloc_removed_while_its_writes_fail_no_longer_holds_the_store_degraded() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rocks = open(dir.path());
+    let faulty = FaultyStore::new(rocks);
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let node = node(Arc::new(faulty.clone()), &mock, clock);
+    node.apply(service("web"));
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    faulty.set_failing(true);
+    node.restart("web", None).await.expect("restart accepted");
+    assert!(
+        node.wait_until(DEADLINE, |n| !n.store_health().is_healthy())
+            .await
+    );
+    let name = "web".parse().expect("a name");
+    node.remove(&name);
+    let stopped = node
+        .wait_until(DEADLINE, |n| {
+            n.gc_candidates()
+                .iter()
+                .any(|c| c.key.as_str() == "web" && c.collectable)
+        })
+        .await;
+    assert!(stopped);
+    assert!(!node.store_health().is_healthy(), "behind while it exists");
+    // Garbage collection destroys it (its record's delete fails too: the next start
+    // finds the record removed and destroys it again).
+    node.collect(&name).await.expect("collected");
+    assert!(node.status("web").is_none());
+    assert!(
+        node.store_health().is_healthy(),
+        "{:?}",
+        node.store_health()
+    );
+    node.shutdown(Shutdown::Detach).await;
+}
