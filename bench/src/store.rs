@@ -91,17 +91,14 @@ async fn churn_round(
 }
 
 fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
-    let dir = std::env::temp_dir().join(format!(
-        "{prefix}-{}-{}",
-        std::process::id(),
-        fastrand_suffix()
-    ));
+    let dir =
+        std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), next_suffix()));
     std::fs::create_dir_all(&dir)?;
     Ok(dir)
 }
 
 /// A number no other directory of this process has used.
-fn fastrand_suffix() -> u64 {
+fn next_suffix() -> u64 {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
 }

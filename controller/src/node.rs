@@ -351,7 +351,7 @@ impl Node {
                     if let Ok(name) = corrupt.name.parse() {
                         report.allocs.push((name, None));
                     }
-                    self.restore_broken(&corrupt);
+                    self.restore_broken(&corrupt, None);
                     report.corrupt.push(corrupt);
                     continue;
                 }
@@ -388,7 +388,7 @@ impl Node {
                     report
                         .allocs
                         .push((name.clone(), stead_schemas::Revision::from_hex(&revision)));
-                    self.restore_broken_with(&corrupt, Some(revision));
+                    self.restore_broken(&corrupt, Some(revision));
                     report.corrupt.push(corrupt);
                 }
             }
@@ -398,11 +398,7 @@ impl Node {
 
     /// Shows an alloc whose record cannot be used as failed, naming why; it runs nothing
     /// until its spec changes, a user restarts it, or its spec is removed.
-    fn restore_broken(&self, corrupt: &store::CorruptRecord) {
-        self.restore_broken_with(corrupt, None);
-    }
-
-    fn restore_broken_with(&self, corrupt: &store::CorruptRecord, revision: Option<String>) {
+    fn restore_broken(&self, corrupt: &store::CorruptRecord, revision: Option<String>) {
         // A key that is not a valid name cannot be shown or acted on; it is only logged.
         let Ok(name) = corrupt.name.parse::<Name>() else {
             return;

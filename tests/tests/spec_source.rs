@@ -211,7 +211,8 @@ async fn after_a_restart_nothing_stops_before_the_first_listing_and_then_only_th
     // While the agent is away, one spec is deleted.
     std::fs::remove_file(dir.path().join("orphan.yaml")).expect("remove");
     let second = node_over(store, mock, clock);
-    assert_eq!(second.restore().expect("restored").restored, 2);
+    let restored = second.restore().expect("restored");
+    assert_eq!(restored.restored, 2);
     assert!(
         second
             .wait_until(DEADLINE, |n| running(n, "kept") && running(n, "orphan"))
@@ -223,17 +224,8 @@ async fn after_a_restart_nothing_stops_before_the_first_listing_and_then_only_th
         "nothing is stopped before the first listing"
     );
 
-    let known = second
-        .statuses()
-        .iter()
-        .map(|s| {
-            (
-                s.name.parse().expect("name"),
-                Some(stead_schemas::Revision::from_hex(&s.revision).expect("hex")),
-            )
-        })
-        .collect::<Vec<_>>();
-    let report = Syncer::new(known).sync(&second, &list_specs(dir.path()));
+    // As the agent does: the source starts from what the restore found.
+    let report = Syncer::new(restored.allocs).sync(&second, &list_specs(dir.path()));
     assert_eq!(report.removed.len(), 1);
     assert!(report.applied.is_empty(), "{report:?}");
     assert!(

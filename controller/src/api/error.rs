@@ -126,18 +126,6 @@ pub enum ApiError {
     },
 }
 
-/// An error with its sources, `outer: inner: innermost`.
-fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 /// The message of a 5xx response, kept in its extensions for the logging middleware.
 #[derive(Debug, Clone)]
 pub(crate) struct InternalErrorMessage(pub(crate) String);
@@ -215,7 +203,7 @@ impl ApiError {
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
             code: self.code().to_owned(),
-            message: error_chain(self),
+            message: crate::alloc::error_chain(self),
             details: Vec::new(),
         }
     }
