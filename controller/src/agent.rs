@@ -426,6 +426,13 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
         };
+        if trigger == "watch" {
+            // Let the burst settle (an editor's save is several events), then list once:
+            // the listing below comes after every event of the burst, so their wake-ups
+            // are spent; an event during the listing still wakes the loop again.
+            tokio::time::sleep(crate::watch::DEBOUNCE).await;
+            let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
+        }
         let dir = settings.specs_dir.clone();
         let now = clock.now();
         let mut taken = std::mem::take(&mut cache);
