@@ -16,7 +16,7 @@ use stead_schemas::spec::{AllocBody, DriverKind, LifecycleHook, Name, Signal};
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
 use crate::restart::Jitter;
-use crate::task::{Effect, KillReason, Process, TaskPhase, TaskSettings, TaskState};
+use crate::task::{Effect, Hold, KillReason, Process, TaskPhase, TaskSettings, TaskState};
 
 /// Limits the agent puts on every alloc.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -49,6 +49,9 @@ pub struct AllocDesired {
     pub max_events: usize,
     /// Drivers that cannot start tasks now, with why: their tasks stay pending.
     pub unavailable_drivers: BTreeMap<DriverKind, String>,
+    /// Why the alloc's devices cannot be assigned now, if so: no task starts until they
+    /// are (the alloc is placed on the node as a whole, as a scheduler would place it).
+    pub devices_unavailable: Option<String>,
 }
 
 impl AllocDesired {
@@ -64,6 +67,7 @@ impl AllocDesired {
             shutdown_delay: spec.shutdown_delay.map(|d| d.get()).unwrap_or_default(),
             max_events: limits.max_events,
             unavailable_drivers: BTreeMap::new(),
+            devices_unavailable: None,
         }
     }
 
@@ -237,14 +241,23 @@ impl AllocState {
             let Some(task) = self.tasks.get_mut(&settings.name) else {
                 continue;
             };
-            let driver_problem = desired
-                .unavailable_drivers
-                .get(&settings.driver)
-                .map(String::as_str);
+            let hold = match desired.unavailable_drivers.get(&settings.driver) {
+                Some(problem) => Some(Hold {
+                    event_type: TaskEventType::DriverFailure,
+                    message: format!(
+                        "Driver {} is unhealthy: {problem}; the task starts when it recovers",
+                        settings.driver.as_str()
+                    ),
+                }),
+                None => desired.devices_unavailable.as_ref().map(|why| Hold {
+                    event_type: TaskEventType::WaitingForDevices,
+                    message: format!("Waiting for devices: {why}"),
+                }),
+            };
             task.drive(
                 settings,
                 run,
-                driver_problem,
+                hold.as_ref(),
                 now,
                 desired.max_events,
                 &mut plan.effects,
@@ -834,5 +847,48 @@ mod tests {
         sim.step();
         assert_eq!(sim.log, ["start main"]);
         assert_eq!(sim.state.tasks[&name("main")].phase, TaskPhase::Running);
+    }
+
+    #[test]
+    fn an_alloc_without_its_devices_keeps_every_task_pending_with_one_event_then_starts() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: exec, config: {command: /bin/true}}\n    - {name: side, driver: exec, config: {command: /bin/true}}\n",
+        );
+        sim.desired.devices_unavailable =
+            Some("1 × acme/gpu requested, 0 healthy and free".to_owned());
+        for _ in 0..4 {
+            sim.step();
+            sim.now = sim.now + Duration::from_secs(1);
+        }
+        assert!(sim.log.is_empty(), "{:?}", sim.log);
+        for task in ["main", "side"] {
+            let state = &sim.state.tasks[&name(task)];
+            assert_eq!(state.phase, TaskPhase::Pending);
+            let waits: Vec<_> = state
+                .events
+                .iter()
+                .filter(|e| e.event_type == TaskEventType::WaitingForDevices)
+                .collect();
+            assert_eq!(waits.len(), 1, "{task}: said once: {waits:?}");
+            assert_eq!(
+                waits[0].message,
+                "Waiting for devices: 1 × acme/gpu requested, 0 healthy and free"
+            );
+        }
+        // An unhealthy driver is named first: it is the first thing to fix.
+        sim.desired
+            .unavailable_drivers
+            .insert(DriverKind::Exec, "supervisor not found".to_owned());
+        sim.step();
+        let last = sim.state.tasks[&name("main")].events.back().cloned();
+        assert_eq!(
+            last.map(|e| e.event_type),
+            Some(TaskEventType::DriverFailure)
+        );
+
+        sim.desired.unavailable_drivers.clear();
+        sim.desired.devices_unavailable = None;
+        sim.step();
+        assert_eq!(sim.log, ["start main", "start side"]);
     }
 }

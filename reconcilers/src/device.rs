@@ -376,10 +376,54 @@ pub fn assign(
     if let Some(held) = assignments.get(alloc).and_then(|tasks| tasks.get(task)) {
         return Ok(held.clone());
     }
-    let held: HashSet<&AssignedDevice> = assignments
+    let held = held_devices(assignments);
+    choose(inventory, &held, requests)
+}
+
+/// The devices for every task of `alloc` that requests some, all or none: what the alloc
+/// already holds (kept as it is), or else [`assign`]'s choice for each task in the order
+/// given, no instance chosen twice. Tasks that request nothing get no entry. The first
+/// request that cannot be met fails the whole alloc, so an alloc never sits on part of
+/// what it needs while it waits for the rest.
+pub fn assign_alloc(
+    inventory: &DeviceInventory,
+    assignments: &Assignments,
+    alloc: &Name,
+    tasks: &[(Name, &[DeviceRequest])],
+) -> Result<AllocDevices, DeviceUnavailable> {
+    if let Some(held) = assignments.get(alloc) {
+        return Ok(held.clone());
+    }
+    let base = held_devices(assignments);
+    let mut choices: Vec<(Name, Vec<AssignedDevice>)> = Vec::new();
+    for (task, requests) in tasks {
+        if requests.is_empty() {
+            continue;
+        }
+        let chosen = {
+            let mut taken = base.clone();
+            taken.extend(choices.iter().flat_map(|(_, devices)| devices));
+            choose(inventory, &taken, requests)?
+        };
+        choices.push((task.clone(), chosen));
+    }
+    Ok(choices.into_iter().collect())
+}
+
+/// Every instance some task holds.
+fn held_devices(assignments: &Assignments) -> HashSet<&AssignedDevice> {
+    assignments
         .values()
         .flat_map(|tasks| tasks.values().flatten())
-        .collect();
+        .collect()
+}
+
+/// Instances for every request among healthy ones not in `held`.
+fn choose(
+    inventory: &DeviceInventory,
+    held: &HashSet<&AssignedDevice>,
+    requests: &[DeviceRequest],
+) -> Result<Vec<AssignedDevice>, DeviceUnavailable> {
     // Exact requests first, so `nvidia/gpu` does not take the only `nvidia/gpu/a100`.
     let mut ordered: Vec<&DeviceRequest> = requests.iter().collect();
     ordered.sort_by_key(|request| request.name.model().is_none());
@@ -1160,6 +1204,73 @@ mod tests {
             ),
             Ok(vec![dev("nvidia/gpu/a100", "gpu0")])
         );
+    }
+
+    #[test]
+    fn an_alloc_gets_devices_for_all_its_tasks_or_none() {
+        let inventory = inventory(vec![group("nvidia/gpu/a100", &healthy(&["gpu0", "gpu1"]))]);
+        let one = [request("nvidia/gpu", None)];
+        let two = [request("nvidia/gpu", Some(2))];
+        let none: [DeviceRequest; 0] = [];
+        struct Case<'a> {
+            what: &'a str,
+            held: Assignments,
+            tasks: Vec<(&'a str, &'a [DeviceRequest])>,
+            expected: Result<Vec<(&'a str, Vec<AssignedDevice>)>, &'a str>,
+        }
+        let cases = [
+            Case {
+                what: "two tasks never share an instance",
+                held: Assignments::new(),
+                tasks: vec![("a", &one), ("web", &none), ("b", &one)],
+                expected: Ok(vec![
+                    ("a", vec![dev("nvidia/gpu/a100", "gpu0")]),
+                    ("b", vec![dev("nvidia/gpu/a100", "gpu1")]),
+                ]),
+            },
+            Case {
+                what: "the second task's shortfall fails the alloc as a whole",
+                held: Assignments::new(),
+                tasks: vec![("a", &one), ("b", &two)],
+                expected: Err("2 × nvidia/gpu requested, 1 healthy and free"),
+            },
+            Case {
+                what: "instances other allocs hold are not free",
+                held: held(&[("other", "x", &[("nvidia/gpu/a100", "gpu0")])]),
+                tasks: vec![("a", &two)],
+                expected: Err("2 × nvidia/gpu requested, 1 healthy and free"),
+            },
+            Case {
+                what: "what the alloc holds is kept as it is",
+                held: held(&[("web", "a", &[("nvidia/gpu/a100", "gpu1")])]),
+                tasks: vec![("a", &one)],
+                expected: Ok(vec![("a", vec![dev("nvidia/gpu/a100", "gpu1")])]),
+            },
+            Case {
+                what: "an alloc that requests nothing gets nothing",
+                held: Assignments::new(),
+                tasks: vec![("web", &none)],
+                expected: Ok(vec![]),
+            },
+        ];
+        for case in cases {
+            let tasks: Vec<(Name, &[DeviceRequest])> = case
+                .tasks
+                .iter()
+                .map(|(task, requests)| (name(task), *requests))
+                .collect();
+            let got = assign_alloc(&inventory, &case.held, &name("web"), &tasks)
+                .map_err(|why| why.to_string());
+            let expected = case
+                .expected
+                .map(|rows| {
+                    rows.into_iter()
+                        .map(|(task, devices)| (name(task), devices))
+                        .collect::<AllocDevices>()
+                })
+                .map_err(str::to_owned);
+            assert_eq!(got, expected, "{}", case.what);
+        }
     }
 
     #[test]

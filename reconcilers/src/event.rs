@@ -42,6 +42,8 @@ pub enum TaskEventType {
     FailedRestoringTask,
     /// The task waits out its shutdown delay before its kill.
     WaitingShutdownDelay,
+    /// The alloc's devices are not free and healthy yet: the task waits for them.
+    WaitingForDevices,
 }
 
 impl TaskEventType {
@@ -65,11 +67,12 @@ impl TaskEventType {
             TaskEventType::MainTasksDead => "Main Tasks Dead",
             TaskEventType::FailedRestoringTask => "Failed Restoring Task",
             TaskEventType::WaitingShutdownDelay => "Waiting for shutdown delay",
+            TaskEventType::WaitingForDevices => "Waiting for devices",
         }
     }
 
     /// Every event type, for parsing persisted events back.
-    pub const ALL: [TaskEventType; 17] = [
+    pub const ALL: [TaskEventType; 18] = [
         TaskEventType::Received,
         TaskEventType::TaskSetup,
         TaskEventType::Started,
@@ -87,6 +90,7 @@ impl TaskEventType {
         TaskEventType::MainTasksDead,
         TaskEventType::FailedRestoringTask,
         TaskEventType::WaitingShutdownDelay,
+        TaskEventType::WaitingForDevices,
     ];
 
     /// The event type whose string is `s`.

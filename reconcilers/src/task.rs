@@ -100,6 +100,15 @@ impl TaskSettings {
     }
 }
 
+/// Why a task's start is held back: the event it shows while it waits.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Hold {
+    /// `Driver Failure` or `Waiting for devices`.
+    pub event_type: TaskEventType,
+    /// Why, for the event.
+    pub message: String,
+}
+
 /// The task's state as shown to users: Nomad's `pending | running | dead`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TaskPhase {
@@ -350,15 +359,16 @@ impl TaskState {
     }
 
     /// One step towards running (`want_run`) or towards the kill in progress. Pushes the
-    /// effects to carry out and lowers `wake_at` to when the next step is due. While the
-    /// task's driver is unavailable (`driver_problem`), a start is held back: the task
-    /// stays pending with one `Driver Failure` event and starts once the driver is back.
+    /// effects to carry out and lowers `wake_at` to when the next step is due. While a
+    /// start is held back (`hold`: the driver is unavailable, or the alloc's devices are
+    /// not free), the task stays pending with one event saying why and starts once the
+    /// hold is lifted.
     #[allow(clippy::too_many_arguments)]
     pub fn drive(
         &mut self,
         settings: &TaskSettings,
         want_run: bool,
-        driver_problem: Option<&str>,
+        hold: Option<&Hold>,
         now: Timestamp,
         cap: usize,
         effects: &mut Vec<Effect>,
@@ -423,18 +433,13 @@ impl TaskState {
         }
         match self.restart_at {
             Some(at) if at > now => wake(at),
-            _ if driver_problem.is_some() => {
-                let message = format!(
-                    "Driver {} is unhealthy: {}; the task starts when it recovers",
-                    settings.driver.as_str(),
-                    driver_problem.unwrap_or_default()
-                );
+            _ if let Some(hold) = hold => {
                 let said = self.events.back().is_some_and(|event| {
-                    event.event_type == TaskEventType::DriverFailure && event.message == message
+                    event.event_type == hold.event_type && event.message == hold.message
                 });
                 if !said {
                     self.push_event(
-                        TaskEvent::new(TaskEventType::DriverFailure, now, message),
+                        TaskEvent::new(hold.event_type, now, hold.message.clone()),
                         cap,
                     );
                 }
