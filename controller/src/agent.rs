@@ -90,6 +90,9 @@ pub enum AgentError {
     /// The config file is unreadable or invalid.
     #[error(transparent)]
     Config(#[from] stead_schemas::config::ConfigError),
+    /// The static device plugin's config cannot be used.
+    #[error("agent config: {0}")]
+    Devices(#[from] crate::devices::StaticPluginError),
     /// A directory could not be created.
     #[error("cannot create {}", path.display())]
     CreateDir {
@@ -180,6 +183,17 @@ impl Settings {
             sync: store.sync.unwrap_or(store_defaults.sync),
             dedupe: true,
         };
+        let devices = config.devices.clone().unwrap_or_default();
+        let mut plugins: Vec<Arc<dyn crate::devices::DevicePlugin>> = Vec::new();
+        let declared = devices.static_devices.unwrap_or_default();
+        if !declared.is_empty() {
+            let interval = devices
+                .health_interval
+                .map_or(Duration::from_secs(5), |d| d.get());
+            plugins.push(Arc::new(crate::devices::StaticPlugin::new(
+                declared, interval,
+            )?));
+        }
         let mock_driver = enabled(drivers.mock.as_ref());
         let exec_driver = enabled(drivers.exec.as_ref());
         Ok(Settings {
@@ -206,6 +220,7 @@ impl Settings {
                 tick: config.tick.map_or(Duration::from_secs(1), |d| d.get()),
                 seed: None,
                 fingerprint_period: Duration::from_secs(15),
+                devices: Arc::new(crate::devices::DeviceManager::new(plugins)),
             },
             shutdown: if drain {
                 Shutdown::Drain

@@ -17,12 +17,14 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Observation};
+use stead_reconcilers::device::{AllocDevices, DeviceUnavailable};
 use stead_reconcilers::exit::ExitResult;
 use stead_reconcilers::restart::Jitter;
 use stead_reconcilers::task::{Effect, Process};
+use stead_schemas::device::{AssignedDevice, DeviceHealth};
 use stead_schemas::record::{ALLOC_RECORD_VERSION, AllocRecord};
-use stead_schemas::spec::{DesiredStatus, DriverConfig, Name};
-use stead_schemas::status::{AllocStatus, TaskEventStatus, TaskStatus};
+use stead_schemas::spec::{DesiredStatus, DeviceName, DeviceRequest, DriverConfig, Name};
+use stead_schemas::status::{AllocStatus, TaskDeviceStatus, TaskEventStatus, TaskStatus};
 use stead_schemas::{Timestamp, ValidSpec};
 use thiserror::Error;
 use tokio::sync::oneshot;
@@ -120,6 +122,12 @@ struct Current {
     published: Option<u64>,
     /// Restarts and failed tasks already counted in the metrics.
     counted: (u64, u64),
+    /// The device instances each task holds (all tasks' or none, from the node's device
+    /// manager; released once the revision is terminal).
+    devices: AllocDevices,
+    /// Why the devices are not assigned yet, when the devices are unknown: shown as the
+    /// alloc's spec error.
+    device_error: Option<String>,
 }
 
 impl Current {
@@ -135,7 +143,27 @@ impl Current {
             saved: None,
             published: None,
             counted,
+            devices: AllocDevices::new(),
+            device_error: None,
         }
+    }
+
+    /// Each task's device requests, in spec order (tasks that request none included).
+    fn device_requests(&self) -> Vec<(Name, &[DeviceRequest])> {
+        self.spec
+            .spec
+            .spec
+            .tasks
+            .iter()
+            .map(|task| {
+                let requests = task
+                    .resources
+                    .as_ref()
+                    .and_then(|r| r.devices.as_deref())
+                    .unwrap_or_default();
+                (task.name.clone(), requests)
+            })
+            .collect()
     }
 }
 
@@ -143,17 +171,9 @@ impl Current {
 pub(crate) enum Start {
     /// A new alloc.
     Fresh(Target),
-    /// An alloc restored from the store after an agent restart.
-    Restored {
-        /// The spec it ran.
-        spec: Arc<ValidSpec>,
-        /// Its state.
-        state: AllocState,
-        /// Its tasks' driver handles.
-        handles: BTreeMap<Name, TaskHandle>,
-        /// Whether its spec was removed.
-        removed: bool,
-    },
+    /// An alloc restored from the store after an agent restart: the spec it ran, its
+    /// state, handles and devices, and whether its spec was removed.
+    Restored(Box<store::RestoredAlloc>),
     /// An alloc whose stored record cannot be used: it shows as failed with `reason` and
     /// runs nothing until its spec changes revision, a user restarts it, or it is removed.
     /// Its record is left as it is (a newer agent may still read it).
@@ -226,12 +246,7 @@ impl Worker {
         };
         match start {
             Start::Fresh(target) => worker.target = target,
-            Start::Restored {
-                spec,
-                state,
-                handles,
-                removed,
-            } => worker.restore(spec, state, handles, removed),
+            Start::Restored(restored) => worker.restore(*restored),
             Start::Broken { reason, revision } => {
                 worker.broken = Some(Broken {
                     reason,
@@ -244,13 +259,15 @@ impl Worker {
         worker
     }
 
-    fn restore(
-        &mut self,
-        spec: Arc<ValidSpec>,
-        mut state: AllocState,
-        handles: BTreeMap<Name, TaskHandle>,
-        removed: bool,
-    ) {
+    fn restore(&mut self, restored: store::RestoredAlloc) {
+        let store::RestoredAlloc {
+            spec,
+            mut state,
+            handles,
+            removed,
+            devices,
+        } = restored;
+        let spec = Arc::new(spec);
         self.target = if removed {
             Target::Absent
         } else {
@@ -274,10 +291,13 @@ impl Worker {
                     tokio::spawn(async move { driver.destroy(&handle).await });
                 }
             }
-            self.current = Some(Current::new(spec, desired, state));
+            let mut current = Current::new(spec, desired, state);
+            current.devices = devices;
+            self.current = Some(current);
             return;
         }
         let mut current = Current::new(spec.clone(), desired, state);
+        current.devices = devices;
         for (task, handle) in handles {
             let Some(driver) = self.shared.drivers.get(handle.driver) else {
                 continue;
@@ -402,11 +422,14 @@ impl Worker {
         }
         current.desired.run = run;
         current.desired.unavailable_drivers = self.shared.unavailable_drivers();
+        self.place_devices();
+        let current = self.current.as_mut().expect("still set");
         let began = self.shared.clock.instant();
         let plan = current.state.reconcile(&current.desired, now);
         tracing::trace!(effects = plan.effects.len(), wake_at = ?plan.wake_at, "reconciled");
         self.execute(plan.effects, now);
         crate::metrics::reconciled(began.elapsed());
+        self.release_devices();
         let current = self.current.as_ref().expect("still set");
         if !current.desired.run && current.state.is_terminal() && self.ops.is_empty() {
             if self.shutdown == Some(Shutdown::Drain) {
@@ -434,6 +457,56 @@ impl Worker {
             }
         }
         Step::Wait(plan.wake_at)
+    }
+
+    /// Gets the current revision its devices before anything of it starts: all tasks'
+    /// or none. While they cannot be had, every start is held back with why (and an
+    /// unknown device is also shown as the alloc's spec error, naming the field).
+    fn place_devices(&mut self) {
+        let Some(current) = self.current.as_mut() else {
+            return;
+        };
+        current.desired.devices_unavailable = None;
+        if !current.devices.is_empty() || !current.desired.run || current.state.is_terminal() {
+            return;
+        }
+        let requests = current.device_requests();
+        if requests.iter().all(|(_, r)| r.is_empty()) {
+            return;
+        }
+        let manager = &self.shared.config.devices;
+        match manager.acquire(&self.name, &requests) {
+            Ok(devices) => {
+                for (task, held) in &devices {
+                    let held: Vec<String> = held.iter().map(ToString::to_string).collect();
+                    tracing::info!(task = %task, devices = %held.join(","), "devices assigned");
+                }
+                current.devices = devices;
+                current.device_error = None;
+            }
+            Err(why) => {
+                current.device_error = match &why {
+                    DeviceUnavailable::Unknown { request } if manager.all_reported() => {
+                        Some(unknown_device_error(&requests, request, &why))
+                    }
+                    _ => None,
+                };
+                current.desired.devices_unavailable = Some(why.to_string());
+            }
+        }
+    }
+
+    /// Frees the current revision's devices once it is terminal and nothing of it is in
+    /// flight; a revision that runs again asks anew.
+    fn release_devices(&mut self) {
+        let Some(current) = self.current.as_mut() else {
+            return;
+        };
+        if !current.devices.is_empty() && current.state.is_terminal() && self.ops.is_empty() {
+            self.shared.config.devices.release(&self.name);
+            current.devices.clear();
+            tracing::info!("devices released");
+        }
     }
 
     /// Whether the current revision's tasks should run.
@@ -536,7 +609,8 @@ impl Worker {
         env.insert("STEAD_ALLOC_NAME".to_owned(), self.name.to_string());
         env.insert("STEAD_TASK_NAME".to_owned(), task.to_string());
         let (max_files, max_file_size_mb) = spec.effective_logs();
-        let request = StartRequest {
+        let held = current.devices.get(&task).cloned().unwrap_or_default();
+        let mut request = StartRequest {
             alloc_id: current.spec.id.clone(),
             task: task.clone(),
             config: spec.config.clone(),
@@ -572,7 +646,24 @@ impl Worker {
             return;
         };
         let span = tracing::info_span!("task", task = %task, run);
+        let devices = self.shared.config.devices.clone();
         let operation = async move {
+            if !held.is_empty() {
+                // The devices' env goes over the spec's: the ids are the agent's to set.
+                match devices.reservation(&held).await {
+                    Ok(reservation) => request.env.extend(reservation.env),
+                    Err(error) => {
+                        let error = DriverError::Start {
+                            alloc_id: request.alloc_id.clone(),
+                            task: task.clone(),
+                            message: format!("reserving its devices: {error}"),
+                            recoverable: true,
+                        };
+                        tx.send(task, run, OpReport::StartFailed(error));
+                        return;
+                    }
+                }
+            }
             let started = tokio::select! {
                 result = driver.start(request) => Some(result),
                 () = ops.cancel_start.cancelled() => None,
@@ -831,6 +922,7 @@ impl Worker {
     /// Removes the alloc from the store, the status map and the registry, unless a new
     /// spec arrived meanwhile.
     fn finish_destroy(&mut self) -> Step {
+        self.shared.config.devices.release(&self.name);
         if let Err(error) = self.shared.store.delete_alloc(&self.name) {
             self.shared.report_store_error(&self.name, &error);
         }
@@ -855,7 +947,13 @@ impl Worker {
         current.counted = (restarts, failures);
         let collectable =
             removed && !current.desired.run && current.state.is_terminal() && self.ops.is_empty();
-        let fingerprint = fingerprint(&current.state, &current.handles, removed, collectable);
+        let fingerprint = fingerprint(
+            &current.state,
+            &current.handles,
+            &current.devices,
+            removed,
+            collectable,
+        );
         if current.saved != Some(fingerprint) {
             let now = self.shared.clock.now();
             let due = self
@@ -883,11 +981,23 @@ impl Worker {
                 }
             }
         }
-        if current.published == Some(fingerprint) {
+        // What is shown also follows the held devices' health, which the node's device
+        // manager changes without this worker's state changing.
+        let shown = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            fingerprint.hash(&mut hasher);
+            current.device_error.hash(&mut hasher);
+            for held in current.devices.values() {
+                self.shared.config.devices.health(held).hash(&mut hasher);
+            }
+            hasher.finish()
+        };
+        if current.published == Some(shown) {
             return;
         }
-        current.published = Some(fingerprint);
-        let status = status_of(&self.name, current, removed);
+        current.published = Some(shown);
+        let status = status_of(&self.name, current, removed, &self.shared.config.devices);
         let facts = AllocFacts {
             collectable,
             finished_at: current
@@ -944,6 +1054,47 @@ impl Worker {
     }
 }
 
+/// The devices a task holds with their health as the node sees it now: an unhealthy or
+/// unreported one is flagged with why, and the task keeps it.
+fn task_devices(
+    held: &[AssignedDevice],
+    devices: &crate::devices::DeviceManager,
+) -> Vec<TaskDeviceStatus> {
+    held.iter()
+        .zip(devices.health(held))
+        .map(|(device, health)| {
+            let (healthy, reason) = match health {
+                Some(DeviceHealth::Healthy) => (true, None),
+                Some(DeviceHealth::Unhealthy { reason }) => (
+                    false,
+                    Some(reason.unwrap_or_else(|| "unhealthy".to_owned())),
+                ),
+                None => (false, Some("not reported by any device plugin".to_owned())),
+            };
+            TaskDeviceStatus {
+                group: device.group.to_string(),
+                id: device.instance.to_string(),
+                healthy,
+                reason,
+            }
+        })
+        .collect()
+}
+
+/// The spec error for a request no plugin reports: the field, then why.
+fn unknown_device_error(
+    requests: &[(Name, &[DeviceRequest])],
+    unknown: &DeviceName,
+    why: &DeviceUnavailable,
+) -> String {
+    for (index, (_, task_requests)) in requests.iter().enumerate() {
+        if let Some(position) = task_requests.iter().position(|r| &r.name == unknown) {
+            return format!("spec.tasks[{index}].resources.devices[{position}].name: {why}");
+        }
+    }
+    why.to_string()
+}
+
 /// The record of the current revision.
 fn record_of(name: &Name, current: &Current, removed: bool) -> AllocRecord {
     AllocRecord {
@@ -957,6 +1108,11 @@ fn record_of(name: &Name, current: &Current, removed: bool) -> AllocRecord {
             .handles
             .iter()
             .map(|(task, handle)| (task.to_string(), store::handle_to_record(handle)))
+            .collect(),
+        devices: current
+            .devices
+            .iter()
+            .map(|(task, devices)| (task.to_string(), devices.clone()))
             .collect(),
     }
 }
@@ -995,12 +1151,14 @@ enum Step {
 fn fingerprint(
     state: &AllocState,
     handles: &BTreeMap<Name, TaskHandle>,
+    devices: &AllocDevices,
     removed: bool,
     collectable: bool,
 ) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     removed.hash(&mut hasher);
+    devices.hash(&mut hasher);
     collectable.hash(&mut hasher);
     handles.hash(&mut hasher);
     state.shutdown.hash(&mut hasher);
@@ -1075,7 +1233,12 @@ fn hash_name(name: &Name) -> u64 {
 }
 
 /// The API's view of the current revision.
-fn status_of(name: &Name, current: &Current, removed: bool) -> AllocStatus {
+fn status_of(
+    name: &Name,
+    current: &Current,
+    removed: bool,
+    devices: &crate::devices::DeviceManager,
+) -> AllocStatus {
     let desired_status =
         if removed || current.spec.spec.spec.desired_status == Some(DesiredStatus::Stop) {
             "stop"
@@ -1088,7 +1251,7 @@ fn status_of(name: &Name, current: &Current, removed: bool) -> AllocStatus {
         revision: current.spec.revision.to_string(),
         desired_status: desired_status.to_owned(),
         client_status: current.state.client_status().as_str().to_owned(),
-        spec_error: None,
+        spec_error: current.device_error.clone(),
         state_error: None,
         tasks: current
             .state
@@ -1103,6 +1266,11 @@ fn status_of(name: &Name, current: &Current, removed: bool) -> AllocStatus {
                     started_at: state.started_at,
                     finished_at: state.finished_at,
                     pid: current.handles.get(task).and_then(|h| h.pid),
+                    devices: current
+                        .devices
+                        .get(task)
+                        .map(|held| task_devices(held, devices))
+                        .unwrap_or_default(),
                     events: state
                         .events
                         .iter()

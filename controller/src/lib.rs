@@ -7,6 +7,7 @@ pub mod allocdir;
 pub mod api;
 pub mod cli;
 pub mod clock;
+pub mod devices;
 pub mod driver;
 pub mod gc;
 pub mod logging;

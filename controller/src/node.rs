@@ -20,6 +20,7 @@ use tokio::task::JoinHandle;
 use crate::alloc::{CommandError, Start, Worker, ask};
 use crate::allocdir::AllocDirs;
 use crate::clock::Clock;
+use crate::devices::DeviceManager;
 use crate::driver::{Drivers, TaskHandle};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store::{self, Store, StoreError};
@@ -35,6 +36,8 @@ pub struct NodeConfig {
     pub seed: Option<u64>,
     /// How often every driver is fingerprinted again.
     pub fingerprint_period: Duration,
+    /// The node's devices and their plugins (started with the node).
+    pub devices: Arc<DeviceManager>,
 }
 
 impl Default for NodeConfig {
@@ -44,6 +47,7 @@ impl Default for NodeConfig {
             tick: Duration::from_secs(1),
             seed: None,
             fingerprint_period: Duration::from_secs(15),
+            devices: Arc::default(),
         }
     }
 }
@@ -274,6 +278,26 @@ async fn fingerprint_drivers(shared: std::sync::Weak<Shared>) {
     }
 }
 
+/// Wakes every worker whenever the devices change (a fingerprint, a health flip, a plugin
+/// failure, an assignment released), so an alloc waiting for devices is placed as soon
+/// as they are free and holders' statuses show their devices' health. Runs until the
+/// node is gone.
+async fn watch_devices(shared: std::sync::Weak<Shared>) {
+    let Some(mut changes) = shared.upgrade().map(|s| s.config.devices.subscribe()) else {
+        return;
+    };
+    while changes.changed().await.is_ok() {
+        let Some(shared) = shared.upgrade() else {
+            return;
+        };
+        for entry in shared.registry().values() {
+            entry.mailbox.wake();
+        }
+        // The node's devices are part of what it shows: waiters look again.
+        shared.version.send_modify(|v| *v += 1);
+    }
+}
+
 /// What restoring from the store found.
 #[derive(Debug, Default)]
 pub struct RestoreReport {
@@ -338,12 +362,15 @@ impl Node {
         };
         tokio::spawn(tick(Arc::downgrade(&node.shared)));
         tokio::spawn(fingerprint_drivers(Arc::downgrade(&node.shared)));
+        tokio::spawn(watch_devices(Arc::downgrade(&node.shared)));
+        node.shared.config.devices.start();
         node
     }
 
     /// Resumes every alloc in the store: running tasks are reattached, not restarted.
     pub fn restore(&self) -> Result<RestoreReport, StoreError> {
         let mut report = RestoreReport::default();
+        let mut resumed = Vec::new();
         for loaded in self.shared.store.load_allocs()? {
             let record = match loaded {
                 Ok(record) => record,
@@ -368,21 +395,17 @@ impl Node {
             }
             let revision = record.revision.clone();
             match store::restore_record(record) {
-                Ok((spec, state, handles, removed)) => {
+                Ok(restored) => {
                     report
                         .allocs
-                        .push((name.clone(), Some(spec.revision.clone())));
-                    self.spawn(
-                        &mut self.shared.registry(),
-                        name,
-                        Start::Restored {
-                            spec: Arc::new(spec),
-                            state,
-                            handles,
-                            removed,
-                        },
-                    );
-                    report.restored += 1;
+                        .push((name.clone(), Some(restored.spec.revision.clone())));
+                    // Every alloc's devices are reserved before any worker runs, so none
+                    // can be given to another alloc before its holder resumes.
+                    self.shared
+                        .config
+                        .devices
+                        .restore(&name, restored.devices.clone());
+                    resumed.push((name, restored));
                 }
                 Err(corrupt) => {
                     report
@@ -392,6 +415,14 @@ impl Node {
                     report.corrupt.push(corrupt);
                 }
             }
+        }
+        for (name, restored) in resumed {
+            self.spawn(
+                &mut self.shared.registry(),
+                name,
+                Start::Restored(Box::new(restored)),
+            );
+            report.restored += 1;
         }
         Ok(report)
     }
@@ -531,6 +562,11 @@ impl Node {
             }),
             None => status,
         }
+    }
+
+    /// The node's devices.
+    pub fn devices(&self) -> &Arc<DeviceManager> {
+        &self.shared.config.devices
     }
 
     /// The published status of alloc `name`.

@@ -298,6 +298,11 @@ impl DeviceInventory {
         })
     }
 
+    /// The plugin that reports `group`.
+    pub fn owner(&self, group: &DeviceGroupId) -> Option<&Name> {
+        self.owners.get(group)
+    }
+
     /// Every known group with its plugin, sorted by group id.
     pub fn groups(&self) -> impl Iterator<Item = (&DeviceGroupId, &Name, &ValidGroup)> {
         let mut groups: Vec<_> = self

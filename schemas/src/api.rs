@@ -164,6 +164,35 @@ pub struct AllocStats {
     pub time: Timestamp,
     /// Each running task whose driver measures it (the mock driver does not), by name.
     pub tasks: BTreeMap<String, TaskStats>,
+    /// Each task's device instances with their stats, by task name; left out when none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub task_devices: BTreeMap<String, Vec<DeviceStatsEntry>>,
+    /// Each device group the alloc uses, with every instance any of its tasks holds: two
+    /// tasks on instances of one group give one entry. Left out when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_groups: Vec<DeviceGroupStats>,
+}
+
+/// One device instance's stats.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceStatsEntry {
+    /// The device group, `vendor/type/name`.
+    pub group: String,
+    /// The instance's id.
+    pub id: String,
+    /// Its measurements by name; `None` when its plugin had none.
+    pub stats: Option<BTreeMap<String, f64>>,
+}
+
+/// The instances of one device group an alloc uses, with their stats.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DeviceGroupStats {
+    /// The device group, `vendor/type/name`.
+    pub group: String,
+    /// Each instance any task of the alloc holds, by id.
+    pub instances: Vec<DeviceStatsEntry>,
 }
 
 /// What one task's processes use.

@@ -120,6 +120,8 @@ pub struct DevicesConfig {
     /// Devices declared in this file.
     #[serde(rename = "static")]
     pub static_devices: Option<Vec<StaticDeviceGroup>>,
+    /// How often the static plugin reads its health files (default 5s).
+    pub health_interval: Option<Duration>,
 }
 
 /// A group of identical devices declared in the config.
@@ -133,7 +135,11 @@ pub struct StaticDeviceGroup {
     pub device_type: String,
     /// The model name.
     pub name: String,
-    /// A directory with one file per instance; a file containing `unhealthy` marks it so.
+    /// A directory with one file per instance, named by its id: a file whose text starts
+    /// with `unhealthy` marks the instance unhealthy (the rest of the text says why); a
+    /// missing file or any other text means healthy. `<id>.stats` holds the instance's
+    /// stats, one `name value` per line. If the directory goes away, the plugin stops
+    /// (its devices turn unhealthy) and is restarted with backoff until it is back.
     pub health_dir: Option<PathBuf>,
     /// The instances.
     pub instances: Vec<StaticDeviceInstance>,

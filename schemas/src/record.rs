@@ -1,8 +1,9 @@
 //! The versioned records the agent persists: one [`AllocRecord`] per alloc name.
 //!
 //! A record is everything a restarted agent needs to carry on with an alloc: the spec as
-//! written, whether the spec file is gone, the reconciler's state and the driver handles
-//! of its tasks. It is written as one unit per change, so it is never half updated.
+//! written, whether the spec file is gone, the reconciler's state, the driver handles
+//! of its tasks and the device instances they hold. It is written as one unit per
+//! change, so it is never half updated.
 //!
 //! The format is JSON in camelCase. Optional fields are left out when unset, and an unset
 //! value is never stored as zero. Unknown fields are ignored; incompatible changes bump
@@ -15,6 +16,7 @@ use std::collections::BTreeMap;
 use serde::{Deserialize, Serialize};
 
 use crate::Timestamp;
+use crate::device::AssignedDevice;
 use crate::diagnostic::Diagnostic;
 use crate::spec::{AllocSpec, DriverKind, Name};
 
@@ -39,6 +41,9 @@ pub struct AllocRecord {
     pub state: AllocStateRecord,
     /// The driver handle of each task that has a process, by task name.
     pub handles: BTreeMap<String, TaskHandleRecord>,
+    /// The device instances each task holds, by task name; left out when none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub devices: BTreeMap<String, Vec<AssignedDevice>>,
 }
 
 /// The state of one alloc revision.
@@ -430,6 +435,7 @@ mod tests {
                     started_at: at(1_795_306_201),
                 },
             )]),
+            devices: BTreeMap::new(),
         }
     }
 

@@ -49,8 +49,27 @@ pub struct TaskStatus {
     pub finished_at: Option<Timestamp>,
     /// The process id, for drivers that have one.
     pub pid: Option<u32>,
+    /// The device instances the task holds, each with its health; left out when none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub devices: Vec<TaskDeviceStatus>,
     /// History, oldest first.
     pub events: Vec<TaskEventStatus>,
+}
+
+/// A device instance a task holds. An unhealthy one is flagged here; the task keeps it
+/// and runs on.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskDeviceStatus {
+    /// The device group, `vendor/type/name`.
+    pub group: String,
+    /// The instance's id.
+    pub id: String,
+    /// Whether it is healthy now.
+    pub healthy: bool,
+    /// Why not, when it is not.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
 }
 
 /// One task event, as the API shows it.

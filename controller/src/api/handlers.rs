@@ -9,8 +9,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use stead_schemas::api::{
-    AllocListItem, AllocStats, ComponentHealth, DriverStatus, HealthStatus, NodeStatus,
-    RestartRequest, SignalRequest, TaskStats,
+    AllocListItem, AllocStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry, DriverStatus,
+    HealthStatus, NodeStatus, RestartRequest, SignalRequest, TaskStats,
 };
 use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;
@@ -117,13 +117,66 @@ pub(super) async fn alloc_stats(
             }
         }
     }
+    let (task_devices, device_groups) = device_stats(&state, &status.name).await;
     let stats = AllocStats {
         name: status.name.clone(),
         id: status.id.clone(),
         time: state.node().clock().now(),
         tasks,
+        task_devices,
+        device_groups,
     };
     Ok(json_response(StatusCode::OK, &stats))
+}
+
+/// The alloc's device stats, per task and per group, looked up by instance.
+async fn device_stats(
+    state: &ApiState,
+    name: &str,
+) -> (
+    BTreeMap<String, Vec<DeviceStatsEntry>>,
+    Vec<DeviceGroupStats>,
+) {
+    let Ok(name) = name.parse() else {
+        return Default::default();
+    };
+    let manager = state.node().devices();
+    let held = manager.held(&name);
+    if held.is_empty() {
+        return Default::default();
+    }
+    let stats = manager.alloc_stats(&held).await;
+    let tasks = stats
+        .tasks
+        .into_iter()
+        .map(|(task, instances)| {
+            let entries = instances
+                .into_iter()
+                .map(|i| DeviceStatsEntry {
+                    group: i.device.group.to_string(),
+                    id: i.device.instance.to_string(),
+                    stats: i.stats,
+                })
+                .collect();
+            (task.to_string(), entries)
+        })
+        .collect();
+    let groups = stats
+        .groups
+        .into_iter()
+        .map(|(group, instances)| DeviceGroupStats {
+            group: group.to_string(),
+            instances: instances
+                .into_iter()
+                .map(|(id, stats)| DeviceStatsEntry {
+                    group: group.to_string(),
+                    id: id.to_string(),
+                    stats,
+                })
+                .collect(),
+        })
+        .collect();
+    (tasks, groups)
 }
 
 /// Parses a JSON body; an empty body is `T::default()` when `empty` is given.
@@ -259,7 +312,7 @@ pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
         time: state.node().clock().now(),
         allocs,
         drivers,
-        devices: Vec::new(),
+        devices: state.node().devices().node_devices(),
     };
     json_response(StatusCode::OK, &node)
 }

@@ -10,6 +10,7 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use stead_reconcilers::alloc::{AllocDesired, AllocState, Limits};
+use stead_schemas::device::AssignedDevice;
 use stead_schemas::record::{ALLOC_RECORD_VERSION, AllocRecord, RecordError};
 use stead_schemas::spec::{
     API_VERSION, AllocBody, AllocSpec, DriverConfig, DriverKind, KIND_ALLOC, Metadata, MockConfig,
@@ -89,6 +90,13 @@ pub fn sample_record(name: &str, generation: u32) -> AllocRecord {
         removed: false,
         state: state_to_record(&state),
         handles: BTreeMap::from([(task_name.to_string(), handle_to_record(&handle))]),
+        devices: BTreeMap::from([(
+            task_name.to_string(),
+            vec![AssignedDevice {
+                group: "acme/gpu/a1".parse().expect("a group id"),
+                instance: format!("gpu{generation}").parse().expect("an instance id"),
+            }],
+        )]),
     }
 }
 

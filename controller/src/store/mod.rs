@@ -25,6 +25,7 @@ use stead_reconcilers::event::{TaskEvent, TaskEventType};
 use stead_reconcilers::restart::RestartTracker;
 use stead_reconcilers::task::{KillProgress, KillReason, Process, TaskPhase, TaskState};
 use stead_schemas::ValidSpec;
+use stead_schemas::device::AssignedDevice;
 use stead_schemas::record::{
     AllocRecord, AllocStateRecord, KillReasonRecord, KillRecord, ProcessRecord, RecordError,
     RestartTrackerRecord, ShutdownReasonRecord, ShutdownRecord, TaskEventRecord, TaskHandleRecord,
@@ -223,9 +224,20 @@ fn hash_bytes(bytes: &[u8]) -> u64 {
     hasher.finish()
 }
 
-/// An alloc as a restarted agent resumes it: its spec, state, handles and whether its
-/// spec file was removed.
-pub type RestoredAlloc = (ValidSpec, AllocState, BTreeMap<Name, TaskHandle>, bool);
+/// An alloc as a restarted agent resumes it.
+#[derive(Debug)]
+pub struct RestoredAlloc {
+    /// The spec it ran, validated again.
+    pub spec: ValidSpec,
+    /// The reconciler's state.
+    pub state: AllocState,
+    /// Its tasks' driver handles.
+    pub handles: BTreeMap<Name, TaskHandle>,
+    /// Whether its spec file was removed.
+    pub removed: bool,
+    /// The device instances its tasks hold.
+    pub devices: BTreeMap<Name, Vec<AssignedDevice>>,
+}
 
 /// Turns a loaded record back into what a worker runs on.
 ///
@@ -252,7 +264,19 @@ pub fn restore_record(record: AllocRecord) -> Result<RestoredAlloc, CorruptRecor
             state_tasks: state_tasks.iter().map(ToString::to_string).collect(),
         }));
     }
-    Ok((spec, state, handles, record.removed))
+    let devices = record
+        .devices
+        .into_iter()
+        .map(|(task, devices)| Ok((parse_task_name(&task, || "devices".to_owned())?, devices)))
+        .collect::<Result<_, RecordError>>()
+        .map_err(corrupt)?;
+    Ok(RestoredAlloc {
+        spec,
+        state,
+        handles,
+        removed: record.removed,
+        devices,
+    })
 }
 
 /// Runs the stored spec through the agent's spec validation (JSON is YAML).
@@ -690,12 +714,18 @@ mod tests {
     #[test]
     fn restore_record_revalidates_the_spec_and_returns_state_and_handles() {
         let record = conformance::sample_record("web", 3);
-        let (spec, state, handles, removed) = restore_record(record.clone()).expect("restores");
-        assert_eq!(spec.spec, record.spec);
-        assert_eq!(spec.name(), &record.name);
-        assert_eq!(state_to_record(&state), record.state);
-        assert_eq!(handles_to_record(&handles), record.handles);
-        assert_eq!(removed, record.removed);
+        let restored = restore_record(record.clone()).expect("restores");
+        assert_eq!(restored.spec.spec, record.spec);
+        assert_eq!(restored.spec.name(), &record.name);
+        assert_eq!(state_to_record(&restored.state), record.state);
+        assert_eq!(handles_to_record(&restored.handles), record.handles);
+        assert_eq!(restored.removed, record.removed);
+        let devices: BTreeMap<String, Vec<AssignedDevice>> = restored
+            .devices
+            .into_iter()
+            .map(|(task, devices)| (task.to_string(), devices))
+            .collect();
+        assert_eq!(devices, record.devices);
     }
 
     #[test]

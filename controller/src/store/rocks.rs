@@ -3,13 +3,13 @@
 //! An alloc's record is kept in parts, one column family per kind, so a change to one
 //! task rewrites that task's part and nothing else:
 //!
-//! | family    | key              | value                                         |
-//! |-----------|------------------|-----------------------------------------------|
-//! | `allocs`  | `name`           | the record without task states and handles     |
-//! | `tasks`   | `name \0 task`   | the task's state (JSON `TaskStateRecord`)     |
-//! | `handles` | `name \0 task`   | the task's driver handle (`TaskHandleRecord`) |
-//! | `devices` | `name`           | device assignments (reserved for the device manager) |
-//! | `meta`    | `layout`         | the layout version of this database            |
+//! | family    | key              | value                                                    |
+//! |-----------|------------------|----------------------------------------------------------|
+//! | `allocs`  | `name`           | the record without task states, handles and devices      |
+//! | `tasks`   | `name \0 task`   | the task's state (JSON `TaskStateRecord`)                |
+//! | `handles` | `name \0 task`   | the task's driver handle (`TaskHandleRecord`)            |
+//! | `devices` | `name`           | each task's device instances (`DeviceAssignmentRecord`)  |
+//! | `meta`    | `layout`         | the layout version of this database                      |
 //!
 //! Each put is one atomic write batch holding only the parts whose bytes changed since
 //! they were last written or read (per-part content hashes, as Nomad's boltdd keeps per
@@ -30,6 +30,7 @@ use rocksdb::{
     BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, IteratorMode,
     LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
 };
+use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRecord};
 use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStateRecord};
 use stead_schemas::spec::Name;
 
@@ -306,6 +307,34 @@ impl RocksDbStore {
                 Err(error) => return Ok(Err(corrupt(error))),
             }
         }
+        let devices = self
+            .db
+            .get_cf(self.family(DEVICES), name)
+            .map_err(load_error)?;
+        if let Some(bytes) = devices {
+            hashes.insert(part(DEVICES, name.as_bytes()), hash_bytes(&bytes));
+            match serde_json::from_slice::<DeviceAssignmentRecord>(&bytes) {
+                Ok(devices) if devices.version == DEVICE_ASSIGNMENT_RECORD_VERSION => {
+                    record.devices = devices.tasks;
+                }
+                Ok(devices) => {
+                    return Ok(Err(CorruptRecord {
+                        name: name.to_owned(),
+                        source: if devices.version > DEVICE_ASSIGNMENT_RECORD_VERSION {
+                            RecordError::FutureVersion {
+                                found: devices.version,
+                                supported: DEVICE_ASSIGNMENT_RECORD_VERSION,
+                            }
+                        } else {
+                            RecordError::UnknownVersion {
+                                found: devices.version,
+                            }
+                        },
+                    }));
+                }
+                Err(error) => return Ok(Err(corrupt(error))),
+            }
+        }
         Ok(Ok((record, hashes)))
     }
 
@@ -448,8 +477,17 @@ fn split(record: &AllocRecord) -> BTreeMap<PartKey, Vec<u8>> {
         removed: record.removed,
         state: record.state.clone(),
         handles: BTreeMap::new(),
+        devices: BTreeMap::new(),
     };
     header.state.tasks.clear();
+    if !record.devices.is_empty() {
+        let devices = DeviceAssignmentRecord {
+            version: DEVICE_ASSIGNMENT_RECORD_VERSION,
+            tasks: record.devices.clone(),
+        };
+        let bytes = serde_json::to_vec(&devices).expect("device assignments serialize to JSON");
+        parts.insert(part(DEVICES, name.as_bytes()), bytes);
+    }
     parts.insert(part(ALLOCS, name.as_bytes()), header.encode());
     parts
 }

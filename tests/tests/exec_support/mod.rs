@@ -8,6 +8,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use stead_controller::clock::Clock;
+use stead_controller::devices::DeviceManager;
 use stead_controller::driver::exec::{ExecDriver, ExecDriverConfig};
 use stead_controller::driver::{Driver, Drivers};
 use stead_controller::node::{Node, NodeConfig};
@@ -54,14 +55,24 @@ pub struct ExecNode {
 impl ExecNode {
     /// A fresh node (tasks may run as root: the tests run as root in CI).
     pub fn new() -> Self {
-        Self::over(Arc::new(DataDir::new()), MemoryStore::default())
+        Self::over(
+            Arc::new(DataDir::new()),
+            MemoryStore::default(),
+            Arc::default(),
+        )
     }
 
-    fn over(data: Arc<DataDir>, store: MemoryStore) -> Self {
+    /// A fresh node with `devices`.
+    pub fn with_devices(devices: Arc<DeviceManager>) -> Self {
+        Self::over(Arc::new(DataDir::new()), MemoryStore::default(), devices)
+    }
+
+    fn over(data: Arc<DataDir>, store: MemoryStore, devices: Arc<DeviceManager>) -> Self {
         let driver = exec_driver(data.path(), true);
         let drivers = Drivers::new([Arc::new(driver.clone()) as Arc<dyn Driver>]);
         let config = NodeConfig {
             tick: Duration::from_millis(200),
+            devices,
             ..NodeConfig::default()
         };
         let node = Node::new(config, drivers, Arc::new(store.clone()), Clock::system());
@@ -164,7 +175,7 @@ pub struct Detached {
 impl Detached {
     /// A new agent (node and driver) over the same store and data dir, restored.
     pub fn start_agent(self) -> ExecNode {
-        let next = ExecNode::over(self.data, self.store);
+        let next = ExecNode::over(self.data, self.store, Arc::default());
         let report = next.node.restore().expect("the store restores");
         assert!(report.corrupt.is_empty(), "{:?}", report.corrupt);
         next

@@ -1,0 +1,391 @@
+//! The device manager: device plugins, their fingerprints and health, the node's
+//! assignments of device instances to allocs, reservations and stats.
+//!
+//! Decisions are `stead_reconcilers::device`'s; this is the shell around them. Each
+//! plugin runs under a supervision loop: its fingerprints go through validation into
+//! the inventory; an invalid fingerprint or a plugin that stops (its stream ends) turns
+//! its devices unhealthy at once, and the plugin is started again with exponential
+//! backoff until it reports a valid fingerprint. Every change bumps a version that the
+//! node watches to wake its workers, so an alloc waiting for a device is placed as soon
+//! as one is free and healthy.
+//!
+//! Assignments are made per alloc, all tasks or none, under one lock, so two allocs
+//! never get one instance. They are persisted in each alloc's record and seeded back
+//! before any worker runs after a restart: an alloc keeps its devices before its plugin
+//! reports again, and nobody else gets them meanwhile.
+
+mod static_plugin;
+
+use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
+use std::time::Duration;
+
+use backon::BackoffBuilder;
+use stead_reconcilers::device::{
+    AllocDeviceStats, AllocDevices, Assignments, DeviceInventory, DeviceUnavailable, Reservation,
+    alloc_device_stats, assign_alloc, node_devices, task_reservation,
+};
+use stead_schemas::api::DeviceGroupStatus;
+use stead_schemas::device::{AssignedDevice, DeviceFingerprint, DeviceHealth};
+use stead_schemas::spec::{DeviceRequest, Name};
+use tokio::sync::{mpsc, watch};
+
+use crate::driver::BoxFuture;
+
+pub use static_plugin::{StaticPlugin, StaticPluginError};
+
+/// One instance's measurements, by name (`utilization`, `memoryUsedBytes`, ...).
+pub type DeviceStats = BTreeMap<String, f64>;
+
+/// A device plugin failed an operation.
+#[derive(Debug, thiserror::Error)]
+#[error("device plugin {plugin}: {message}")]
+pub struct PluginError {
+    /// The plugin.
+    pub plugin: Name,
+    /// What failed.
+    pub message: String,
+}
+
+/// A source of devices: what the node has, how healthy it is, and what a task holding
+/// some of it gets.
+pub trait DevicePlugin: Send + Sync + 'static {
+    /// The plugin's name, unique on the node.
+    fn name(&self) -> &Name;
+    /// Starts the plugin: fingerprints arrive on the receiver, the first at once and then
+    /// on every change. The receiver closing means the plugin stopped (died).
+    fn start(&self) -> BoxFuture<'_, Result<mpsc::Receiver<DeviceFingerprint>, PluginError>>;
+    /// The stats of `devices` (all the plugin's own), by instance; an instance with no
+    /// stats is left out.
+    fn stats(
+        &self,
+        devices: &[AssignedDevice],
+    ) -> BoxFuture<'_, Result<HashMap<AssignedDevice, DeviceStats>, PluginError>>;
+    /// What a task holding `devices` (all the plugin's own) gets: env, mounts, device
+    /// nodes.
+    fn reserve(
+        &self,
+        devices: &[AssignedDevice],
+    ) -> BoxFuture<'_, Result<Reservation, PluginError>>;
+}
+
+/// The first wait before a failed plugin is started again; it doubles up to
+/// [`RESTART_MAX`], and is reset by a valid fingerprint.
+pub const RESTART_MIN: Duration = Duration::from_millis(500);
+/// The longest wait between restarts of a failed plugin.
+pub const RESTART_MAX: Duration = Duration::from_secs(30);
+
+struct Inner {
+    inventory: DeviceInventory,
+    assignments: Assignments,
+    /// Plugins that reported a valid fingerprint at least once.
+    reported: BTreeSet<Name>,
+}
+
+/// The node's devices. Cheap to share; locks are held for one decision, never across an
+/// `.await`.
+pub struct DeviceManager {
+    plugins: BTreeMap<Name, Arc<dyn DevicePlugin>>,
+    inner: Mutex<Inner>,
+    version: watch::Sender<u64>,
+    started: AtomicBool,
+}
+
+impl std::fmt::Debug for DeviceManager {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceManager")
+            .field("plugins", &self.plugins.keys().collect::<Vec<_>>())
+            .finish_non_exhaustive()
+    }
+}
+
+impl Default for DeviceManager {
+    fn default() -> Self {
+        DeviceManager::new(Vec::new())
+    }
+}
+
+impl DeviceManager {
+    /// A manager for `plugins`; nothing runs until [`DeviceManager::start`].
+    pub fn new(plugins: Vec<Arc<dyn DevicePlugin>>) -> Self {
+        let (version, _) = watch::channel(0);
+        DeviceManager {
+            plugins: plugins
+                .into_iter()
+                .map(|plugin| (plugin.name().clone(), plugin))
+                .collect(),
+            inner: Mutex::new(Inner {
+                inventory: DeviceInventory::default(),
+                assignments: Assignments::new(),
+                reported: BTreeSet::new(),
+            }),
+            version,
+            started: AtomicBool::new(false),
+        }
+    }
+
+    fn inner(&self) -> MutexGuard<'_, Inner> {
+        // Every update is a few map operations decided before any of them is made.
+        self.inner.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    fn bump(&self) {
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// A receiver that sees a new version after every change of devices or assignments.
+    pub fn subscribe(&self) -> watch::Receiver<u64> {
+        self.version.subscribe()
+    }
+
+    /// Starts every plugin under its supervision loop (once; later calls do nothing).
+    /// Call from within a tokio runtime.
+    pub fn start(self: &Arc<Self>) {
+        if self.started.swap(true, Ordering::SeqCst) {
+            return;
+        }
+        for plugin in self.plugins.values() {
+            tokio::spawn(supervise(Arc::downgrade(self), plugin.clone()));
+        }
+    }
+
+    /// Seeds the assignments restored from the store; call before any worker runs.
+    pub fn restore(&self, alloc: &Name, devices: AllocDevices) {
+        if devices.is_empty() {
+            return;
+        }
+        self.inner().assignments.insert(alloc.clone(), devices);
+        self.bump();
+    }
+
+    /// The devices for `tasks` of `alloc`, all or none: what it holds, or a new choice
+    /// among healthy, free instances, recorded before the lock is let go.
+    pub fn acquire(
+        &self,
+        alloc: &Name,
+        tasks: &[(Name, &[DeviceRequest])],
+    ) -> Result<AllocDevices, DeviceUnavailable> {
+        let mut inner = self.inner();
+        let devices = assign_alloc(&inner.inventory, &inner.assignments, alloc, tasks)?;
+        if !devices.is_empty() && !inner.assignments.contains_key(alloc) {
+            inner.assignments.insert(alloc.clone(), devices.clone());
+            drop(inner);
+            self.bump();
+        }
+        Ok(devices)
+    }
+
+    /// Frees everything `alloc` holds; waiting allocs are woken to try again.
+    pub fn release(&self, alloc: &Name) {
+        let freed = self.inner().assignments.remove(alloc).is_some();
+        if freed {
+            self.bump();
+        }
+    }
+
+    /// What `alloc` holds.
+    pub fn held(&self, alloc: &Name) -> AllocDevices {
+        self.inner()
+            .assignments
+            .get(alloc)
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// Whether every plugin reported at least once, so that a device no plugin reports
+    /// is unknown rather than not reported yet.
+    pub fn all_reported(&self) -> bool {
+        let inner = self.inner();
+        self.plugins
+            .keys()
+            .all(|name| inner.reported.contains(name))
+    }
+
+    /// Each device's health as the node sees it (`None`: no plugin reports it).
+    pub fn health(&self, devices: &[AssignedDevice]) -> Vec<Option<DeviceHealth>> {
+        let inner = self.inner();
+        devices.iter().map(|d| inner.inventory.health(d)).collect()
+    }
+
+    /// Every device with its health and holder, for the node's status.
+    pub fn node_devices(&self) -> Vec<DeviceGroupStatus> {
+        let inner = self.inner();
+        node_devices(&inner.inventory, &inner.assignments)
+    }
+
+    /// What a task holding `devices` gets: `STEAD_DEVICE_<TYPE>_IDS` and each owning
+    /// plugin's reservation.
+    pub async fn reservation(
+        &self,
+        devices: &[AssignedDevice],
+    ) -> Result<Reservation, PluginError> {
+        let mut reservations = Vec::new();
+        for (plugin, owned) in self.by_plugin(devices) {
+            reservations.push(plugin.reserve(&owned).await?);
+        }
+        Ok(task_reservation(devices, &reservations))
+    }
+
+    /// The stats of `alloc`'s devices: each plugin is asked once for the instances it
+    /// owns, and the answers are indexed by instance, so the cost follows what the alloc
+    /// holds, never what the host has.
+    pub async fn alloc_stats(&self, devices: &AllocDevices) -> AllocDeviceStats<DeviceStats> {
+        let held: Vec<AssignedDevice> = devices.values().flatten().cloned().collect();
+        let mut index: HashMap<AssignedDevice, DeviceStats> = HashMap::new();
+        for (plugin, owned) in self.by_plugin(&held) {
+            match plugin.stats(&owned).await {
+                Ok(stats) => index.extend(stats),
+                Err(error) => tracing::debug!(error = %error, "no device stats"),
+            }
+        }
+        alloc_device_stats(devices, |device| index.get(device).cloned())
+    }
+
+    /// `devices` grouped by the plugin that reports each (unreported ones are left out).
+    fn by_plugin(
+        &self,
+        devices: &[AssignedDevice],
+    ) -> Vec<(Arc<dyn DevicePlugin>, Vec<AssignedDevice>)> {
+        let owners: Vec<Option<Name>> = {
+            let inner = self.inner();
+            devices
+                .iter()
+                .map(|d| inner.inventory.owner(&d.group).cloned())
+                .collect()
+        };
+        let mut grouped: BTreeMap<Name, Vec<AssignedDevice>> = BTreeMap::new();
+        for (device, owner) in devices.iter().zip(owners) {
+            if let Some(owner) = owner {
+                grouped.entry(owner).or_default().push(device.clone());
+            }
+        }
+        grouped
+            .into_iter()
+            .filter_map(|(name, owned)| Some((self.plugins.get(&name)?.clone(), owned)))
+            .collect()
+    }
+
+    /// Takes a fingerprint from `plugin`; an invalid one is refused with why (the
+    /// plugin's devices turn unhealthy).
+    fn report(&self, plugin: &Name, fingerprint: &DeviceFingerprint) -> Result<(), String> {
+        let result = {
+            let mut inner = self.inner();
+            let result = inner.inventory.report(plugin, fingerprint);
+            if result.is_ok() {
+                inner.reported.insert(plugin.clone());
+            }
+            result
+        };
+        self.bump();
+        result.map_err(|error| {
+            tracing::error!(plugin = %plugin, error = %error, "invalid device fingerprint");
+            error.to_string()
+        })
+    }
+
+    fn plugin_failed(&self, plugin: &Name, reason: &str) {
+        tracing::warn!(plugin = %plugin, reason, "device plugin failed; its devices are unhealthy");
+        self.inner().inventory.plugin_failed(plugin, reason);
+        self.bump();
+    }
+}
+
+/// Runs `plugin` until the manager is gone: starts it, feeds its fingerprints to the
+/// inventory, and when it stops or sends an invalid fingerprint, fails its devices and
+/// starts it again after a backoff.
+async fn supervise(manager: Weak<DeviceManager>, plugin: Arc<dyn DevicePlugin>) {
+    let name = plugin.name().clone();
+    let backoff = || {
+        backon::ExponentialBuilder::default()
+            .with_min_delay(RESTART_MIN)
+            .with_max_delay(RESTART_MAX)
+            .with_jitter()
+            .without_max_times()
+            .build()
+    };
+    let mut delays = backoff();
+    loop {
+        let why = match plugin.start().await {
+            Ok(mut fingerprints) => loop {
+                let Some(fingerprint) = fingerprints.recv().await else {
+                    break "it stopped reporting".to_owned();
+                };
+                let Some(manager) = manager.upgrade() else {
+                    return;
+                };
+                if let Err(invalid) = manager.report(&name, &fingerprint) {
+                    break invalid;
+                }
+                delays = backoff();
+            },
+            Err(error) => error.message,
+        };
+        let Some(manager) = manager.upgrade() else {
+            return;
+        };
+        manager.plugin_failed(&name, &why);
+        drop(manager);
+        let delay = delays.next().unwrap_or(RESTART_MAX);
+        tokio::time::sleep(delay).await;
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use stead_schemas::config::{StaticDeviceGroup, StaticDeviceInstance};
+
+    use super::*;
+
+    fn plugin(ids: &[&str]) -> Arc<dyn DevicePlugin> {
+        let group = StaticDeviceGroup {
+            vendor: "acme".to_owned(),
+            device_type: "gpu".to_owned(),
+            name: "a1".to_owned(),
+            health_dir: None,
+            instances: ids
+                .iter()
+                .map(|id| StaticDeviceInstance {
+                    id: (*id).to_owned(),
+                })
+                .collect(),
+        };
+        Arc::new(StaticPlugin::new(vec![group], Duration::from_secs(1)).expect("valid config"))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_invalid_fingerprint_is_refused_and_the_plugin_restarted_with_growing_delays() {
+        let manager = Arc::new(DeviceManager::new(vec![plugin(&["gpu0", "gpu0"])]));
+        let changes = manager.subscribe();
+        manager.start();
+        tokio::time::sleep(Duration::from_secs(60)).await;
+        // Each attempt is one refused report and one failure: two changes.
+        let attempts = *changes.borrow() / 2;
+        // 0.5 s doubling, jittered, capped at 30 s: a handful in a minute, not one per
+        // poll.
+        assert!((4..=9).contains(&attempts), "{attempts} attempts in 60 s");
+        assert!(!manager.all_reported());
+        assert!(manager.node_devices().is_empty(), "nothing of it is known");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_valid_plugin_reports_once_and_its_devices_can_be_acquired_and_released() {
+        let manager = Arc::new(DeviceManager::new(vec![plugin(&["gpu0"])]));
+        let mut changes = manager.subscribe();
+        manager.start();
+        changes.changed().await.expect("a report");
+        assert!(manager.all_reported());
+        let alloc: Name = "web".parse().expect("a name");
+        let request = [DeviceRequest {
+            name: "acme/gpu".parse().expect("a device name"),
+            count: None,
+        }];
+        let tasks = [("t".parse().expect("a name"), &request[..])];
+        let held = manager.acquire(&alloc, &tasks).expect("free");
+        assert_eq!(manager.held(&alloc), held);
+        let other: Name = "other".parse().expect("a name");
+        assert!(manager.acquire(&other, &tasks).is_err(), "taken");
+        manager.release(&alloc);
+        assert!(manager.acquire(&other, &tasks).is_ok(), "free again");
+    }
+}
