@@ -44,6 +44,7 @@ bench: deps
 	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 	target/release/stead-bench exec 500
 	target/release/stead-bench store 1000 10 3
+	target/release/stead-bench devices 1000 64 201
 	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
 	  target/release/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
 

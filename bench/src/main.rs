@@ -6,6 +6,7 @@
 //! tasks take a second to exit. Real time, release build, the machine's two cores.
 
 mod api;
+mod devices;
 mod exec;
 mod peers;
 mod store;
@@ -195,8 +196,9 @@ fn main() -> anyhow::Result<()> {
         "exec" => exec::run(&runtime),
         "store" => store::run(&runtime),
         "peers" => peers::run_peers(),
+        "devices" => devices::run(allocs, idle.as_secs() as usize, tick.as_millis() as usize),
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]`"
         ),
     }
 }
