@@ -293,7 +293,7 @@ impl<'t> Manager<'t> {
                 std::fs::write(
                     &config,
                     format!(
-                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 1s\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
+                        "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
                         specs.display(),
                         dir.join("data").display()
                     ),

@@ -19,7 +19,7 @@ use crate::driver::{Driver, Drivers};
 use crate::gc::GcSettings;
 use crate::logging::{LogFormat, init_logging};
 use crate::metrics::Metrics;
-use crate::node::{Node, NodeConfig};
+use crate::node::{DEFAULT_TICK, Node, NodeConfig};
 use crate::queue::Shutdown;
 use crate::source::{ListingCache, Syncer, list_specs_cached};
 use crate::store::rocks::OpenError;
@@ -217,7 +217,7 @@ impl Settings {
             gc: gc_settings(config.gc.as_ref()),
             node: NodeConfig {
                 limits,
-                tick: config.tick.map_or(Duration::from_secs(1), |d| d.get()),
+                tick: config.tick.map_or(DEFAULT_TICK, |d| d.get()),
                 seed: None,
                 fingerprint_period: Duration::from_secs(15),
                 devices: Arc::new(crate::devices::DeviceManager::new(plugins)),
