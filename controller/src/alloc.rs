@@ -468,6 +468,7 @@ impl Worker {
         };
         current.desired.devices_unavailable = None;
         if !current.devices.is_empty() || !current.desired.run || current.state.is_terminal() {
+            current.device_error = None;
             return;
         }
         let requests = current.device_requests();
