@@ -30,7 +30,7 @@ use thiserror::Error;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::driver::{Driver, DriverError, LogLimits, StartRequest, TaskHandle};
+use crate::driver::{DeviceAccess, Driver, DriverError, LogLimits, StartRequest, TaskHandle};
 use crate::node::{AllocFacts, Shared};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store;
@@ -128,6 +128,8 @@ struct Current {
     /// Why the devices are not assigned yet, when the devices are unknown: shown as the
     /// alloc's spec error.
     device_error: Option<String>,
+    /// Whether any task requests devices.
+    needs_devices: bool,
 }
 
 impl Current {
@@ -135,6 +137,12 @@ impl Current {
     /// and failures its state already holds counted.
     fn new(spec: Arc<ValidSpec>, desired: AllocDesired, state: AllocState) -> Self {
         let counted = outcomes(&state);
+        let needs_devices = spec.spec.spec.tasks.iter().any(|task| {
+            task.resources
+                .as_ref()
+                .and_then(|r| r.devices.as_ref())
+                .is_some_and(|d| !d.is_empty())
+        });
         Current {
             spec,
             desired,
@@ -143,6 +151,7 @@ impl Current {
             saved: None,
             published: None,
             counted,
+            needs_devices,
             devices: AllocDevices::new(),
             device_error: None,
         }
@@ -217,6 +226,9 @@ pub(crate) struct Worker {
     store_retry: Option<StoreRetry>,
     /// A garbage collection request waiting to be carried out.
     collect: Option<oneshot::Sender<Result<(), CommandError>>>,
+    /// The device manager still holds a replaced revision's devices for this alloc, for
+    /// the current revision's first ask.
+    devices_handed_on: bool,
 }
 
 impl Worker {
@@ -243,6 +255,7 @@ impl Worker {
             broken: None,
             store_retry: None,
             collect: None,
+            devices_handed_on: false,
         };
         match start {
             Start::Fresh(target) => worker.target = target,
@@ -467,15 +480,23 @@ impl Worker {
             return;
         };
         current.desired.devices_unavailable = None;
-        if !current.devices.is_empty() || !current.desired.run || current.state.is_terminal() {
+        if !current.devices.is_empty() {
+            return;
+        }
+        let wants = current.needs_devices && current.desired.run && !current.state.is_terminal();
+        let manager = &self.shared.config.devices;
+        if !wants {
             current.device_error = None;
+            if self.devices_handed_on {
+                // A previous revision's devices that this one will not use.
+                manager.release(&self.name);
+                self.devices_handed_on = false;
+            }
             return;
         }
         let requests = current.device_requests();
-        if requests.iter().all(|(_, r)| r.is_empty()) {
-            return;
-        }
-        let manager = &self.shared.config.devices;
+        // Whatever the outcome, the manager now holds for this alloc exactly `devices`.
+        self.devices_handed_on = false;
         match manager.acquire(&self.name, &requests) {
             Ok(devices) => {
                 for (task, held) in &devices {
@@ -498,16 +519,26 @@ impl Worker {
     }
 
     /// Frees the current revision's devices once it is terminal and nothing of it is in
-    /// flight; a revision that runs again asks anew.
+    /// flight; a revision that runs again asks anew. A revision being replaced hands its
+    /// devices on instead: the manager keeps them for the next revision's first ask.
     fn release_devices(&mut self) {
         let Some(current) = self.current.as_mut() else {
             return;
         };
-        if !current.devices.is_empty() && current.state.is_terminal() && self.ops.is_empty() {
-            self.shared.config.devices.release(&self.name);
-            current.devices.clear();
-            tracing::info!("devices released");
+        if current.devices.is_empty() || !current.state.is_terminal() || !self.ops.is_empty() {
+            return;
         }
+        current.devices.clear();
+        let replaced =
+            matches!(&self.target, Target::Spec(spec) if spec.revision != current.spec.revision);
+        if replaced {
+            // The next revision starts now and asks first, with these preferred: no other
+            // alloc can take them in between. It frees them if it does not ask.
+            self.devices_handed_on = true;
+            return;
+        }
+        self.shared.config.devices.release(&self.name);
+        tracing::info!("devices released");
     }
 
     /// Whether the current revision's tasks should run.
@@ -606,9 +637,12 @@ impl Worker {
             .flatten()
             .map(|(k, v)| (k.as_str().to_owned(), v.clone()))
             .collect();
-        env.insert("STEAD_ALLOC_ID".to_owned(), current.spec.id.to_string());
-        env.insert("STEAD_ALLOC_NAME".to_owned(), self.name.to_string());
-        env.insert("STEAD_TASK_NAME".to_owned(), task.to_string());
+        let agent_env = [
+            ("STEAD_ALLOC_ID", current.spec.id.to_string()),
+            ("STEAD_ALLOC_NAME", self.name.to_string()),
+            ("STEAD_TASK_NAME", task.to_string()),
+        ];
+        env.extend(agent_env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
         let (max_files, max_file_size_mb) = spec.effective_logs();
         let held = current.devices.get(&task).cloned().unwrap_or_default();
         let mut request = StartRequest {
@@ -621,6 +655,7 @@ impl Worker {
                 max_files,
                 max_file_size_mb,
             },
+            devices: DeviceAccess::default(),
         };
         let kind = match &spec.config {
             DriverConfig::Exec(_) => stead_schemas::spec::DriverKind::Exec,
@@ -652,7 +687,17 @@ impl Worker {
             if !held.is_empty() {
                 // The devices' env goes over the spec's: the ids are the agent's to set.
                 match devices.reservation(&held).await {
-                    Ok(reservation) => request.env.extend(reservation.env),
+                    Ok(reservation) => {
+                        // Over the spec's env, under the agent's own variables.
+                        request.env.extend(reservation.env);
+                        request
+                            .env
+                            .extend(agent_env.map(|(k, v)| (k.to_owned(), v)));
+                        request.devices = DeviceAccess {
+                            mounts: reservation.mounts,
+                            device_nodes: reservation.device_nodes,
+                        };
+                    }
                     Err(error) => {
                         let error = DriverError::Start {
                             alloc_id: request.alloc_id.clone(),

@@ -382,33 +382,39 @@ pub fn assign(
         return Ok(held.clone());
     }
     let held = held_devices(assignments);
-    choose(inventory, &held, requests)
+    choose(inventory, &held, &HashSet::new(), requests)
 }
 
-/// The devices for every task of `alloc` that requests some, all or none: what the alloc
-/// already holds (kept as it is), or else [`assign`]'s choice for each task in the order
-/// given, no instance chosen twice. Tasks that request nothing get no entry. The first
-/// request that cannot be met fails the whole alloc, so an alloc never sits on part of
-/// what it needs while it waits for the rest.
+/// The devices for every task of `alloc` that requests some, all or none: [`assign`]'s
+/// choice for each task in the order given, no instance chosen twice. What `alloc`
+/// holds already (an earlier revision's devices, handed on) counts as free for it and is
+/// chosen first, so an edited spec keeps its devices where it can. Tasks that request
+/// nothing get no entry. The first request that cannot be met fails the whole alloc, so
+/// an alloc never sits on part of what it needs while it waits for the rest.
 pub fn assign_alloc(
     inventory: &DeviceInventory,
     assignments: &Assignments,
     alloc: &Name,
     tasks: &[(Name, &[DeviceRequest])],
 ) -> Result<AllocDevices, DeviceUnavailable> {
-    if let Some(held) = assignments.get(alloc) {
-        return Ok(held.clone());
-    }
-    let base = held_devices(assignments);
+    let own: HashSet<&AssignedDevice> = assignments
+        .get(alloc)
+        .map(|held| held.values().flatten().collect())
+        .unwrap_or_default();
+    let others: HashSet<&AssignedDevice> = assignments
+        .iter()
+        .filter(|(holder, _)| *holder != alloc)
+        .flat_map(|(_, tasks)| tasks.values().flatten())
+        .collect();
     let mut choices: Vec<(Name, Vec<AssignedDevice>)> = Vec::new();
     for (task, requests) in tasks {
         if requests.is_empty() {
             continue;
         }
         let chosen = {
-            let mut taken = base.clone();
+            let mut taken = others.clone();
             taken.extend(choices.iter().flat_map(|(_, devices)| devices));
-            choose(inventory, &taken, requests)?
+            choose(inventory, &taken, &own, requests)?
         };
         choices.push((task.clone(), chosen));
     }
@@ -423,10 +429,12 @@ fn held_devices(assignments: &Assignments) -> HashSet<&AssignedDevice> {
         .collect()
 }
 
-/// Instances for every request among healthy ones not in `held`.
+/// Instances for every request among healthy ones not in `held`, those in `prefer`
+/// first.
 fn choose(
     inventory: &DeviceInventory,
     held: &HashSet<&AssignedDevice>,
+    prefer: &HashSet<&AssignedDevice>,
     requests: &[DeviceRequest],
 ) -> Result<Vec<AssignedDevice>, DeviceUnavailable> {
     // Exact requests first, so `nvidia/gpu` does not take the only `nvidia/gpu/a100`.
@@ -460,6 +468,8 @@ fn choose(
                 request: request.name.clone(),
             });
         }
+        // Stable: within each kind, (group id, instance id) order stays.
+        free.sort_by_key(|device| !prefer.contains(device));
         let wanted = usize::try_from(requested).expect("a u32 fits in usize");
         if free.len() < wanted {
             return Err(DeviceUnavailable::NotNow {
@@ -1246,10 +1256,32 @@ mod tests {
                 expected: Err("2 × nvidia/gpu requested, 1 healthy and free"),
             },
             Case {
-                what: "what the alloc holds is kept as it is",
+                what: "what the alloc holds already is chosen first",
                 held: held(&[("web", "a", &[("nvidia/gpu/a100", "gpu1")])]),
                 tasks: vec![("a", &one)],
                 expected: Ok(vec![("a", vec![dev("nvidia/gpu/a100", "gpu1")])]),
+            },
+            Case {
+                what: "an edited alloc asking for more keeps what it held and adds to it",
+                held: held(&[("web", "old", &[("nvidia/gpu/a100", "gpu1")])]),
+                tasks: vec![("a", &two)],
+                expected: Ok(vec![(
+                    "a",
+                    vec![
+                        dev("nvidia/gpu/a100", "gpu0"),
+                        dev("nvidia/gpu/a100", "gpu1"),
+                    ],
+                )]),
+            },
+            Case {
+                what: "an edited alloc asking for fewer keeps one of the instances it held",
+                held: held(&[(
+                    "web",
+                    "a",
+                    &[("nvidia/gpu/a100", "gpu1"), ("nvidia/gpu/a100", "gpu0")],
+                )]),
+                tasks: vec![("a", &one)],
+                expected: Ok(vec![("a", vec![dev("nvidia/gpu/a100", "gpu0")])]),
             },
             Case {
                 what: "an alloc that requests nothing gets nothing",

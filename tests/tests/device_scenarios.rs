@@ -178,6 +178,59 @@ async fn placement_waits_for_a_free_device_and_proceeds_when_its_holder_stops() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn task_restarts_and_spec_edits_keep_the_devices_from_a_waiting_alloc_until_the_spec_stops_asking()
+ {
+    let health = tempfile::tempdir().expect("temp dir");
+    let mock = MockDriver::new(clock());
+    let node = node(gpus(health.path(), &["gpu0"]), memory(), &mock);
+    let train = |generation: u32, devices: &str| {
+        alloc(
+            "train",
+            &format!(
+                "  restart: {{attempts: 1000, interval: 1h, delay: 1s, mode: delay}}\n  tasks:\n    - name: t\n      driver: mock\n      config: {{runFor: 3s}}\n      env: {{GENERATION: '{generation}'}}\n{devices}"
+            ),
+        )
+    };
+    let one_gpu = "      resources: {devices: [{name: acme/gpu}]}\n";
+    node.apply(train(1, one_gpu));
+    until(&node, "train runs", |n| running(n, "train")).await;
+    node.apply(wants("other", "acme/gpu", 1));
+    until(&node, "other waits", |n| {
+        waiting_for_devices(n, "other").is_some()
+    })
+    .await;
+
+    until(&node, "train's task restarted twice", |n| {
+        running(n, "train") && status(n, "train").tasks["t"].restarts >= 2
+    })
+    .await;
+    assert_eq!(held(&node, "train", "t"), ["gpu0"], "kept across restarts");
+    assert!(waiting_for_devices(&node, "other").is_some());
+
+    let first = status(&node, "train").revision.clone();
+    node.apply(train(2, one_gpu));
+    until(&node, "the new revision runs", |n| {
+        running(n, "train") && status(n, "train").revision != first
+    })
+    .await;
+    assert_eq!(
+        held(&node, "train", "t"),
+        ["gpu0"],
+        "handed to the new revision"
+    );
+    assert!(waiting_for_devices(&node, "other").is_some());
+
+    node.apply(train(3, ""));
+    until(&node, "other runs once train no longer asks", |n| {
+        running(n, "other")
+    })
+    .await;
+    assert_eq!(held(&node, "other", "t"), ["gpu0"]);
+    assert!(status(&node, "train").tasks["t"].devices.is_empty());
+    node.shutdown(Shutdown::Detach).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn an_unhealthy_device_flags_its_running_holder_which_keeps_running_and_is_never_assigned_again_until_healthy()
  {
     let health = tempfile::tempdir().expect("temp dir");

@@ -12,7 +12,9 @@ use exec_support::{
     running_as_root, stat_field,
 };
 use stead_controller::driver::exec::ExecDriver;
-use stead_controller::driver::{Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle};
+use stead_controller::driver::{
+    DeviceAccess, Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle,
+};
 use stead_schemas::spec::{DriverConfig, DriverKind, ExecConfig, Name};
 use stead_schemas::{AllocId, Revision};
 
@@ -35,6 +37,7 @@ fn request(alloc: &str, command: &str, args: &[&str], user: Option<&str>) -> Sta
             max_files: 2,
             max_file_size_mb: 1,
         },
+        devices: DeviceAccess::default(),
     }
 }
 
@@ -58,6 +61,54 @@ async fn stop(driver: &ExecDriver, handle: &TaskHandle) {
         .expect("the task ends after a kill");
     assert_eq!(exit.signal, Some(9));
     driver.destroy(handle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn device_paths_are_given_where_they_are_and_a_moved_or_missing_one_fails_the_start() {
+    use stead_reconcilers::device::DeviceNode;
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    let node = |host: &str, task: &str| DeviceNode {
+        host_path: host.into(),
+        task_path: task.into(),
+        permissions: "rw".to_owned(),
+    };
+    let with = |alloc: &str, nodes: Vec<DeviceNode>| StartRequest {
+        devices: DeviceAccess {
+            mounts: Vec::new(),
+            device_nodes: nodes,
+        },
+        ..shell(alloc, "exec sleep 1000")
+    };
+    let handle = driver
+        .start(with("in-place", vec![node("/dev/null", "/dev/null")]))
+        .await
+        .expect("a device node at its own place is given as it is");
+    stop(&driver, &handle).await;
+
+    let moved = driver
+        .start(with("moved", vec![node("/dev/null", "/dev/gpu0")]))
+        .await
+        .expect_err("the exec driver cannot move a path");
+    assert!(!moved.is_recoverable());
+    let text = moved.to_string();
+    assert!(
+        text.contains("/dev/null") && text.contains("/dev/gpu0"),
+        "{text}"
+    );
+
+    let missing = driver
+        .start(with(
+            "missing",
+            vec![node("/dev/stead-no-such", "/dev/stead-no-such")],
+        ))
+        .await
+        .expect_err("a missing device node fails the start");
+    assert!(missing.is_recoverable(), "the plugin may bring it back");
+    assert!(
+        missing.to_string().contains("/dev/stead-no-such"),
+        "{missing}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

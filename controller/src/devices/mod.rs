@@ -5,7 +5,8 @@
 //! plugin runs under a supervision loop: its fingerprints go through validation into
 //! the inventory; an invalid fingerprint or a plugin that stops (its stream ends) turns
 //! its devices unhealthy at once, and the plugin is started again with exponential
-//! backoff until it reports a valid fingerprint. Every change bumps a version that the
+//! backoff (which starts over once a plugin stayed up a minute). Dropping the manager
+//! stops every plugin. Every change bumps a version that the
 //! node watches to wake its workers, so an alloc waiting for a device is placed as soon
 //! as one is free and healthy.
 //!
@@ -30,6 +31,7 @@ use stead_schemas::api::DeviceGroupStatus;
 use stead_schemas::device::{AssignedDevice, DeviceFingerprint, DeviceHealth};
 use stead_schemas::spec::{DeviceRequest, Name};
 use tokio::sync::{mpsc, watch};
+use tokio_util::sync::CancellationToken;
 
 use crate::driver::BoxFuture;
 
@@ -71,10 +73,13 @@ pub trait DevicePlugin: Send + Sync + 'static {
 }
 
 /// The first wait before a failed plugin is started again; it doubles up to
-/// [`RESTART_MAX`], and is reset by a valid fingerprint.
+/// [`RESTART_MAX`], and starts over once a plugin stayed up [`STABLE_AFTER`].
 pub const RESTART_MIN: Duration = Duration::from_millis(500);
 /// The longest wait between restarts of a failed plugin.
 pub const RESTART_MAX: Duration = Duration::from_secs(30);
+/// A plugin that ran this long before it failed is restarted after [`RESTART_MIN`]
+/// again.
+pub const STABLE_AFTER: Duration = Duration::from_secs(60);
 
 struct Inner {
     inventory: DeviceInventory,
@@ -90,6 +95,14 @@ pub struct DeviceManager {
     inner: Mutex<Inner>,
     version: watch::Sender<u64>,
     started: AtomicBool,
+    /// Stops the plugins' supervision loops (and so the plugins) when the manager goes.
+    stop: CancellationToken,
+}
+
+impl Drop for DeviceManager {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
 }
 
 impl std::fmt::Debug for DeviceManager {
@@ -122,6 +135,7 @@ impl DeviceManager {
             }),
             version,
             started: AtomicBool::new(false),
+            stop: CancellationToken::new(),
         }
     }
 
@@ -146,7 +160,11 @@ impl DeviceManager {
             return;
         }
         for plugin in self.plugins.values() {
-            tokio::spawn(supervise(Arc::downgrade(self), plugin.clone()));
+            tokio::spawn(supervise(
+                Arc::downgrade(self),
+                plugin.clone(),
+                self.stop.child_token(),
+            ));
         }
     }
 
@@ -159,21 +177,29 @@ impl DeviceManager {
         self.bump();
     }
 
-    /// The devices for `tasks` of `alloc`, all or none: what it holds, or a new choice
-    /// among healthy, free instances, recorded before the lock is let go.
+    /// The devices for `tasks` of `alloc`, all or none, among healthy instances nobody
+    /// else holds, recorded before the lock is let go. What the alloc holds already (its
+    /// previous revision's, handed on) is preferred; when the new choice cannot be made,
+    /// that is freed too, so a waiting alloc sits on nothing.
     pub fn acquire(
         &self,
         alloc: &Name,
         tasks: &[(Name, &[DeviceRequest])],
     ) -> Result<AllocDevices, DeviceUnavailable> {
         let mut inner = self.inner();
-        let devices = assign_alloc(&inner.inventory, &inner.assignments, alloc, tasks)?;
-        if !devices.is_empty() && !inner.assignments.contains_key(alloc) {
-            inner.assignments.insert(alloc.clone(), devices.clone());
-            drop(inner);
-            self.bump();
+        let result = assign_alloc(&inner.inventory, &inner.assignments, alloc, tasks);
+        let before = inner.assignments.get(alloc).cloned();
+        let after = result.as_ref().ok().filter(|d| !d.is_empty()).cloned();
+        if before == after {
+            return result;
         }
-        Ok(devices)
+        match &after {
+            Some(devices) => inner.assignments.insert(alloc.clone(), devices.clone()),
+            None => inner.assignments.remove(alloc),
+        };
+        drop(inner);
+        self.bump();
+        result
     }
 
     /// Frees everything `alloc` holds; waiting allocs are woken to try again.
@@ -294,7 +320,11 @@ impl DeviceManager {
 /// Runs `plugin` until the manager is gone: starts it, feeds its fingerprints to the
 /// inventory, and when it stops or sends an invalid fingerprint, fails its devices and
 /// starts it again after a backoff.
-async fn supervise(manager: Weak<DeviceManager>, plugin: Arc<dyn DevicePlugin>) {
+async fn supervise(
+    manager: Weak<DeviceManager>,
+    plugin: Arc<dyn DevicePlugin>,
+    stop: CancellationToken,
+) {
     let name = plugin.name().clone();
     let backoff = || {
         backon::ExponentialBuilder::default()
@@ -306,28 +336,42 @@ async fn supervise(manager: Weak<DeviceManager>, plugin: Arc<dyn DevicePlugin>) 
     };
     let mut delays = backoff();
     loop {
-        let why = match plugin.start().await {
-            Ok(mut fingerprints) => loop {
-                let Some(fingerprint) = fingerprints.recv().await else {
-                    break "it stopped reporting".to_owned();
-                };
-                let Some(manager) = manager.upgrade() else {
-                    return;
-                };
-                if let Err(invalid) = manager.report(&name, &fingerprint) {
-                    break invalid;
-                }
-                delays = backoff();
-            },
-            Err(error) => error.message,
+        let started = tokio::time::Instant::now();
+        let run = async {
+            match plugin.start().await {
+                Ok(mut fingerprints) => loop {
+                    let Some(fingerprint) = fingerprints.recv().await else {
+                        break "it stopped reporting".to_owned();
+                    };
+                    let Some(manager) = manager.upgrade() else {
+                        break "the node is gone".to_owned();
+                    };
+                    if let Err(invalid) = manager.report(&name, &fingerprint) {
+                        break invalid;
+                    }
+                },
+                Err(error) => error.message,
+            }
+        };
+        let why = tokio::select! {
+            why = run => why,
+            () = stop.cancelled() => return,
         };
         let Some(manager) = manager.upgrade() else {
             return;
         };
         manager.plugin_failed(&name, &why);
         drop(manager);
+        // A plugin that stayed up a while starts over from the shortest delay; one that
+        // keeps dying right after reporting backs off further each time.
+        if started.elapsed() >= STABLE_AFTER {
+            delays = backoff();
+        }
         let delay = delays.next().unwrap_or(RESTART_MAX);
-        tokio::time::sleep(delay).await;
+        tokio::select! {
+            () = tokio::time::sleep(delay) => {}
+            () = stop.cancelled() => return,
+        }
     }
 }
 
@@ -353,9 +397,59 @@ mod tests {
         Arc::new(StaticPlugin::new(vec![group], Duration::from_secs(1)).expect("valid config"))
     }
 
+    /// A plugin that reports one fixed fingerprint on every start, then stays quiet.
+    struct Fixed {
+        name: Name,
+        fingerprint: DeviceFingerprint,
+    }
+
+    impl DevicePlugin for Fixed {
+        fn name(&self) -> &Name {
+            &self.name
+        }
+        fn start(&self) -> BoxFuture<'_, Result<mpsc::Receiver<DeviceFingerprint>, PluginError>> {
+            let fingerprint = self.fingerprint.clone();
+            Box::pin(async move {
+                let (tx, rx) = mpsc::channel(1);
+                tokio::spawn(async move {
+                    let _ = tx.send(fingerprint).await;
+                    tx.closed().await;
+                });
+                Ok(rx)
+            })
+        }
+        fn stats(
+            &self,
+            _: &[AssignedDevice],
+        ) -> BoxFuture<'_, Result<HashMap<AssignedDevice, DeviceStats>, PluginError>> {
+            Box::pin(async { Ok(HashMap::new()) })
+        }
+        fn reserve(&self, _: &[AssignedDevice]) -> BoxFuture<'_, Result<Reservation, PluginError>> {
+            Box::pin(async { Ok(Reservation::default()) })
+        }
+    }
+
     #[tokio::test(start_paused = true)]
     async fn an_invalid_fingerprint_is_refused_and_the_plugin_restarted_with_growing_delays() {
-        let manager = Arc::new(DeviceManager::new(vec![plugin(&["gpu0", "gpu0"])]));
+        let instance = |id: &str| stead_schemas::device::DeviceInstanceFingerprint {
+            id: id.to_owned(),
+            health: DeviceHealth::Healthy,
+            attributes: BTreeMap::new(),
+        };
+        let duplicate_ids = DeviceFingerprint {
+            groups: vec![stead_schemas::device::DeviceGroupFingerprint {
+                vendor: "acme".to_owned(),
+                device_type: "gpu".to_owned(),
+                name: "a1".to_owned(),
+                attributes: BTreeMap::new(),
+                instances: vec![instance("gpu0"), instance("gpu0")],
+            }],
+        };
+        let plugin = Fixed {
+            name: "fixed".parse().expect("a name"),
+            fingerprint: duplicate_ids,
+        };
+        let manager = Arc::new(DeviceManager::new(vec![Arc::new(plugin)]));
         let changes = manager.subscribe();
         manager.start();
         tokio::time::sleep(Duration::from_secs(60)).await;
@@ -366,6 +460,30 @@ mod tests {
         assert!((4..=9).contains(&attempts), "{attempts} attempts in 60 s");
         assert!(!manager.all_reported());
         assert!(manager.node_devices().is_empty(), "nothing of it is known");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn dropping_the_manager_stops_its_plugins() {
+        let manager = Arc::new(DeviceManager::new(vec![plugin(&["gpu0"])]));
+        let mut changes = manager.subscribe();
+        manager.start();
+        changes.changed().await.expect("a report");
+        let stop = manager.stop.clone();
+        drop(manager);
+        assert!(stop.is_cancelled());
+        // The supervision loop and the static plugin's poller end: nothing is left to
+        // run, so the runtime goes idle at once.
+        tokio::time::timeout(Duration::from_secs(1), async {
+            while tokio::runtime::Handle::current()
+                .metrics()
+                .num_alive_tasks()
+                > 0
+            {
+                tokio::task::yield_now().await;
+            }
+        })
+        .await
+        .expect("every plugin task ended");
     }
 
     #[tokio::test(start_paused = true)]

@@ -28,7 +28,7 @@ use crate::driver::BoxFuture;
 pub enum StaticPluginError {
     /// An instance id cannot name a file in the health directory.
     #[error(
-        "devices.static[{group}].instances[{instance}].id {id:?} cannot name a health file: it may not contain '/' or be '.' or '..'"
+        "devices.static[{group}].instances[{instance}].id {id:?} cannot name a health file: it may not contain '/', be '.' or '..', or end in '.stats'"
     )]
     InstanceIdNotAFileName {
         /// The group's position.
@@ -38,6 +38,10 @@ pub enum StaticPluginError {
         /// The id.
         id: String,
     },
+    /// The declared devices do not form a valid fingerprint (a missing or invalid vendor,
+    /// type or name, an invalid or repeated instance id, a group declared twice).
+    #[error("devices.static: {0}")]
+    Invalid(#[source] stead_reconcilers::device::FingerprintError),
 }
 
 /// The `static` plugin.
@@ -59,7 +63,7 @@ impl StaticPlugin {
         for (g, group) in groups.iter().enumerate() {
             for (i, instance) in group.instances.iter().enumerate() {
                 let id = instance.id.as_str();
-                if id.contains('/') || id == "." || id == ".." {
+                if id.contains('/') || id == "." || id == ".." || id.ends_with(".stats") {
                     return Err(StaticPluginError::InstanceIdNotAFileName {
                         group: g,
                         instance: i,
@@ -68,11 +72,23 @@ impl StaticPlugin {
                 }
             }
         }
-        Ok(StaticPlugin {
+        let plugin = StaticPlugin {
             name: "static".parse().expect("a valid name"),
             groups,
             interval,
-        })
+        };
+        // What it will report, checked now, so a bad config stops the agent at start
+        // instead of failing the plugin at every restart.
+        let declared = DeviceFingerprint {
+            groups: plugin
+                .groups
+                .iter()
+                .map(|g| declared_group(g, |_| DeviceHealth::Healthy))
+                .collect(),
+        };
+        stead_reconcilers::device::validate_fingerprint(&plugin.name, &declared)
+            .map_err(StaticPluginError::Invalid)?;
+        Ok(plugin)
     }
 
     /// The health directory of the group `device` belongs to.
@@ -88,6 +104,28 @@ impl StaticPlugin {
     }
 }
 
+/// A configured group as a fingerprint group, each instance's health from `health`.
+fn declared_group(
+    group: &StaticDeviceGroup,
+    health: impl Fn(&str) -> DeviceHealth,
+) -> DeviceGroupFingerprint {
+    DeviceGroupFingerprint {
+        vendor: group.vendor.clone(),
+        device_type: group.device_type.clone(),
+        name: group.name.clone(),
+        attributes: BTreeMap::new(),
+        instances: group
+            .instances
+            .iter()
+            .map(|instance| DeviceInstanceFingerprint {
+                id: instance.id.clone(),
+                health: health(&instance.id),
+                attributes: BTreeMap::new(),
+            })
+            .collect(),
+    }
+}
+
 /// The fingerprint now: every group with each instance's health from its file.
 fn read_fingerprint(groups: &[StaticDeviceGroup]) -> Result<DeviceFingerprint, String> {
     let mut fingerprint = DeviceFingerprint::default();
@@ -97,27 +135,12 @@ fn read_fingerprint(groups: &[StaticDeviceGroup]) -> Result<DeviceFingerprint, S
                 format!("cannot read health directory {}: {error}", dir.display())
             })?;
         }
-        let instances = group
-            .instances
-            .iter()
-            .map(|instance| DeviceInstanceFingerprint {
-                id: instance.id.clone(),
-                health: group
-                    .health_dir
-                    .as_ref()
-                    .map_or(DeviceHealth::Healthy, |dir| {
-                        health_from_file(&dir.join(&instance.id))
-                    }),
-                attributes: BTreeMap::new(),
-            })
-            .collect();
-        fingerprint.groups.push(DeviceGroupFingerprint {
-            vendor: group.vendor.clone(),
-            device_type: group.device_type.clone(),
-            name: group.name.clone(),
-            attributes: BTreeMap::new(),
-            instances,
-        });
+        fingerprint.groups.push(declared_group(group, |id| {
+            group
+                .health_dir
+                .as_ref()
+                .map_or(DeviceHealth::Healthy, |dir| health_from_file(&dir.join(id)))
+        }));
     }
     Ok(fingerprint)
 }
@@ -303,8 +326,19 @@ mod tests {
     }
 
     #[test]
+    fn a_config_that_is_no_valid_fingerprint_is_refused_naming_the_field() {
+        let error = StaticPlugin::new(vec![group(None, &["gpu0", "gpu0"])], Duration::from_secs(1))
+            .unwrap_err();
+        assert!(error.to_string().contains("instances[1].id"), "{error}");
+        let mut unnamed = group(None, &["gpu0"]);
+        unnamed.vendor = String::new();
+        let error = StaticPlugin::new(vec![unnamed], Duration::from_secs(1)).unwrap_err();
+        assert!(error.to_string().contains("vendor is required"), "{error}");
+    }
+
+    #[test]
     fn an_instance_id_that_is_not_a_file_name_is_refused() {
-        for bad in ["../x", ".", "..", "a/b"] {
+        for bad in ["../x", ".", "..", "a/b", "gpu0.stats"] {
             let error = StaticPlugin::new(vec![group(None, &["ok", bad])], Duration::from_secs(1))
                 .unwrap_err();
             assert!(error.to_string().contains("instances[1].id"), "{error}");

@@ -607,6 +607,7 @@ mod tests {
                 max_files: 10,
                 max_file_size_mb: 10,
             },
+            devices: crate::driver::DeviceAccess::default(),
         }
     }
 

@@ -36,6 +36,17 @@ pub struct StartRequest {
     pub user: Option<String>,
     /// How much of the task's output to keep (`logs` with its defaults applied).
     pub logs: LogLimits,
+    /// Paths the task's device plugins want it to see: mounts and device nodes.
+    pub devices: DeviceAccess,
+}
+
+/// What a task's devices need besides env: paths their plugins' reserve returned.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DeviceAccess {
+    /// Host paths to mount into the task.
+    pub mounts: Vec<stead_reconcilers::device::DeviceMount>,
+    /// Device nodes to expose to the task.
+    pub device_nodes: Vec<stead_reconcilers::device::DeviceNode>,
 }
 
 /// How much output a task keeps, per stream: `max_files` files of `max_file_size_mb`

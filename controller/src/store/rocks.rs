@@ -596,6 +596,45 @@ mod tests {
     }
 
     #[test]
+    fn released_devices_are_deleted_and_a_newer_devices_part_fails_only_its_alloc() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        let mut record = sample_record("web", 0);
+        assert!(!record.devices.is_empty());
+        store.put_alloc(&record).expect("written");
+        store.put_alloc(&sample_record("api", 0)).expect("written");
+        record.devices.clear();
+        store.put_alloc(&record).expect("written");
+        let devices = |store: &RocksDbStore, name: &str| {
+            store
+                .db
+                .get_cf(store.family(DEVICES), name)
+                .expect("readable")
+        };
+        assert_eq!(devices(&store, "web"), None, "the devices part is gone");
+        store
+            .db
+            .put_cf(
+                store.family(DEVICES),
+                "api",
+                br#"{"version":99,"tasks":{}}"#,
+            )
+            .expect("planted");
+        drop(store);
+        let store = open(dir.path());
+        let loaded = store.load_allocs().expect("loads");
+        let api = loaded[0]
+            .as_ref()
+            .expect_err("api's devices are from the future");
+        assert!(api.to_string().contains("api"), "{api}");
+        assert!(matches!(
+            api.source,
+            RecordError::FutureVersion { found: 99, .. }
+        ));
+        assert_eq!(loaded[1].as_ref().expect("web decodes"), &record);
+    }
+
+    #[test]
     fn a_dropped_handle_is_deleted() {
         let dir = tempfile::tempdir().expect("temp dir");
         let store = open(dir.path());

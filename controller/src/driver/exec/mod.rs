@@ -155,6 +155,14 @@ enum ExecError {
     },
     #[error("{message}")]
     TaskFailed { message: String, recoverable: bool },
+    #[error(
+        "a device plugin wants {} at {} in the task; the exec driver runs tasks in the host's mount namespace, so only a path at its own place can be given",
+        host.display(),
+        task.display()
+    )]
+    DevicePathMoved { host: PathBuf, task: PathBuf },
+    #[error("a device plugin's {} does not exist", path.display())]
+    DevicePathMissing { path: PathBuf },
 }
 
 impl ExecError {
@@ -165,11 +173,39 @@ impl ExecError {
             | ExecError::NulByte { .. }
             | ExecError::UnknownUser { .. }
             | ExecError::RootRefused
-            | ExecError::NeedsRoot { .. } => false,
+            | ExecError::NeedsRoot { .. }
+            | ExecError::DevicePathMoved { .. } => false,
             ExecError::TaskFailed { recoverable, .. } => *recoverable,
             _ => true,
         }
     }
+}
+
+/// The task runs in the host's mount namespace: a device path is given as it is, where
+/// it is, and must exist (a plugin's device node that is gone is worth a retry).
+fn check_device_access(access: &crate::driver::DeviceAccess) -> Result<(), ExecError> {
+    let paths = access
+        .mounts
+        .iter()
+        .map(|m| (&m.host_path, &m.task_path))
+        .chain(
+            access
+                .device_nodes
+                .iter()
+                .map(|n| (&n.host_path, &n.task_path)),
+        );
+    for (host, task) in paths {
+        if host != task {
+            return Err(ExecError::DevicePathMoved {
+                host: host.clone(),
+                task: task.clone(),
+            });
+        }
+        if !host.exists() {
+            return Err(ExecError::DevicePathMissing { path: host.clone() });
+        }
+    }
+    Ok(())
 }
 
 /// What the driver knows of one run.
@@ -362,6 +398,7 @@ impl Inner {
         let DriverConfig::Exec(config) = &request.config else {
             return Err(ExecError::WrongDriver);
         };
+        check_device_access(&request.devices)?;
         let account = self.account_for(request.user.as_deref())?;
         let alloc_dir = self.dirs.alloc(&request.alloc_id);
         let task_dir = alloc_dir
