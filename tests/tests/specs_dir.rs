@@ -5,13 +5,14 @@
 //! The tests in this file run one at a time (they measure latencies on a shared machine)
 //! and synchronise only by polling what the API shows, with deadlines.
 
-use std::io::{Read, Write};
-use std::net::TcpStream;
+mod agent_support;
+
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
+use agent_support::AgentDirs;
 use stead_schemas::api::AllocListItem;
 use stead_schemas::status::AllocStatus;
 
@@ -20,113 +21,54 @@ static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
-/// A `stead agent` process on temporary specs and data directories.
+/// A `stead agent` process on temporary specs and data directories; dropping it drains
+/// it (SIGTERM with `shutdown: drain`), so no task outlives the test.
 struct Agent {
-    child: Child,
-    root: tempfile::TempDir,
+    dirs: AgentDirs,
+    process: Option<agent_support::Agent>,
     specs: PathBuf,
     data: PathBuf,
     address: String,
-}
-
-/// The binary as `<dir>/stead`, with `stead-supervisor` beside it where the exec driver
-/// looks for it.
-fn install_binaries(dir: &Path) -> PathBuf {
-    std::fs::create_dir_all(dir).expect("bin dir");
-    let place = |from: &str, name: &str| {
-        let to = dir.join(name);
-        if std::fs::hard_link(from, &to).is_err() {
-            std::fs::copy(from, &to).expect("binary copied");
-        }
-        to
-    };
-    place(
-        env!("CARGO_BIN_EXE_stead-test-supervisor"),
-        "stead-supervisor",
-    );
-    place(env!("CARGO_BIN_EXE_stead-test-agent"), "stead")
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .expect("a free port")
-        .local_addr()
-        .expect("its address")
-        .port()
 }
 
 impl Agent {
     /// Starts an agent with `config` (YAML keys) added to the test's own, on a specs
     /// directory already holding `files`.
     fn start(config: &str, files: &[(String, String)]) -> Agent {
-        let root = tempfile::tempdir().expect("temp dir");
-        let specs = root.path().join("specs");
-        let data = root.path().join("data");
-        std::fs::create_dir_all(&specs).expect("specs dir");
+        let dirs = AgentDirs::with_config(&format!("shutdown: drain\n{config}"));
         for (file, text) in files {
-            std::fs::write(specs.join(file), text).expect("spec written");
+            std::fs::write(dirs.specs.join(file), text).expect("spec written");
         }
         if !files.is_empty() {
             // Specs that were there before the agent, as on a real node: an hour old.
             let status = Command::new("touch")
                 .args(["-d", "1 hour ago"])
-                .args(files.iter().map(|(f, _)| specs.join(f)))
+                .args(files.iter().map(|(f, _)| dirs.specs.join(f)))
                 .status()
                 .expect("touch runs");
             assert!(status.success());
         }
-        let address = format!("127.0.0.1:{}", free_port());
-        let config_path = root.path().join("agent.yaml");
-        std::fs::write(
-            &config_path,
-            format!(
-                "specsDir: {}\ndataDir: {}\nlisten: {address}\nallowRoot: true\nshutdown: drain\nlogFormat: text\n{config}",
-                specs.display(),
-                data.display()
-            ),
-        )
-        .expect("config written");
-        let binary = install_binaries(&root.path().join("bin"));
-        let log = std::fs::File::create(root.path().join("agent.log")).expect("log file");
-        let child = Command::new(binary)
-            .args(["agent", "--config"])
-            .arg(&config_path)
-            .env("RUST_LOG", "info")
-            .stdout(Stdio::null())
-            .stderr(log)
-            .spawn()
-            .expect("the agent starts");
-        let agent = Agent {
-            child,
-            root,
-            specs,
-            data,
-            address,
-        };
-        agent.until("the api answers", DEADLINE, |a| {
-            a.get("/v1/health").filter(|(code, _)| *code == 200)
-        });
-        agent
+        let process = dirs.start();
+        Agent {
+            specs: dirs.specs.clone(),
+            data: dirs.data.clone(),
+            address: format!("127.0.0.1:{}", dirs.port),
+            process: Some(process),
+            dirs,
+        }
+    }
+
+    fn process(&self) -> &agent_support::Agent {
+        self.process.as_ref().expect("the agent runs")
     }
 
     /// `GET path`: the status code and body, or `None` when the agent does not answer.
     fn get(&self, path: &str) -> Option<(u16, String)> {
-        let mut stream = TcpStream::connect(&self.address).ok()?;
-        write!(
-            stream,
-            "GET {path} HTTP/1.1\r\nHost: stead\r\nConnection: close\r\n\r\n"
-        )
-        .ok()?;
-        let mut response = String::new();
-        stream.read_to_string(&mut response).ok()?;
-        let (head, body) = response.split_once("\r\n\r\n")?;
-        let code = head.split(' ').nth(1)?.parse().ok()?;
-        Some((code, body.to_owned()))
+        self.process().try_get(path)
     }
 
     fn status(&self, name: &str) -> Option<AllocStatus> {
-        let (code, body) = self.get(&format!("/v1/allocs/{name}"))?;
-        (code == 200).then(|| serde_json::from_str(&body).expect("an alloc status"))
+        self.process().status(name)
     }
 
     fn list(&self) -> Vec<AllocListItem> {
@@ -174,29 +116,19 @@ impl Agent {
     }
 
     fn write(&self, file: &str, text: &str) {
-        std::fs::write(self.specs.join(file), text).expect("spec written");
+        std::fs::write(self.dirs.specs.join(file), text).expect("spec written");
     }
 
     fn log(&self) -> String {
-        std::fs::read_to_string(self.root.path().join("agent.log")).unwrap_or_default()
+        self.process().log_text()
     }
 }
 
 impl Drop for Agent {
     fn drop(&mut self) {
-        // SIGTERM, so the agent drains (the config says so) and no task outlives the test.
-        let _ = Command::new("kill")
-            .args(["-TERM", &self.child.id().to_string()])
-            .status();
-        let start = Instant::now();
-        while start.elapsed() < Duration::from_secs(20) {
-            if let Ok(Some(_)) = self.child.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(10));
+        if let Some(process) = self.process.take() {
+            let _ = process.terminate();
         }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

@@ -42,8 +42,15 @@ pub struct AgentDirs {
 }
 
 impl AgentDirs {
-    /// Fresh directories and a config with `extra` YAML lines appended.
+    /// Fresh directories and a config with a quick tick and resync, and `extra` YAML
+    /// lines appended.
     pub fn new(extra: &str) -> Self {
+        Self::with_config(&format!("tick: 200ms\nresync: 500ms\n{extra}"))
+    }
+
+    /// Fresh directories and a config of the directories, the port, `allowRoot` and
+    /// text logs, with `lines` appended (every other key at its default).
+    pub fn with_config(lines: &str) -> Self {
         let root = tempfile::tempdir().expect("temp dir");
         let specs = root.path().join("specs");
         let data = root.path().join("data");
@@ -51,7 +58,7 @@ impl AgentDirs {
         let port = free_port();
         let config = root.path().join("agent.yaml");
         let text = format!(
-            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntick: 200ms\nresync: 500ms\nallowRoot: {}\nlogFormat: text\n{extra}",
+            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\nallowRoot: {}\nlogFormat: text\n{lines}",
             specs.display(),
             data.display(),
             running_as_root(),
