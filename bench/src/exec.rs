@@ -52,29 +52,6 @@ fn percentile(values: &mut [Duration], p: f64) -> Duration {
 }
 
 /// Spawns `tasks` `sleep 3600` in a loop, as bare as it gets; the time it took.
-fn bare_loop(clock: &Clock, tasks: usize) -> anyhow::Result<Duration> {
-    use std::os::unix::process::CommandExt;
-    let start = clock.instant();
-    let mut children = Vec::with_capacity(tasks);
-    for _ in 0..tasks {
-        children.push(
-            std::process::Command::new("sleep")
-                .arg("3600")
-                .process_group(0)
-                .spawn()
-                .context("spawning sleep")?,
-        );
-    }
-    let took = start.elapsed();
-    for child in &mut children {
-        let _ = child.kill();
-    }
-    for child in &mut children {
-        let _ = child.wait();
-    }
-    Ok(took)
-}
-
 /// A field of `/proc/<pid>/smaps_rollup`, in KiB.
 fn smaps_field(pid: u32, field: &str) -> Option<u64> {
     let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
@@ -281,7 +258,11 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
     let mut measured = None;
     let mut data_dirs = Vec::new();
     for round in 0..rounds {
-        bare.push(bare_loop(&clock, tasks)?);
+        bare.push(crate::bare_spawn_loop(tasks, |_| {
+            let mut sleep = std::process::Command::new("sleep");
+            sleep.arg("3600");
+            sleep
+        })?);
         let last = round + 1 == rounds;
         let result = runtime.block_on(stead_round(
             round,

@@ -23,6 +23,33 @@ use stead_controller::queue::Shutdown;
 use stead_controller::store::{MemoryStore, Store};
 use stead_schemas::ValidSpec;
 
+/// The floor for cold start: spawns `tasks` processes, `command(i)` each in its own
+/// process group, in a loop and nothing else; the time that took. Then kills them.
+fn bare_spawn_loop(
+    tasks: usize,
+    mut command: impl FnMut(usize) -> std::process::Command,
+) -> anyhow::Result<Duration> {
+    use std::os::unix::process::CommandExt;
+    let start = Clock::system().instant();
+    let mut children = Vec::with_capacity(tasks);
+    for index in 0..tasks {
+        children.push(
+            command(index)
+                .process_group(0)
+                .spawn()
+                .context("spawning the floor's process")?,
+        );
+    }
+    let took = start.elapsed();
+    for child in &mut children {
+        let _ = child.kill();
+    }
+    for child in &mut children {
+        let _ = child.wait();
+    }
+    Ok(took)
+}
+
 /// Resident set size of this process, in KiB.
 fn rss_kib() -> anyhow::Result<u64> {
     let status = std::fs::read_to_string("/proc/self/status")?;

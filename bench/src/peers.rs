@@ -538,30 +538,6 @@ impl Drop for Manager<'_> {
     }
 }
 
-/// Spawns `tasks` sleep processes in a loop, as bare as it gets; the time it took.
-fn bare_loop(tools: &Tools, tasks: usize) -> anyhow::Result<Duration> {
-    use std::os::unix::process::CommandExt;
-    let start = now();
-    let mut spawned = Vec::with_capacity(tasks);
-    for index in 0..tasks {
-        spawned.push(
-            Command::new(&tools.sleep)
-                .arg(marker(index, 1).to_string())
-                .process_group(0)
-                .spawn()
-                .context("spawning sleep")?,
-        );
-    }
-    let took = start.elapsed();
-    for child in &mut spawned {
-        let _ = child.kill();
-    }
-    for child in &mut spawned {
-        let _ = child.wait();
-    }
-    Ok(took)
-}
-
 /// Measurements by row, then by manager ("floor" for the bare loop).
 #[derive(Default)]
 struct Results {
@@ -828,7 +804,11 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
     let mut results = Results::default();
     for round_index in 0..rounds {
         for n in COLD {
-            let took = bare_loop(&tools, n)?;
+            let took = crate::bare_spawn_loop(n, |index| {
+                let mut sleep = Command::new(&tools.sleep);
+                sleep.arg(marker(index, 1).to_string());
+                sleep
+            })?;
             results.add(
                 &format!("cold start, {n} tasks (s)"),
                 "floor",
