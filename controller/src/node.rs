@@ -369,7 +369,7 @@ impl Node {
         tokio::spawn(tick(Arc::downgrade(&node.shared)));
         tokio::spawn(fingerprint_drivers(Arc::downgrade(&node.shared)));
         tokio::spawn(watch_devices(Arc::downgrade(&node.shared)));
-        node.shared.config.devices.start();
+        node.shared.config.devices.start(node.shared.clock);
         node
     }
 

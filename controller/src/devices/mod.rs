@@ -33,6 +33,7 @@ use stead_schemas::spec::{DeviceRequest, Name};
 use tokio::sync::{mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
+use crate::clock::Clock;
 use crate::driver::BoxFuture;
 
 pub use static_plugin::{StaticPlugin, StaticPluginError};
@@ -153,9 +154,9 @@ impl DeviceManager {
         self.version.subscribe()
     }
 
-    /// Starts every plugin under its supervision loop (once; later calls do nothing).
-    /// Call from within a tokio runtime.
-    pub fn start(self: &Arc<Self>) {
+    /// Starts every plugin under its supervision loop (once; later calls do nothing),
+    /// timing restarts with `clock`. Call from within a tokio runtime.
+    pub fn start(self: &Arc<Self>, clock: Clock) {
         if self.started.swap(true, Ordering::SeqCst) {
             return;
         }
@@ -163,6 +164,7 @@ impl DeviceManager {
             tokio::spawn(supervise(
                 Arc::downgrade(self),
                 plugin.clone(),
+                clock,
                 self.stop.child_token(),
             ));
         }
@@ -323,6 +325,7 @@ impl DeviceManager {
 async fn supervise(
     manager: Weak<DeviceManager>,
     plugin: Arc<dyn DevicePlugin>,
+    clock: Clock,
     stop: CancellationToken,
 ) {
     let name = plugin.name().clone();
@@ -336,7 +339,7 @@ async fn supervise(
     };
     let mut delays = backoff();
     loop {
-        let started = tokio::time::Instant::now();
+        let started = clock.instant();
         let run = async {
             match plugin.start().await {
                 Ok(mut fingerprints) => loop {
@@ -451,7 +454,7 @@ mod tests {
         };
         let manager = Arc::new(DeviceManager::new(vec![Arc::new(plugin)]));
         let changes = manager.subscribe();
-        manager.start();
+        manager.start(Clock::system());
         tokio::time::sleep(Duration::from_secs(60)).await;
         // Each attempt is one refused report and one failure: two changes.
         let attempts = *changes.borrow() / 2;
@@ -466,7 +469,7 @@ mod tests {
     async fn dropping_the_manager_stops_its_plugins() {
         let manager = Arc::new(DeviceManager::new(vec![plugin(&["gpu0"])]));
         let mut changes = manager.subscribe();
-        manager.start();
+        manager.start(Clock::system());
         changes.changed().await.expect("a report");
         let stop = manager.stop.clone();
         drop(manager);
@@ -490,7 +493,7 @@ mod tests {
     async fn a_valid_plugin_reports_once_and_its_devices_can_be_acquired_and_released() {
         let manager = Arc::new(DeviceManager::new(vec![plugin(&["gpu0"])]));
         let mut changes = manager.subscribe();
-        manager.start();
+        manager.start(Clock::system());
         changes.changed().await.expect("a report");
         assert!(manager.all_reported());
         let alloc: Name = "web".parse().expect("a name");
