@@ -17,7 +17,7 @@ use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Observation};
-use stead_reconcilers::device::{AllocDevices, DeviceUnavailable};
+use stead_reconcilers::device::{AllocDevices, DeviceUnavailable, FlagReason};
 use stead_reconcilers::exit::ExitResult;
 use stead_reconcilers::restart::Jitter;
 use stead_reconcilers::task::{Effect, Process};
@@ -137,13 +137,7 @@ impl Current {
     /// and failures its state already holds counted.
     fn new(spec: Arc<ValidSpec>, desired: AllocDesired, state: AllocState) -> Self {
         let counted = outcomes(&state);
-        let needs_devices = spec.spec.spec.tasks.iter().any(|task| {
-            task.resources
-                .as_ref()
-                .and_then(|r| r.devices.as_ref())
-                .is_some_and(|d| !d.is_empty())
-        });
-        Current {
+        let mut current = Current {
             spec,
             desired,
             state,
@@ -151,10 +145,15 @@ impl Current {
             saved: None,
             published: None,
             counted,
-            needs_devices,
+            needs_devices: false,
             devices: AllocDevices::new(),
             device_error: None,
-        }
+        };
+        current.needs_devices = current
+            .device_requests()
+            .iter()
+            .any(|(_, requests)| !requests.is_empty());
+        current
     }
 
     /// Each task's device requests, in spec order (tasks that request none included).
@@ -685,7 +684,6 @@ impl Worker {
         let devices = self.shared.config.devices.clone();
         let operation = async move {
             if !held.is_empty() {
-                // The devices' env goes over the spec's: the ids are the agent's to set.
                 match devices.reservation(&held).await {
                     Ok(reservation) => {
                         // Over the spec's env, under the agent's own variables.
@@ -1115,7 +1113,7 @@ fn task_devices(
                     false,
                     Some(reason.unwrap_or_else(|| "unhealthy".to_owned())),
                 ),
-                None => (false, Some("not reported by any device plugin".to_owned())),
+                None => (false, Some(FlagReason::NotReported.to_string())),
             };
             TaskDeviceStatus {
                 group: device.group.to_string(),

@@ -176,6 +176,13 @@ impl Shared {
         self.version.send_modify(|v| *v += 1);
     }
 
+    /// Wakes every worker for a level re-check.
+    fn wake_all(&self) {
+        for entry in self.registry().values() {
+            entry.mailbox.wake();
+        }
+    }
+
     /// A destroyed alloc's worker leaves the registry, unless new input arrived for it
     /// meanwhile (then it carries on); true when it left.
     pub(crate) fn retire(&self, name: &Name, mailbox: &Mailbox) -> bool {
@@ -221,9 +228,7 @@ async fn tick(shared: std::sync::Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        for entry in shared.registry().values() {
-            entry.mailbox.wake();
-        }
+        shared.wake_all();
     }
 }
 
@@ -277,9 +282,7 @@ async fn fingerprint_drivers(shared: std::sync::Weak<Shared>) {
             changed
         };
         if changed {
-            for entry in shared.registry().values() {
-                entry.mailbox.wake();
-            }
+            shared.wake_all();
         }
     }
 }
@@ -296,9 +299,7 @@ async fn watch_devices(shared: std::sync::Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        for entry in shared.registry().values() {
-            entry.mailbox.wake();
-        }
+        shared.wake_all();
         // The node's devices are part of what it shows: waiters look again.
         shared.version.send_modify(|v| *v += 1);
     }
