@@ -1384,19 +1384,13 @@ mod tests {
 
     #[test]
     fn flags_name_every_holder_of_an_unhealthy_or_unreported_instance() {
-        let mut inventory = DeviceInventory::default();
-        inventory
-            .report(
-                &name("static"),
-                &fingerprint(vec![group(
-                    "nvidia/gpu/a100",
-                    &[
-                        ("gpu0", unhealthy("xid 79")),
-                        ("gpu1", DeviceHealth::Healthy),
-                    ],
-                )]),
-            )
-            .unwrap();
+        let mut inventory = inventory(vec![group(
+            "nvidia/gpu/a100",
+            &[
+                ("gpu0", unhealthy("xid 79")),
+                ("gpu1", DeviceHealth::Healthy),
+            ],
+        )]);
         inventory
             .report(
                 &name("fpgas"),
@@ -1443,19 +1437,13 @@ mod tests {
 
     #[test]
     fn node_status_shows_every_instance_with_its_health_and_holder() {
-        let mut inventory = DeviceInventory::default();
-        inventory
-            .report(
-                &name("static"),
-                &fingerprint(vec![group(
-                    "nvidia/gpu/a100",
-                    &[
-                        ("gpu0", unhealthy("xid 79")),
-                        ("gpu1", DeviceHealth::Healthy),
-                    ],
-                )]),
-            )
-            .unwrap();
+        let inventory = inventory(vec![group(
+            "nvidia/gpu/a100",
+            &[
+                ("gpu0", unhealthy("xid 79")),
+                ("gpu1", DeviceHealth::Healthy),
+            ],
+        )]);
         let assignments = held(&[
             ("web", "train", &[("nvidia/gpu/a100", "gpu0")]),
             ("batch", "job", &[("acme/fpga/f1", "f0")]),
