@@ -245,21 +245,32 @@ trap 'echo "stop $REV $$ $(date +%s%N)" >> "$d/timeline"; exit 0' INT TERM
 while :; do sleep 0.05; done
 "#;
 
-fn sticky_spec(revision: u32) -> String {
+/// The `store` alloc at `revision`, its ephemeral disk kept by `disk` (`sticky: true` or
+/// `migrate: true`).
+fn sticky_spec(revision: u32, disk: &str) -> String {
     let script = STICKY_SCRIPT
         .lines()
         .map(|l| format!("            {l}\n"))
         .collect::<String>();
     format!(
-        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: store}}\nspec:\n  ephemeralDisk: {{sticky: true}}\n  tasks:\n    - name: db\n      driver: exec\n      env: {{REV: \"{revision}\"}}\n      config:\n        command: /bin/sh\n        args:\n          - -c\n          - |\n{script}"
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: store}}\nspec:\n  ephemeralDisk: {{{disk}}}\n  tasks:\n    - name: db\n      driver: exec\n      env: {{REV: \"{revision}\"}}\n      config:\n        command: /bin/sh\n        args:\n          - -c\n          - |\n{script}"
     )
 }
 
 #[test]
 fn a_sticky_disk_reaches_the_new_revision_which_starts_only_after_the_old_one_stopped() {
+    disk_reaches_the_new_revision_after_the_old_one_stopped("sticky: true");
+}
+
+#[test]
+fn a_migrating_disk_reaches_the_new_revision_the_same_way_on_one_node() {
+    disk_reaches_the_new_revision_after_the_old_one_stopped("migrate: true");
+}
+
+fn disk_reaches_the_new_revision_after_the_old_one_stopped(disk: &str) {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let agent = Agent::start("", &[]);
-    let (v1, v2) = (sticky_spec(1), sticky_spec(2));
+    let (v1, v2) = (sticky_spec(1, disk), sticky_spec(2, disk));
     agent.write("store.yaml", &v1);
     let old = agent.until_running("store", &revision_of(&v1), DEADLINE);
     let old_dir = agent.data.join("allocs").join(&old.id);
