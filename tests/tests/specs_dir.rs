@@ -531,3 +531,31 @@ fn garbage_collection_destroys_a_removed_alloc_later_and_never_a_running_one() {
     assert_eq!(kept_now.id, kept_status.id);
     assert!(agent.data.join("allocs").join(&kept_status.id).is_dir());
 }
+
+#[test]
+fn a_disk_over_the_threshold_makes_garbage_collection_destroy_what_max_allocs_would_keep() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // Any filesystem in use is over 0 %: only disk pressure can collect, since 50 allocs
+    // may be kept by count.
+    let agent = Agent::start(
+        "resync: 1h\ngc: {interval: 1s, maxAllocs: 50, diskUsageThreshold: 0}\n",
+        &[],
+    );
+    let (kept, gone) = (mock_spec("kept", "k"), mock_spec("gone", "g"));
+    agent.write("kept.yaml", &kept);
+    agent.write("gone.yaml", &gone);
+    let kept_status = agent.until_running("kept", &revision_of(&kept), DEADLINE);
+    let gone_status = agent.until_running("gone", &revision_of(&gone), DEADLINE);
+    let gone_dir = agent.data.join("allocs").join(&gone_status.id);
+
+    std::fs::remove_file(agent.specs.join("gone.yaml")).expect("deleted");
+    agent.until("gc destroys gone under disk pressure", DEADLINE, |a| {
+        (a.get("/v1/allocs/gone").map(|(code, _)| code) == Some(404)).then_some(())
+    });
+    assert!(!gone_dir.exists(), "the alloc dir is removed");
+    let kept_now = agent
+        .status("kept")
+        .expect("a running alloc is never collected");
+    assert!(all_tasks(&kept_now, "running"));
+    assert_eq!(kept_now.id, kept_status.id);
+}
