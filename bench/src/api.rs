@@ -30,6 +30,8 @@ use stead_controller::store::MemoryStore;
 use stead_schemas::ValidSpec;
 use tokio::runtime::Runtime;
 
+use crate::measure::median;
+
 fn spec(name: &str, generation: u32) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
         "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - {{name: main, driver: mock, config: {{}}, env: {{GENERATION: \"{generation}\"}}}}\n    - {{name: side, driver: mock, config: {{}}}}\n"
@@ -71,11 +73,6 @@ async fn churn(
         }
         tokio::time::sleep(Duration::from_millis(2)).await;
     }
-}
-
-fn median(mut values: Vec<Duration>) -> Duration {
-    values.sort();
-    values[values.len() / 2]
 }
 
 fn percentile(sorted: &[Duration], p: f64) -> Duration {
@@ -276,8 +273,8 @@ async fn bench(
     server.await??;
     let _ = std::fs::remove_dir_all(&data_dir);
 
-    let quiet_median = median(quiet.clone());
-    let loaded_median = median(loaded.clone());
+    let quiet_median = median(&quiet);
+    let loaded_median = median(&loaded);
     let slowdown = (loaded_median.as_secs_f64() / quiet_median.as_secs_f64() - 1.0) * 100.0;
     let ms = |d: Duration| d.as_secs_f64() * 1_000.0;
     println!(

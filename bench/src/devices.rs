@@ -13,20 +13,15 @@
 use std::collections::{BTreeMap, HashMap};
 use std::hint::black_box;
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use stead_reconcilers::device::{AllocDevices, alloc_device_stats};
 use stead_schemas::device::AssignedDevice;
 use stead_schemas::spec::Name;
 
-type Stats = BTreeMap<String, f64>;
+use crate::measure::{median, now};
 
-/// Now, through the agent's clock module (the only place that reads the clock).
-fn now() -> Instant {
-    stead_controller::clock::Clock::system()
-        .instant()
-        .into_std()
-}
+type Stats = BTreeMap<String, f64>;
 
 fn name(text: &str) -> Name {
     text.parse().expect("a valid name")
@@ -146,12 +141,7 @@ fn race(
         black_box(slow(black_box(host), black_box(allocs)));
         b.push(start.elapsed());
     }
-    Ok((median(a), median(b)))
-}
-
-fn median(mut values: Vec<Duration>) -> Duration {
-    values.sort();
-    values[values.len() / 2]
+    Ok((median(&a), median(&b)))
 }
 
 fn micros(d: Duration) -> f64 {

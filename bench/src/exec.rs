@@ -26,6 +26,8 @@ use stead_controller::store::MemoryStore;
 use stead_schemas::ValidSpec;
 use tokio::runtime::Runtime;
 
+use crate::measure::{cpu_ticks, median, parent, smaps_kib};
+
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
 
@@ -40,34 +42,10 @@ fn spec(name: &str, restart: &str) -> anyhow::Result<ValidSpec> {
     }
 }
 
-fn median(values: &mut [Duration]) -> Duration {
-    values.sort();
-    values[values.len() / 2]
-}
-
 fn percentile(values: &mut [Duration], p: f64) -> Duration {
     values.sort();
     let index = ((values.len() as f64 - 1.0) * p).round() as usize;
     values[index.min(values.len() - 1)]
-}
-
-/// Spawns `tasks` `sleep 3600` in a loop, as bare as it gets; the time it took.
-/// A field of `/proc/<pid>/smaps_rollup`, in KiB.
-fn smaps_field(pid: u32, field: &str) -> Option<u64> {
-    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
-    text.lines()
-        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-}
-
-/// User plus system CPU time of `pid` (`self` for this process), in clock ticks.
-fn cpu_ticks(pid: &str) -> Option<u64> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    let fields: Vec<&str> = stat[stat.rfind(')')? + 1..].split_whitespace().collect();
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
 }
 
 /// CPU time of every thread of `pid`, from `schedstat` (nanoseconds: exact where clock
@@ -81,16 +59,6 @@ fn cpu_nanos(pid: u32) -> u64 {
         .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
         .filter_map(|text| text.split_whitespace().next()?.parse::<u64>().ok())
         .sum()
-}
-
-/// The parent of `pid`.
-fn parent(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
 }
 
 fn running(node: &Node, tasks: usize) -> bool {
@@ -186,7 +154,7 @@ async fn stead_round(
         let sum = |field: &str| -> u64 {
             supervisors
                 .iter()
-                .filter_map(|pid| smaps_field(*pid, field))
+                .filter_map(|pid| smaps_kib(*pid, field))
                 .sum()
         };
         pss_kib = Some((sum("Pss"), sum("Rss"), sum("Private_Dirty"), tasks));
@@ -282,8 +250,8 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         let _ = std::fs::remove_dir_all(dir);
     }
     let measured = measured.context("at least one round")?;
-    let bare_median = median(&mut bare);
-    let stead_median = median(&mut stead);
+    let bare_median = median(&bare);
+    let stead_median = median(&stead);
     println!(
         "stead-bench exec: {tasks} `sleep 3600` tasks, {rounds} rounds, supervisor {}",
         supervisor.display()

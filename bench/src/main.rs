@@ -8,6 +8,7 @@
 mod api;
 mod devices;
 mod exec;
+mod measure;
 mod peers;
 mod store;
 
@@ -62,20 +63,6 @@ fn rss_kib() -> anyhow::Result<u64> {
         .nth(1)
         .context("malformed VmRSS")?
         .parse()?)
-}
-
-/// CPU time (user + system) this process used so far.
-fn cpu_time() -> anyhow::Result<Duration> {
-    let stat = std::fs::read_to_string("/proc/self/stat")?;
-    // Fields after the command name, which is in parentheses and may contain spaces.
-    let rest = stat
-        .rsplit_once(')')
-        .context("malformed /proc/self/stat")?
-        .1;
-    let fields: Vec<&str> = rest.split_whitespace().collect();
-    let ticks: u64 = fields[11].parse::<u64>()? + fields[12].parse::<u64>()?;
-    // USER_HZ is 100 on Linux.
-    Ok(Duration::from_millis(ticks * 10))
 }
 
 fn spec(name: &str, generation: u32, kill_after: &str) -> anyhow::Result<ValidSpec> {
@@ -146,9 +133,11 @@ async fn core(allocs: usize, idle: Duration, tick: Duration) -> anyhow::Result<(
     let rss_after = rss_kib()?;
 
     let writes_before = store.metrics();
-    let cpu_before = cpu_time()?;
+    let cpu_ticks = || crate::measure::cpu_ticks("self").context("reading /proc/self/stat");
+    let cpu_before = cpu_ticks()?;
     tokio::time::sleep(idle).await;
-    let cpu_idle = cpu_time()? - cpu_before;
+    // USER_HZ is 100 on Linux: a tick is 10 ms.
+    let cpu_idle = Duration::from_millis((cpu_ticks()? - cpu_before) * 10);
     let writes_idle = store.metrics().writes - writes_before.writes;
 
     let new_ids: std::collections::HashSet<String> =

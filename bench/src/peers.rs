@@ -26,12 +26,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-/// Now, through the agent's clock module (the only place that reads the clock).
-fn now() -> Instant {
-    stead_controller::clock::Clock::system()
-        .instant()
-        .into_std()
-}
+use crate::measure::{cpu_ticks, median, now, parent, smaps_kib};
 
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -178,16 +173,6 @@ fn until(
     Ok(start.elapsed())
 }
 
-/// The parent of `pid`.
-fn parent(pid: u32) -> Option<u32> {
-    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
-    stat[stat.rfind(')')? + 1..]
-        .split_whitespace()
-        .nth(1)?
-        .parse()
-        .ok()
-}
-
 /// The children of `pid`.
 fn children(pid: u32) -> Vec<u32> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
@@ -198,35 +183,6 @@ fn children(pid: u32) -> Vec<u32> {
         .filter_map(|e| e.file_name().to_str()?.parse::<u32>().ok())
         .filter(|p| parent(*p) == Some(pid))
         .collect()
-}
-
-/// A field of `/proc/<pid>/smaps_rollup`, in KiB.
-fn smaps_field(pid: u32, field: &str) -> u64 {
-    let Ok(text) = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")) else {
-        return 0;
-    };
-    text.lines()
-        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap_or(0)
-}
-
-/// User plus system CPU of `pid`, in clock ticks.
-fn cpu_ticks(pid: u32) -> u64 {
-    let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
-        return 0;
-    };
-    let Some(close) = stat.rfind(')') else {
-        return 0;
-    };
-    let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-    let field = |i: usize| {
-        fields
-            .get(i)
-            .and_then(|f| f.parse::<u64>().ok())
-            .unwrap_or(0)
-    };
-    field(11) + field(12)
 }
 
 fn kill(pid: u32, signal: rustix::process::Signal) {
@@ -556,12 +512,6 @@ impl Results {
     }
 }
 
-fn median(values: &[f64]) -> f64 {
-    let mut sorted = values.to_vec();
-    sorted.sort_by(f64::total_cmp);
-    sorted[sorted.len() / 2]
-}
-
 fn all_running(count: usize) -> impl FnMut() -> bool {
     move || {
         let tasks = sleep_tasks();
@@ -612,14 +562,26 @@ fn round(
             std::thread::sleep(Duration::from_secs(2));
             let task_pids: HashSet<u32> = sleep_tasks().values().copied().collect();
             let processes = manager.processes(&task_pids);
-            let before: u64 = processes.iter().map(|p| cpu_ticks(*p)).sum();
+            let before: u64 = processes
+                .iter()
+                .map(|p| cpu_ticks(&p.to_string()).unwrap_or(0))
+                .sum();
             std::thread::sleep(idle);
-            let after: u64 = processes.iter().map(|p| cpu_ticks(*p)).sum();
+            let after: u64 = processes
+                .iter()
+                .map(|p| cpu_ticks(&p.to_string()).unwrap_or(0))
+                .sum();
             let ticks_per_second = 100.0;
             let cpu = (after.saturating_sub(before)) as f64 / ticks_per_second / idle.as_secs_f64()
                 * 100.0;
-            let rss: u64 = processes.iter().map(|p| smaps_field(*p, "Rss")).sum();
-            let pss: u64 = processes.iter().map(|p| smaps_field(*p, "Pss")).sum();
+            let rss: u64 = processes
+                .iter()
+                .map(|p| smaps_kib(*p, "Rss").unwrap_or(0))
+                .sum();
+            let pss: u64 = processes
+                .iter()
+                .map(|p| smaps_kib(*p, "Pss").unwrap_or(0))
+                .sum();
             results.add(
                 &format!(
                     "idle CPU, {POOL} tasks, {} s (% of one core)",

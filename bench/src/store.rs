@@ -10,7 +10,7 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{Context, bail};
 use stead_controller::clock::Clock;
@@ -21,12 +21,7 @@ use stead_controller::queue::Shutdown;
 use stead_controller::store::{RocksDbOptions, RocksDbStore, Store};
 use stead_schemas::ValidSpec;
 
-/// Now, through the agent's clock module (the only place that reads the clock).
-fn now() -> Instant {
-    stead_controller::clock::Clock::system()
-        .instant()
-        .into_std()
-}
+use crate::measure::{median, now};
 
 fn churn_spec(name: &str) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
@@ -115,11 +110,6 @@ fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
     stream.read_to_string(&mut response)?;
     let (_, body) = response.split_once("\r\n\r\n").context("no body")?;
     Ok(body.to_owned())
-}
-
-fn median(values: &mut [f64]) -> f64 {
-    values.sort_by(f64::total_cmp);
-    values[values.len() / 2]
 }
 
 /// The agent's RSS with 100 idle allocs, and its store writes while idle.
@@ -232,13 +222,13 @@ pub(crate) fn run(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
             target.2.push(bytes);
         }
     }
-    let (on_bytes, off_bytes) = (median(&mut on.2), median(&mut off.2));
+    let (on_bytes, off_bytes) = (median(&on.2), median(&off.2));
     println!(
         "store medians: dedupe on {:.0} changes/s, {:.0} batches/s, {on_bytes:.0} bytes/change; dedupe off {:.0} changes/s, {:.0} batches/s, {off_bytes:.0} bytes/change; bytes ratio off/on {:.2}",
-        median(&mut on.0),
-        median(&mut on.1),
-        median(&mut off.0),
-        median(&mut off.1),
+        median(&on.0),
+        median(&on.1),
+        median(&off.0),
+        median(&off.1),
         off_bytes / on_bytes.max(1.0)
     );
     let (rss, hwm, idle_writes) = agent_idle(100, Duration::from_secs(10))?;

@@ -1,0 +1,52 @@
+//! What every benchmark measures with: the clock (through the agent's clock module, the
+//! only place that reads it), medians, and the process table.
+
+use std::time::Instant;
+
+/// Now.
+pub(crate) fn now() -> Instant {
+    stead_controller::clock::Clock::system()
+        .instant()
+        .into_std()
+}
+
+/// The median of `values` (the upper one of an even count).
+pub(crate) fn median<T: Copy + PartialOrd>(values: &[T]) -> T {
+    let mut sorted = values.to_vec();
+    sorted.sort_by(|a, b| a.partial_cmp(b).unwrap_or(std::cmp::Ordering::Equal));
+    sorted[sorted.len() / 2]
+}
+
+/// The fields of `/proc/<pid>/stat` after the command name (which is in parentheses and
+/// may contain spaces); `pid` may be `self`.
+fn stat_fields(pid: &str) -> Option<Vec<String>> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    Some(
+        stat[stat.rfind(')')? + 1..]
+            .split_whitespace()
+            .map(str::to_owned)
+            .collect(),
+    )
+}
+
+/// The parent of `pid`.
+pub(crate) fn parent(pid: u32) -> Option<u32> {
+    stat_fields(&pid.to_string())?.get(1)?.parse().ok()
+}
+
+/// User plus system CPU time of `pid` (`self` for this process), in clock ticks (10 ms).
+pub(crate) fn cpu_ticks(pid: &str) -> Option<u64> {
+    let fields = stat_fields(pid)?;
+    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+}
+
+/// A field of `/proc/<pid>/smaps_rollup` (`Rss`, `Pss`, …), in KiB.
+pub(crate) fn smaps_kib(pid: u32, field: &str) -> Option<u64> {
+    let text = std::fs::read_to_string(format!("/proc/{pid}/smaps_rollup")).ok()?;
+    text.lines()
+        .find(|l| l.starts_with(field) && l[field.len()..].starts_with(':'))?
+        .split_whitespace()
+        .nth(1)?
+        .parse()
+        .ok()
+}
