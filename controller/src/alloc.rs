@@ -1027,21 +1027,24 @@ impl Worker {
         }
         // What is shown also follows the held devices' health, which the node's device
         // manager changes without this worker's state changing.
+        let health: BTreeMap<Name, Vec<Option<DeviceHealth>>> = current
+            .devices
+            .iter()
+            .map(|(task, held)| (task.clone(), self.shared.config.devices.health(held)))
+            .collect();
         let shown = {
             use std::hash::{Hash, Hasher};
             let mut hasher = std::collections::hash_map::DefaultHasher::new();
             fingerprint.hash(&mut hasher);
             current.device_error.hash(&mut hasher);
-            for held in current.devices.values() {
-                self.shared.config.devices.health(held).hash(&mut hasher);
-            }
+            health.hash(&mut hasher);
             hasher.finish()
         };
         if current.published == Some(shown) {
             return;
         }
         current.published = Some(shown);
-        let status = status_of(&self.name, current, removed, &self.shared.config.devices);
+        let status = status_of(&self.name, current, removed, &health);
         let facts = AllocFacts {
             collectable,
             finished_at: current
@@ -1098,14 +1101,11 @@ impl Worker {
     }
 }
 
-/// The devices a task holds with their health as the node sees it now: an unhealthy or
-/// unreported one is flagged with why, and the task keeps it.
-fn task_devices(
-    held: &[AssignedDevice],
-    devices: &crate::devices::DeviceManager,
-) -> Vec<TaskDeviceStatus> {
+/// The devices a task holds with their health as the node sees it now (`health`, in the
+/// same order): an unhealthy or unreported one is flagged with why, and the task keeps it.
+fn task_devices(held: &[AssignedDevice], health: &[Option<DeviceHealth>]) -> Vec<TaskDeviceStatus> {
     held.iter()
-        .zip(devices.health(held))
+        .zip(health.iter().cloned())
         .map(|(device, health)| {
             let (healthy, reason) = match health {
                 Some(DeviceHealth::Healthy) => (true, None),
@@ -1281,7 +1281,7 @@ fn status_of(
     name: &Name,
     current: &Current,
     removed: bool,
-    devices: &crate::devices::DeviceManager,
+    health: &BTreeMap<Name, Vec<Option<DeviceHealth>>>,
 ) -> AllocStatus {
     let desired_status =
         if removed || current.spec.spec.spec.desired_status == Some(DesiredStatus::Stop) {
@@ -1313,7 +1313,8 @@ fn status_of(
                     devices: current
                         .devices
                         .get(task)
-                        .map(|held| task_devices(held, devices))
+                        .zip(health.get(task))
+                        .map(|(held, health)| task_devices(held, health))
                         .unwrap_or_default(),
                     events: state
                         .events

@@ -168,12 +168,17 @@ impl Shared {
     /// The alloc's record is stored again after failed writes.
     pub(crate) fn store_recovered(&self, name: &Name) {
         tracing::info!(alloc = %name, "store write succeeded after retries");
+        self.no_longer_behind(name);
+        self.version.send_modify(|v| *v += 1);
+    }
+
+    /// The alloc's state no longer waits for a store write.
+    fn no_longer_behind(&self, name: &Name) {
         self.store_errors
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .behind
             .remove(name);
-        self.version.send_modify(|v| *v += 1);
     }
 
     /// Wakes every worker for a level re-check.
@@ -204,11 +209,7 @@ impl Shared {
             .unwrap_or_else(|e| e.into_inner())
             .remove(name);
         // A destroyed alloc has no state left to store: it no longer holds the store back.
-        self.store_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .behind
-            .remove(name);
+        self.no_longer_behind(name);
         self.version.send_modify(|v| *v += 1);
         true
     }
