@@ -29,6 +29,7 @@ pub mod args;
 pub mod logs;
 pub mod proc;
 pub mod protocol;
+mod spawn;
 mod supervise;
 mod zygote;
 

@@ -9,8 +9,7 @@ use std::ffi::OsString;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::os::unix::ffi::OsStringExt;
-use std::os::unix::process::CommandExt;
-use std::process::{Command, ExitCode, Stdio};
+use std::process::ExitCode;
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
 use rustix::fs::OFlags;
@@ -22,6 +21,7 @@ use crate::args::{ArgsError, SupervisorArgs};
 use crate::logs::{Rotator, Stream};
 use crate::proc;
 use crate::protocol::{self, ExitStatus, Report, RunRecord};
+use crate::spawn::{self, TaskCommand};
 
 /// The size of the read buffer for the task's output.
 const READ_BUFFER: usize = 16 * 1024;
@@ -251,31 +251,20 @@ fn start(
     let (exited_read, exited_write) =
         pipe_with(PipeFlags::CLOEXEC).map_err(|e| StartError::Pipe(e.into()))?;
 
-    let mut command = Command::new(&args.command);
-    command
-        .args(&args.args)
-        .env_clear()
-        .envs(environment)
-        .stdin(Stdio::null())
-        .stdout(Stdio::from(stdout_write))
-        .stderr(Stdio::from(stderr_write));
-    if let Some(gid) = args.gid {
-        command.gid(gid);
-    }
-    if let Some(uid) = args.uid {
-        command.uid(uid);
-    }
-    set_up_child(&mut command, me);
-    let child = command.spawn().map_err(|source| StartError::Spawn {
+    let task_pid = spawn::spawn(TaskCommand {
+        program: &args.command,
+        args: &args.args,
+        environment: &environment,
+        uid: args.uid,
+        gid: args.gid,
+        stdout: stdout_write,
+        stderr: stderr_write,
+    })
+    .map_err(|source| StartError::Spawn {
         command: args.command.to_string_lossy().into_owned(),
         source,
     })?;
-    // Closes our copies of the pipes' write ends, so EOF comes when the task's are gone.
-    drop(command);
-    let task_raw = child.id();
-    drop(child);
-    let task_pid = Pid::from_raw(i32::try_from(task_raw).unwrap_or(i32::MAX))
-        .expect("a spawned child's pid is positive");
+    let task_raw = task_pid.as_raw_nonzero().get().unsigned_abs();
     // The task cannot be reaped before the reaper starts, so its stat is there.
     let task_start = proc::start_time(task_raw).unwrap_or(0);
     let supervisor_start = proc::start_time(std::process::id()).unwrap_or(0);
@@ -311,25 +300,6 @@ fn start(
         ],
         exited: exited_read,
     })
-}
-
-/// Makes the child a session leader that dies with the supervisor.
-#[allow(unsafe_code)]
-fn set_up_child(command: &mut Command, supervisor: Pid) {
-    // SAFETY: the closure runs in the forked child before exec, where only
-    // async-signal-safe calls are allowed. It makes three raw system calls through rustix
-    // (setsid, prctl, getppid) and builds errors without allocating.
-    unsafe {
-        command.pre_exec(move || {
-            rustix::process::setsid()?;
-            rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
-            // The supervisor died between fork and prctl: nobody would reap or log us.
-            if rustix::process::getppid() != Some(supervisor) {
-                return Err(io::ErrorKind::BrokenPipe.into());
-            }
-            Ok(())
-        });
-    }
 }
 
 /// How a wait status reads as an exit: code 128 + n when killed by signal n.

@@ -2,13 +2,14 @@
 //!
 //! It reads start requests ([`crate::protocol::encode_request`]) from its stdin, a
 //! `SOCK_SEQPACKET` socket to the agent, each with the write end of the pipe that run's
-//! supervisor reports on. For each it forks twice: the grandchild becomes the supervisor
-//! (orphaned at once, so neither the server nor the agent is its parent and it outlives
-//! both), the child exits and is reaped. Forking this small, single-threaded process
-//! costs a fraction of executing a new one, and the supervisors share its pages.
+//! supervisor reports on. For each it forks once, and the child becomes the supervisor.
+//! Forking this small, single-threaded process costs a fraction of executing a new one,
+//! and the supervisors share its pages.
 //!
-//! The server exits when the agent closes the socket (the agent left); supervisors it
-//! forked keep running.
+//! The server ignores `SIGCHLD`, so the kernel reaps the supervisors that exit while it
+//! runs and it never waits on one: a start costs the server one `fork()`. It exits when
+//! the agent closes the socket (the agent left); the supervisors it forked keep running,
+//! reparented to the nearest subreaper or init, which reaps them from then on.
 
 use std::ffi::OsString;
 use std::io::{self, IoSliceMut};
@@ -18,7 +19,7 @@ use std::process::ExitCode;
 
 use rustix::io::Errno;
 use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recvmsg};
-use rustix::process::{Pid, WaitOptions};
+use rustix::process::Pid;
 
 use crate::args::SupervisorArgs;
 use crate::protocol::{self, Report};
@@ -31,6 +32,7 @@ const MAX_REQUEST: usize = 1 << 20;
 pub(crate) fn serve() -> ExitCode {
     // Terminal signals aimed at the agent's process group do not stop starting tasks.
     let _ = rustix::process::setsid();
+    set_child_signal(libc::SIG_IGN);
     // Untouched pages cost nothing; a request touches only as much as it is long.
     let mut buffer = vec![0u8; MAX_REQUEST];
     loop {
@@ -92,24 +94,23 @@ fn fork() -> io::Result<Option<Pid>> {
     }
 }
 
-/// Forks the supervisor of one run as an orphan, and reaps the intermediate child.
+/// Forks the supervisor of one run.
 fn fork_supervisor(args: &SupervisorArgs, environment: Vec<(OsString, OsString)>, report: OwnedFd) {
     match fork() {
         Err(error) => answer(&report, format!("forking the supervisor: {error}")),
-        Ok(Some(child)) => {
-            // The child forks the supervisor and exits at once.
-            while let Err(Errno::INTR) = rustix::process::waitpid(Some(child), WaitOptions::empty())
-            {
-            }
-        }
-        Ok(None) => match fork() {
-            Ok(None) => become_supervisor(args, environment, report),
-            Ok(Some(_)) => std::process::exit(0),
-            Err(error) => {
-                answer(&report, format!("forking the supervisor: {error}"));
-                std::process::exit(1);
-            }
-        },
+        Ok(Some(_)) => {}
+        Ok(None) => become_supervisor(args, environment, report),
+    }
+}
+
+/// Sets the disposition of `SIGCHLD`: `SIG_IGN` has the kernel reap exited children at
+/// once; `SIG_DFL` lets `wait()` see them.
+#[allow(unsafe_code)]
+fn set_child_signal(disposition: libc::sighandler_t) {
+    // SAFETY: `signal()` installs no handler function here, only one of the two
+    // dispositions the kernel implements itself, so no code runs on the signal.
+    unsafe {
+        libc::signal(libc::SIGCHLD, disposition);
     }
 }
 
@@ -120,6 +121,9 @@ fn become_supervisor(
     environment: Vec<(OsString, OsString)>,
     report: OwnedFd,
 ) -> ! {
+    // The supervisor waits for its task; the server's `SIG_IGN` would have the kernel
+    // reap the task before the supervisor hears its exit (and would pass to the task).
+    set_child_signal(libc::SIG_DFL);
     match std::fs::File::open("/dev/null") {
         Ok(null) => {
             let _ = rustix::stdio::dup2_stdin(null.as_fd());

@@ -1,0 +1,347 @@
+//! Starts the task the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)`, so the
+//! supervisor's address space is neither copied nor faulted in page by page, and the
+//! supervisor sleeps until the task has `exec`ed.
+//!
+//! `posix_spawn` itself cannot be used: the task needs `PR_SET_PDEATHSIG`, which no spawn
+//! attribute sets. `std::process::Command` forks as soon as a `pre_exec` closure is
+//! given. Everything the child needs (paths, `argv`, `envp`) is built before the clone,
+//! so the child only makes system calls: it shares the supervisor's memory and must not
+//! allocate, lock or unwind.
+
+use std::ffi::{CString, OsStr, OsString};
+use std::io;
+use std::os::fd::{AsRawFd, OwnedFd, RawFd};
+use std::os::unix::ffi::OsStrExt;
+use std::ptr;
+
+use rustix::process::Pid;
+
+/// The child's stack: it runs a handful of system-call wrappers and nothing else.
+const CHILD_STACK: usize = 64 * 1024;
+/// Where a program without a `/` is looked for when the task's environment has no
+/// `PATH` (glibc's `execvp` default).
+const DEFAULT_PATH: &[u8] = b"/bin:/usr/bin";
+
+/// What the task is started with.
+pub(crate) struct TaskCommand<'a> {
+    pub program: &'a OsStr,
+    pub args: &'a [OsString],
+    pub environment: &'a [(OsString, OsString)],
+    pub uid: Option<u32>,
+    pub gid: Option<u32>,
+    pub stdout: OwnedFd,
+    pub stderr: OwnedFd,
+}
+
+/// Everything the child reads, built by the parent; the child writes only `error`.
+struct Child {
+    candidates: Vec<CString>,
+    argv: Vec<*const libc::c_char>,
+    envp: Vec<*const libc::c_char>,
+    stdin: RawFd,
+    stdout: RawFd,
+    stderr: RawFd,
+    uid: Option<u32>,
+    gid: Option<u32>,
+    parent: libc::pid_t,
+    mask: libc::sigset_t,
+    /// The errno of the step that failed, 0 when the child reached `exec`.
+    error: libc::c_int,
+}
+
+fn c_string(bytes: &[u8]) -> io::Result<CString> {
+    CString::new(bytes).map_err(|_| {
+        io::Error::new(
+            io::ErrorKind::InvalidInput,
+            "a NUL byte in the command, an argument or the environment",
+        )
+    })
+}
+
+/// The paths `program` is tried at, in order, as `execvp` searches them.
+fn candidates(program: &OsStr, environment: &[(OsString, OsString)]) -> io::Result<Vec<CString>> {
+    let program = program.as_bytes();
+    if program.is_empty() {
+        return Err(io::ErrorKind::NotFound.into());
+    }
+    if program.contains(&b'/') {
+        return Ok(vec![c_string(program)?]);
+    }
+    let path = environment
+        .iter()
+        .find(|(key, _)| key == "PATH")
+        .map_or(DEFAULT_PATH, |(_, value)| value.as_bytes());
+    path.split(|b| *b == b':')
+        .map(|dir| {
+            // An empty entry is the current directory.
+            let dir = if dir.is_empty() { &b"."[..] } else { dir };
+            let mut full = Vec::with_capacity(dir.len() + 1 + program.len());
+            full.extend_from_slice(dir);
+            full.push(b'/');
+            full.extend_from_slice(program);
+            c_string(&full)
+        })
+        .collect()
+}
+
+/// Starts the task in its own session, dying with the supervisor, as `uid`/`gid`, with
+/// `/dev/null` as stdin; returns its pid once it has `exec`ed.
+#[allow(unsafe_code)]
+pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
+    let candidates = candidates(command.program, command.environment)?;
+    let args: Vec<CString> = std::iter::once(command.program)
+        .chain(command.args.iter().map(OsString::as_os_str))
+        .map(|arg| c_string(arg.as_bytes()))
+        .collect::<io::Result<_>>()?;
+    let environment: Vec<CString> = command
+        .environment
+        .iter()
+        .map(|(key, value)| {
+            let mut entry = Vec::with_capacity(key.len() + 1 + value.len());
+            entry.extend_from_slice(key.as_bytes());
+            entry.push(b'=');
+            entry.extend_from_slice(value.as_bytes());
+            c_string(&entry)
+        })
+        .collect::<io::Result<_>>()?;
+    let null = std::fs::File::open("/dev/null")?;
+    let mut child = Child {
+        candidates,
+        argv: args
+            .iter()
+            .map(|a| a.as_ptr())
+            .chain(std::iter::once(ptr::null()))
+            .collect(),
+        envp: environment
+            .iter()
+            .map(|e| e.as_ptr())
+            .chain(std::iter::once(ptr::null()))
+            .collect(),
+        stdin: null.as_raw_fd(),
+        stdout: command.stdout.as_raw_fd(),
+        stderr: command.stderr.as_raw_fd(),
+        uid: command.uid,
+        gid: command.gid,
+        parent: std::process::id().try_into().unwrap_or(0),
+        // SAFETY: an all-zero `sigset_t` is a valid (empty) set; it is overwritten below.
+        mask: unsafe { std::mem::zeroed() },
+        error: 0,
+    };
+    let mut stack = vec![0u8; CHILD_STACK];
+    // SAFETY: the stack grows down from the end of the buffer, 16-byte aligned as every
+    // ABI wants; the buffer outlives the child's use of it, because `CLONE_VFORK` returns
+    // only once the child has exec'ed or exited.
+    let top = unsafe { stack.as_mut_ptr().add(CHILD_STACK) };
+    let top = (top as usize & !15) as *mut libc::c_void;
+    let pid;
+    let clone_error;
+    // SAFETY: every signal is blocked around the clone, as `posix_spawn` does, so no
+    // handler of the supervisor runs on the child's stack in the shared address space;
+    // the child restores the mask before `exec`. `child` points to a live `Child` that
+    // nothing else touches until the clone returns, and `run_child` only makes system
+    // calls and writes its `error`.
+    unsafe {
+        let mut all: libc::sigset_t = std::mem::zeroed();
+        libc::sigfillset(&mut all);
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut child.mask);
+        pid = libc::clone(
+            run_child,
+            top,
+            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
+            (&raw mut child).cast(),
+        );
+        clone_error = io::Error::last_os_error();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
+    }
+    drop(null);
+    if pid == -1 {
+        return Err(clone_error);
+    }
+    // SAFETY: the child is gone from this memory (exec'ed or exited); this thread is the
+    // only one that reads the field. Volatile, so the read is not assumed unchanged.
+    let error = unsafe { ptr::read_volatile(&raw const child.error) };
+    if error != 0 {
+        // The child exited without exec: reap it, so it is no zombie.
+        let _ = rustix::process::waitpid(Pid::from_raw(pid), rustix::process::WaitOptions::empty());
+        return Err(io::Error::from_raw_os_error(error));
+    }
+    Pid::from_raw(pid).ok_or_else(|| io::Error::other("clone returned pid 0"))
+}
+
+/// The child, between the clone and the `exec`: system calls only.
+#[allow(unsafe_code)]
+extern "C" fn run_child(context: *mut libc::c_void) -> libc::c_int {
+    // SAFETY: `context` is the parent's `Child`, alive and unaliased while the parent is
+    // suspended by `CLONE_VFORK`.
+    let child = unsafe { &mut *context.cast::<Child>() };
+    // SAFETY: each call is a thin wrapper of one system call, async-signal-safe, on
+    // descriptors and C strings the parent keeps alive.
+    let error = unsafe { prepare_and_exec(child) };
+    // SAFETY: a volatile write the parent reads after the child is gone; then the child
+    // leaves without running any of the parent's exit handlers.
+    unsafe {
+        ptr::write_volatile(&raw mut child.error, error);
+        libc::_exit(127)
+    }
+}
+
+/// Sets the child up and executes the task; returns the errno of what failed.
+#[allow(unsafe_code)]
+unsafe fn prepare_and_exec(child: &Child) -> libc::c_int {
+    let errno = || {
+        io::Error::last_os_error()
+            .raw_os_error()
+            .unwrap_or(libc::EINVAL)
+    };
+    // SAFETY: see `run_child`; every pointer is the parent's, alive until exec.
+    unsafe {
+        // The supervisor ignores SIGPIPE (the Rust runtime does); the task must not
+        // inherit that through exec. The child has its own copy of the dispositions.
+        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
+        for (fd, target) in [(child.stdin, 0), (child.stdout, 1), (child.stderr, 2)] {
+            let done = if fd == target {
+                libc::fcntl(fd, libc::F_SETFD, 0)
+            } else {
+                libc::dup2(fd, target)
+            };
+            if done == -1 {
+                return errno();
+            }
+        }
+        if libc::setsid() == -1 {
+            return errno();
+        }
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
+            return errno();
+        }
+        // The supervisor died before the prctl: nobody would reap or log the task.
+        if libc::getppid() != child.parent {
+            return libc::EPIPE;
+        }
+        // Raw system calls: glibc's wrappers would signal the supervisor's other threads
+        // to change their ids too, from a process that only shares their memory.
+        if let Some(gid) = child.gid
+            && libc::syscall(libc::SYS_setgid, libc::c_long::from(gid)) == -1
+        {
+            return errno();
+        }
+        if let Some(uid) = child.uid {
+            // Dropping root also drops its supplementary groups.
+            if libc::getuid() == 0
+                && libc::syscall(libc::SYS_setgroups, 0, ptr::null::<libc::gid_t>()) == -1
+            {
+                return errno();
+            }
+            if libc::syscall(libc::SYS_setuid, libc::c_long::from(uid)) == -1 {
+                return errno();
+            }
+        }
+        libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
+        // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one
+        // is remembered, so it is the error when nothing else is found.
+        let mut denied = false;
+        let mut last = libc::ENOENT;
+        for path in &child.candidates {
+            libc::execve(path.as_ptr(), child.argv.as_ptr(), child.envp.as_ptr());
+            last = errno();
+            match last {
+                libc::EACCES => denied = true,
+                libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
+                _ => return last,
+            }
+        }
+        if denied { libc::EACCES } else { last }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn env(pairs: &[(&str, &str)]) -> Vec<(OsString, OsString)> {
+        pairs
+            .iter()
+            .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+            .collect()
+    }
+
+    #[test]
+    fn a_program_with_a_slash_is_taken_as_it_is_and_others_are_searched_on_the_tasks_path() {
+        let found = |program: &str, pairs: &[(&str, &str)]| -> Vec<String> {
+            candidates(OsStr::new(program), &env(pairs))
+                .expect("candidates")
+                .into_iter()
+                .map(|c| c.into_string().expect("utf-8"))
+                .collect()
+        };
+        assert_eq!(found("./run.sh", &[("PATH", "/x")]), ["./run.sh"]);
+        assert_eq!(
+            found("sleep", &[("PATH", "/opt/bin::/usr/bin")]),
+            ["/opt/bin/sleep", "./sleep", "/usr/bin/sleep"]
+        );
+        assert_eq!(found("sleep", &[]), ["/bin/sleep", "/usr/bin/sleep"]);
+    }
+
+    #[test]
+    fn a_nul_byte_or_an_empty_program_is_refused_before_anything_runs() {
+        assert!(candidates(OsStr::new(""), &[]).is_err());
+        assert!(candidates(OsStr::new("a\0b"), &[]).is_err());
+    }
+
+    fn pipe() -> (OwnedFd, OwnedFd) {
+        rustix::pipe::pipe_with(rustix::pipe::PipeFlags::CLOEXEC).expect("pipe")
+    }
+
+    fn wait(pid: Pid) -> rustix::process::WaitStatus {
+        rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty())
+            .expect("waitpid")
+            .expect("a status")
+            .1
+    }
+
+    #[test]
+    fn the_task_runs_in_its_own_session_with_exactly_its_environment_and_output() {
+        let (read, write) = pipe();
+        let (_err_read, err_write) = pipe();
+        let pid = spawn(TaskCommand {
+            program: OsStr::new("sh"),
+            args: &[
+                OsString::from("-c"),
+                OsString::from(
+                    "echo \"$GREETING $(env | wc -l) $(cut -d\" \" -f6 /proc/$$/stat)\"",
+                ),
+            ],
+            environment: &env(&[("PATH", "/usr/bin:/bin"), ("GREETING", "hi")]),
+            uid: None,
+            gid: None,
+            stdout: write,
+            stderr: err_write,
+        })
+        .expect("spawned");
+        assert!(wait(pid).exit_status() == Some(0));
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut std::fs::File::from(read), &mut out).expect("read");
+        let fields: Vec<&str> = out.split_whitespace().collect();
+        // sh adds PWD, SHLVL and `_` to the two it was given.
+        assert_eq!(fields[0], "hi", "{out}");
+        assert!(fields[1].parse::<u32>().expect("a count") <= 5, "{out}");
+        assert_eq!(fields[2], pid.as_raw_nonzero().to_string(), "{out}");
+    }
+
+    #[test]
+    fn a_missing_program_is_not_found() {
+        let (_read, write) = pipe();
+        let (_err_read, err_write) = pipe();
+        let error = spawn(TaskCommand {
+            program: OsStr::new("stead-no-such-program"),
+            args: &[],
+            environment: &env(&[("PATH", "/usr/bin:/bin")]),
+            uid: None,
+            gid: None,
+            stdout: write,
+            stderr: err_write,
+        })
+        .expect_err("nothing to run");
+        assert_eq!(error.kind(), io::ErrorKind::NotFound);
+    }
+}
