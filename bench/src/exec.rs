@@ -226,11 +226,16 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
     let mut measured = None;
     let mut data_dirs = Vec::new();
     for round in 0..rounds {
-        bare.push(crate::bare_spawn_loop(tasks, |_| {
-            let mut sleep = std::process::Command::new("sleep");
-            sleep.arg("3600");
-            sleep
-        })?);
+        bare.push(crate::bare_spawn_loop(
+            tasks,
+            |_| {
+                let mut sleep = std::process::Command::new("sleep");
+                sleep.arg("3600");
+                sleep
+            },
+            // `spawn` returns once the child has executed, as stead's start report does.
+            || Ok(()),
+        )?);
         let last = round + 1 == rounds;
         let result = runtime.block_on(stead_round(
             round,

@@ -5,9 +5,10 @@
 //! specs in a directory), `supervisord` with a generated config, and pm2 with an
 //! ecosystem file. Every task's command line carries a marker (`sleep 1000017` is task
 //! 17, generation 1), so one observer serves all three: a task "runs" when a process
-//! with its marker is executing, found in `/proc`. Measured, ROUNDS times each (default
-//! 3): cold start of 10, 100 and 500 `sleep` tasks from launching the manager until all
-//! run, against a bare fork/exec loop; restart after `kill -9` of one task (RESTARTS
+//! with its marker is executing, learnt from the kernel's process events
+//! ([`crate::procwatch`]). Measured, ROUNDS times each (default 3): cold start of 10,
+//! 100 and 500 `sleep` tasks from launching the manager until all run, against a bare
+//! fork/exec loop timed by the same observer; restart after `kill -9` of one task (RESTARTS
 //! kills per round, default 10); stop-all of 100 tasks that each take 1 s to exit on
 //! SIGTERM; changing one task's command among 100 (time to the new process; the other
 //! 99 pids must not change); and, once, the manager's own CPU, RSS and PSS over
@@ -27,6 +28,7 @@ use std::time::{Duration, Instant};
 use anyhow::{Context, bail};
 
 use crate::measure::{cpu_ticks, median, now, parent, smaps_kib};
+use crate::procwatch::{Marked, Observer};
 
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -101,61 +103,44 @@ fn slow_stop_task(tools: &Tools, index: usize) -> Task {
     }
 }
 
-/// The running sleep tasks: (index, generation) → pid.
-fn sleep_tasks() -> HashMap<(usize, usize), u32> {
-    let mut found = HashMap::new();
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return found;
-    };
-    for entry in entries.filter_map(Result::ok) {
-        let Some(pid) = entry
-            .file_name()
-            .to_str()
-            .and_then(|n| n.parse::<u32>().ok())
-        else {
-            continue;
-        };
-        let Ok(cmdline) = std::fs::read(entry.path().join("cmdline")) else {
-            continue;
-        };
-        let mut args = cmdline.split(|b| *b == 0);
-        let (Some(program), Some(arg)) = (args.next(), args.next()) else {
-            continue;
-        };
-        if !program.ends_with(b"sleep") {
-            continue;
-        }
-        let Some(n) = std::str::from_utf8(arg)
-            .ok()
-            .and_then(|a| a.parse::<usize>().ok())
-        else {
-            continue;
-        };
-        if (1_000_000..10_000_000).contains(&n) {
-            found.insert((n % 1_000_000, n / 1_000_000), pid);
-        }
+/// Marks `sleep <marker>` processes and the slow-stopping tasks (with what they fork).
+fn classify(cmdline: &[u8]) -> Option<Marked> {
+    if cmdline
+        .windows(STOP_MARKER.len())
+        .any(|w| w == STOP_MARKER.as_bytes())
+    {
+        return Some(Marked::Stop);
     }
-    found
+    let mut args = cmdline.split(|b| *b == 0);
+    let (Some(program), Some(arg)) = (args.next(), args.next()) else {
+        return None;
+    };
+    if !program.ends_with(b"sleep") {
+        return None;
+    }
+    let n = std::str::from_utf8(arg).ok()?.parse::<usize>().ok()?;
+    (1_000_000..10_000_000)
+        .contains(&n)
+        .then_some(Marked::Sleep {
+            index: n % 1_000_000,
+            generation: n / 1_000_000,
+        })
+}
+
+/// The running sleep tasks: (index, generation) → pid.
+fn sleep_tasks(marked: &HashMap<u32, Marked>) -> HashMap<(usize, usize), u32> {
+    marked
+        .iter()
+        .filter_map(|(pid, m)| match m {
+            Marked::Sleep { index, generation } => Some(((*index, *generation), *pid)),
+            Marked::Stop => None,
+        })
+        .collect()
 }
 
 /// How many slow-stopping tasks (or their children) are alive.
-fn slow_stop_tasks() -> usize {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return 0;
-    };
-    entries
-        .filter_map(Result::ok)
-        .filter(|e| {
-            e.file_name()
-                .to_str()
-                .is_some_and(|n| n.parse::<u32>().is_ok())
-        })
-        .filter_map(|e| std::fs::read(e.path().join("cmdline")).ok())
-        .filter(|c| {
-            c.windows(STOP_MARKER.len())
-                .any(|w| w == STOP_MARKER.as_bytes())
-        })
-        .count()
+fn slow_stop_tasks(marked: &HashMap<u32, Marked>) -> usize {
+    marked.values().filter(|m| **m == Marked::Stop).count()
 }
 
 /// Polls `condition` until it holds; the time since `start`.
@@ -456,7 +441,7 @@ impl<'t> Manager<'t> {
     }
 
     /// Stops the manager and every task, and waits until they are gone.
-    fn shut_down(mut self) -> anyhow::Result<()> {
+    fn shut_down(mut self, observer: &mut Observer) -> anyhow::Result<()> {
         match self.kind {
             Kind::Stead | Kind::Supervisord => {
                 if let Some(pid) = self.main_pid() {
@@ -471,10 +456,7 @@ impl<'t> Manager<'t> {
                 matches!(child.try_wait(), Ok(Some(_)))
             })?;
         }
-        let start = now();
-        until(start, "every task gone", || {
-            sleep_tasks().is_empty() && slow_stop_tasks() == 0
-        })?;
+        observer.until(now(), LIMIT, "every task gone", |m| m.is_empty())?;
         let _ = std::fs::remove_dir_all(&self.dir);
         Ok(())
     }
@@ -512,9 +494,9 @@ impl Results {
     }
 }
 
-fn all_running(count: usize) -> impl FnMut() -> bool {
-    move || {
-        let tasks = sleep_tasks();
+fn all_running(count: usize) -> impl FnMut(&HashMap<u32, Marked>) -> bool {
+    move |marked| {
+        let tasks = sleep_tasks(marked);
         (0..count).all(|i| tasks.contains_key(&(i, 1)))
     }
 }
@@ -526,6 +508,7 @@ fn round(
     base: &Path,
     restarts: usize,
     idle: Option<Duration>,
+    observer: &mut Observer,
     results: &mut Results,
 ) -> anyhow::Result<()> {
     let dir = base.join(kind.name());
@@ -534,25 +517,28 @@ fn round(
         let tasks = (0..n).map(|i| sleep_task(tools, i, 1)).collect();
         let start = now();
         let manager = Manager::start(kind, tools, &dir, tasks)?;
-        let took = until(start, "cold start", all_running(n))?;
+        let took = observer.until(start, LIMIT, "cold start", all_running(n))?;
         results.add(
             &format!("cold start, {n} tasks (s)"),
             who,
             took.as_secs_f64(),
         );
         if n != POOL {
-            manager.shut_down()?;
+            manager.shut_down(observer)?;
             continue;
         }
         let mut manager = manager;
 
         // Restart after kill -9 of task 0.
         for _ in 0..restarts {
-            let old = *sleep_tasks().get(&(0, 1)).context("task 0 runs")?;
+            observer.update();
+            let old = *sleep_tasks(observer.marked())
+                .get(&(0, 1))
+                .context("task 0 runs")?;
             let start = now();
             kill(old, rustix::process::Signal::KILL);
-            let took = until(start, "restart after kill -9", || {
-                sleep_tasks().get(&(0, 1)).is_some_and(|pid| *pid != old)
+            let took = observer.until(start, LIMIT, "restart after kill -9", |m| {
+                sleep_tasks(m).get(&(0, 1)).is_some_and(|pid| *pid != old)
             })?;
             results.add("restart after kill -9 (ms)", who, took.as_secs_f64() * 1e3);
         }
@@ -560,7 +546,9 @@ fn round(
         if let Some(idle) = idle {
             // Let restarts and start-up work settle first.
             std::thread::sleep(Duration::from_secs(2));
-            let task_pids: HashSet<u32> = sleep_tasks().values().copied().collect();
+            observer.update();
+            let task_pids: HashSet<u32> =
+                sleep_tasks(observer.marked()).values().copied().collect();
             let processes = manager.processes(&task_pids);
             let before: u64 = processes
                 .iter()
@@ -608,18 +596,20 @@ fn round(
 
         // Change one task's command among 100.
         let changed = POOL / 2;
-        let before = sleep_tasks();
+        observer.update();
+        let before = sleep_tasks(observer.marked());
         let start = now();
         manager.change(changed)?;
-        let took = until(start, "changed command", || {
-            sleep_tasks().contains_key(&(changed, 2))
+        let took = observer.until(start, LIMIT, "changed command", |m| {
+            sleep_tasks(m).contains_key(&(changed, 2))
         })?;
         results.add(
             "change one command of 100 (ms)",
             who,
             took.as_secs_f64() * 1e3,
         );
-        let after = sleep_tasks();
+        observer.update();
+        let after = sleep_tasks(observer.marked());
         let moved = (0..POOL)
             .filter(|i| *i != changed)
             .filter(|i| before.get(&(*i, 1)) != after.get(&(*i, 1)))
@@ -629,27 +619,27 @@ fn round(
             who,
             moved as f64,
         );
-        manager.shut_down()?;
+        manager.shut_down(observer)?;
     }
 
     // Stop all of 100 tasks that take 1 s to exit.
     let tasks = (0..POOL).map(|i| slow_stop_task(tools, i)).collect();
     let start = now();
     let mut manager = Manager::start(kind, tools, &dir, tasks)?;
-    until(start, "slow-stop tasks running", || {
-        slow_stop_tasks() >= POOL
+    observer.until(start, LIMIT, "slow-stop tasks running", |m| {
+        slow_stop_tasks(m) >= POOL
     })?;
     // Let each shell reach its loop and install its trap.
     std::thread::sleep(Duration::from_millis(500));
     let start = now();
     manager.stop_all()?;
-    let took = until(start, "stop all", || slow_stop_tasks() == 0)?;
+    let took = observer.until(start, LIMIT, "stop all", |m| slow_stop_tasks(m) == 0)?;
     results.add(
         &format!("stop all {POOL}, 1 s to exit each (s)"),
         who,
         took.as_secs_f64(),
     );
-    manager.shut_down()?;
+    manager.shut_down(observer)?;
     Ok(())
 }
 
@@ -758,7 +748,8 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         sleep: which("sleep").context("no sleep")?.display().to_string(),
         shell: which("sh").context("no sh")?.display().to_string(),
     };
-    if !sleep_tasks().is_empty() || slow_stop_tasks() != 0 {
+    let mut observer = Observer::new(classify);
+    if !observer.marked().is_empty() {
         bail!("benchmark tasks from an earlier run still run; stop them first");
     }
     let base = std::env::temp_dir().join(format!("stead-bench-peers-{}", std::process::id()));
@@ -766,11 +757,19 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
     let mut results = Results::default();
     for round_index in 0..rounds {
         for n in COLD {
-            let took = crate::bare_spawn_loop(n, |index| {
-                let mut sleep = Command::new(&tools.sleep);
-                sleep.arg(marker(index, 1).to_string());
-                sleep
-            })?;
+            let took = crate::bare_spawn_loop(
+                n,
+                |index| {
+                    let mut sleep = Command::new(&tools.sleep);
+                    sleep.arg(marker(index, 1).to_string());
+                    sleep
+                },
+                || {
+                    observer
+                        .until(now(), LIMIT, "floor", all_running(n))
+                        .map(drop)
+                },
+            )?;
             results.add(
                 &format!("cold start, {n} tasks (s)"),
                 "floor",
@@ -780,8 +779,16 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         let measure_idle = (round_index + 1 == rounds).then_some(idle);
         for kind in Kind::ALL {
             eprintln!("peers: round {}/{rounds}: {}", round_index + 1, kind.name());
-            round(kind, &tools, &base, restarts, measure_idle, &mut results)
-                .with_context(|| format!("{} round {}", kind.name(), round_index + 1))?;
+            round(
+                kind,
+                &tools,
+                &base,
+                restarts,
+                measure_idle,
+                &mut observer,
+                &mut results,
+            )
+            .with_context(|| format!("{} round {}", kind.name(), round_index + 1))?;
         }
     }
     let _ = std::fs::remove_dir_all(&base);
@@ -797,9 +804,13 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         version(Path::new("node"), &["--version"])
     );
     println!(
-        "Run: `stead-bench peers {rounds} {} {restarts}`: {rounds} rounds, {restarts} kills per round, idle {} s once\n",
+        "Run: `stead-bench peers {rounds} {} {restarts}`: {rounds} rounds, {restarts} kills per round, idle {} s once  ",
         idle.as_secs(),
         idle.as_secs()
+    );
+    println!(
+        "Observed by {}, the same for every manager and the floor\n",
+        observer.method()
     );
     println!(
         "| measurement | stead median (min-max) | supervisord median (min-max) | pm2 median (min-max) | floor | stead / supervisord | stead / pm2 |"
