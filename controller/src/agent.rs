@@ -383,6 +383,26 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             source,
         })?;
     let clock = Clock::system();
+    // The specs dir is watched and listed while the store opens (creating RocksDB syncs
+    // a dozen files): both only read, and the listing is applied after the restore. The
+    // watcher starts first, so no change falls between it and the listing.
+    let changed = Arc::new(tokio::sync::Notify::new());
+    let early = {
+        let dir = settings.specs_dir.clone();
+        let watch = settings.watch;
+        let changed = changed.clone();
+        let now = clock.now();
+        tokio::task::spawn_blocking(move || {
+            let watcher = if watch {
+                start_watcher(&dir, &changed)
+            } else {
+                None
+            };
+            let mut cache = ListingCache::default();
+            let listing = list_specs_cached(&dir, &mut cache, now);
+            (watcher, listing, cache)
+        })
+    };
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));
@@ -422,10 +442,11 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // File events only say "look again"; the listing is the level. A wake-up that comes
     // during a pass is kept, so the pass after it sees the change.
-    let changed = Arc::new(tokio::sync::Notify::new());
-    let mut watcher = None;
+    let (mut watcher, mut first_listing, mut cache) = match early.await {
+        Ok((watcher, listing, cache)) => (watcher, Some(listing), cache),
+        Err(_) => (None, None, ListingCache::default()),
+    };
     let mut gc = None;
-    let mut cache = ListingCache::default();
     tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
     // Ready for systemd (`Type=notify`) only now: state restored, the API serving.
     crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
@@ -448,17 +469,25 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             tokio::time::sleep(crate::watch::DEBOUNCE).await;
             let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
         }
-        let dir = settings.specs_dir.clone();
-        let now = clock.now();
-        let mut taken = std::mem::take(&mut cache);
-        let pass = tokio::task::spawn_blocking(move || {
-            let listing = list_specs_cached(&dir, &mut taken, now);
-            (listing, taken)
-        })
-        .await;
-        // A panicked pass loses the cache: the next pass reads everything again.
-        let Ok((listing, kept)) = pass else { continue };
-        cache = kept;
+        // The first resync applies the listing made while the store opened; a file event
+        // before it means that listing may be stale.
+        let listing = match first_listing.take() {
+            Some(listing) if trigger == "resync" => listing,
+            _ => {
+                let dir = settings.specs_dir.clone();
+                let now = clock.now();
+                let mut taken = std::mem::take(&mut cache);
+                let pass = tokio::task::spawn_blocking(move || {
+                    let listing = list_specs_cached(&dir, &mut taken, now);
+                    (listing, taken)
+                })
+                .await;
+                // A panicked pass loses the cache: the next pass reads everything again.
+                let Ok((listing, kept)) = pass else { continue };
+                cache = kept;
+                listing
+            }
+        };
         for diagnostic in &listing.diagnostics {
             tracing::warn!("{diagnostic}");
         }

@@ -14,8 +14,10 @@
 //! ```
 //!
 //! Building is idempotent and safe to run concurrently (two tasks of one alloc start at
-//! once): every directory is created if missing, then checked to be a real directory,
-//! not a symlink, and then given its mode (and owner) exactly, whatever the umask.
+//! once): every directory is created if missing, then given its mode (and owner)
+//! exactly, whatever the umask. One that already existed is first checked to be a real
+//! directory, not a symlink; one this call made is known to be, and is only `chmod`ed
+//! when the umask took bits from its mode (a task start makes ten).
 //! Paths are built only from validated names ([`AllocId`], [`Name`]), never from text
 //! that could hold `/` or `..`; the task name `alloc` is refused, since it would be the
 //! shared directory.
@@ -24,6 +26,7 @@ use std::fs::{self, DirBuilder, Permissions};
 use std::io;
 use std::os::unix::fs::{DirBuilderExt, PermissionsExt};
 use std::path::{Path, PathBuf};
+use std::sync::OnceLock;
 
 use stead_schemas::AllocId;
 use stead_schemas::spec::Name;
@@ -302,28 +305,41 @@ fn move_dir(from: &Path, to: &Path) -> Result<(), AllocDirError> {
     fs::rename(from, to).map_err(error)
 }
 
+/// The agent's umask, from `/proc/self/status` (read once; `None` where it is not shown).
+fn umask() -> Option<u32> {
+    static UMASK: OnceLock<Option<u32>> = OnceLock::new();
+    *UMASK.get_or_init(|| {
+        let status = fs::read_to_string("/proc/self/status").ok()?;
+        let value = status.lines().find_map(|l| l.strip_prefix("Umask:"))?;
+        u32::from_str_radix(value.trim(), 8).ok()
+    })
+}
+
 /// Creates `path` if missing, checks it is a directory (not a symlink), and sets its
 /// mode and, when given, its owner.
 fn make_dir(path: &Path, mode: u32, owner: Option<(u32, u32)>) -> Result<(), AllocDirError> {
-    match DirBuilder::new().mode(mode & 0o777).create(path) {
-        Ok(()) => {}
-        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+    let current = match DirBuilder::new().mode(mode & 0o777).create(path) {
+        // Made just now: a directory, with the mode less the umask.
+        Ok(()) => umask().map(|umask| mode & 0o777 & !umask),
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {
+            let metadata = fs::symlink_metadata(path).map_err(|source| AllocDirError::Create {
+                path: path.to_owned(),
+                source,
+            })?;
+            if !metadata.file_type().is_dir() {
+                return Err(AllocDirError::NotADirectory {
+                    path: path.to_owned(),
+                });
+            }
+            Some(metadata.permissions().mode() & 0o7777)
+        }
         Err(source) => {
             return Err(AllocDirError::Create {
                 path: path.to_owned(),
                 source,
             });
         }
-    }
-    let metadata = fs::symlink_metadata(path).map_err(|source| AllocDirError::Create {
-        path: path.to_owned(),
-        source,
-    })?;
-    if !metadata.file_type().is_dir() {
-        return Err(AllocDirError::NotADirectory {
-            path: path.to_owned(),
-        });
-    }
+    };
     if let Some((uid, gid)) = owner {
         std::os::unix::fs::lchown(path, Some(uid), Some(gid)).map_err(|source| {
             AllocDirError::Owner {
@@ -334,7 +350,7 @@ fn make_dir(path: &Path, mode: u32, owner: Option<(u32, u32)>) -> Result<(), All
             }
         })?;
     }
-    if metadata.permissions().mode() & 0o7777 != mode {
+    if current != Some(mode) {
         fs::set_permissions(path, Permissions::from_mode(mode)).map_err(|source| {
             AllocDirError::Mode {
                 path: path.to_owned(),
