@@ -84,6 +84,48 @@ fn candidates(program: &OsStr, environment: &[(OsString, OsString)]) -> io::Resu
         .collect()
 }
 
+/// The child's stack: an anonymous mapping, unmapped on drop.
+struct Stack {
+    base: *mut libc::c_void,
+}
+
+impl Stack {
+    #[allow(unsafe_code)]
+    fn map() -> io::Result<Stack> {
+        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
+        let base = unsafe {
+            libc::mmap(
+                ptr::null_mut(),
+                CHILD_STACK,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if base == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Stack { base })
+    }
+
+    /// The stack's top (it grows down), 16-byte aligned as every ABI wants.
+    fn top(&self) -> *mut libc::c_void {
+        self.base.wrapping_byte_add(CHILD_STACK)
+    }
+}
+
+impl Drop for Stack {
+    #[allow(unsafe_code)]
+    fn drop(&mut self) {
+        // SAFETY: the mapping is ours and no longer used: `CLONE_VFORK` returned only
+        // once the child had exec'ed or exited.
+        unsafe {
+            libc::munmap(self.base, CHILD_STACK);
+        }
+    }
+}
+
 /// Starts the task in its own session, dying with the supervisor, as `uid`/`gid`, with
 /// `/dev/null` as stdin; returns its pid once it has `exec`ed.
 #[allow(unsafe_code)]
@@ -127,12 +169,11 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
         mask: unsafe { std::mem::zeroed() },
         error: 0,
     };
-    let mut stack = vec![0u8; CHILD_STACK];
-    // SAFETY: the stack grows down from the end of the buffer, 16-byte aligned as every
-    // ABI wants; the buffer outlives the child's use of it, because `CLONE_VFORK` returns
-    // only once the child has exec'ed or exited.
-    let top = unsafe { stack.as_mut_ptr().add(CHILD_STACK) };
-    let top = (top as usize & !15) as *mut libc::c_void;
+    // Mapped, not allocated: only the pages the child touches (one or two) are ever
+    // faulted in, and they are gone again once it has exec'ed, where a heap buffer would
+    // stay dirty in every supervisor.
+    let stack = Stack::map()?;
+    let top = stack.top();
     let pid;
     let clone_error;
     // SAFETY: every signal is blocked around the clone, as `posix_spawn` does, so no
@@ -154,6 +195,7 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
         libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
     }
     drop(null);
+    drop(stack);
     if pid == -1 {
         return Err(clone_error);
     }
