@@ -36,6 +36,7 @@ use std::ffi::OsString;
 use std::fmt;
 use std::io;
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
 use std::time::Duration;
 
@@ -215,6 +216,8 @@ struct RunState {
     exit: watch::Sender<Option<ExitResult>>,
     /// The last CPU measurement: ticks, and when.
     cpu: Mutex<Option<(u64, tokio::time::Instant)>>,
+    /// The supervisor reported the exit: it had killed what the task left by then.
+    reported: AtomicBool,
 }
 
 impl RunState {
@@ -223,6 +226,7 @@ impl RunState {
             id,
             exit: watch::Sender::new(None),
             cpu: Mutex::new(None),
+            reported: AtomicBool::new(false),
         })
     }
 }
@@ -604,11 +608,18 @@ impl Inner {
             return;
         };
         self.kill_run(&id);
-        let recorded = self
-            .task_dir(&id)
-            .and_then(|dir| protocol::read_exit_record(&dir.control, &id.run).ok())
-            .flatten()
-            .is_some();
+        // A supervisor that reported the exit, or recorded it, cleaned up before; only
+        // one that died without either leaves the task's session to search (a scan of
+        // every process).
+        let reported = self
+            .run_state(handle)
+            .is_some_and(|state| state.reported.load(Ordering::Acquire));
+        let recorded = reported
+            || self
+                .task_dir(&id)
+                .and_then(|dir| protocol::read_exit_record(&dir.control, &id.run).ok())
+                .flatten()
+                .is_some();
         if !recorded && !self.supervisor_alive(&id) {
             // The supervisor died without cleaning up (it was killed): what is left of
             // the task's session goes.
@@ -720,6 +731,7 @@ async fn watch_run(
             && n > 0
             && let Ok(Report::Exited(status)) = Report::parse(&line)
         {
+            state.reported.store(true, Ordering::Release);
             reported = Some(exit_result(status));
         }
     }
