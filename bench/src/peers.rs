@@ -514,6 +514,8 @@ fn round(
     let dir = base.join(kind.name());
     let who = kind.name();
     for n in COLD {
+        // Nothing of the floor's or an earlier manager's may count for this one.
+        observer.until(now(), LIMIT, "earlier tasks gone", HashMap::is_empty)?;
         let tasks = (0..n).map(|i| sleep_task(tools, i, 1)).collect();
         let start = now();
         let manager = Manager::start(kind, tools, &dir, tasks)?;
@@ -757,6 +759,7 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
     let mut results = Results::default();
     for round_index in 0..rounds {
         for n in COLD {
+            observer.until(now(), LIMIT, "earlier tasks gone", HashMap::is_empty)?;
             let took = crate::bare_spawn_loop(
                 n,
                 |index| {

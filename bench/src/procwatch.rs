@@ -268,6 +268,8 @@ impl Observer {
         what: &str,
         mut condition: impl FnMut(&HashMap<u32, Marked>) -> bool,
     ) -> anyhow::Result<Duration> {
+        // What happened before this call (processes that exited since) counts first.
+        self.refresh(Duration::ZERO);
         loop {
             if condition(&self.marked) {
                 return Ok(start.elapsed());
@@ -302,7 +304,7 @@ mod tests {
     }
 
     #[test]
-    fn a_started_process_is_seen_running_and_then_gone_after_it_is_killed() {
+    fn a_started_process_is_seen_running_and_never_after_it_is_killed() {
         let mut observer = Observer::new(ours);
         let mut child = std::process::Command::new("sleep")
             .arg(format!("7{}", std::process::id()))
@@ -314,8 +316,16 @@ mod tests {
                 m.get(&child.id()).is_some()
             })
             .expect("the observer sees the process");
+        let pid = child.id();
         child.kill().expect("killed");
         child.wait().expect("reaped");
+        // A process gone before the call is never taken as running by it.
+        assert!(
+            observer
+                .until(Instant::now(), Duration::ZERO, "stale", |m| m
+                    .contains_key(&pid))
+                .is_err()
+        );
         observer
             .until(Instant::now(), limit, "gone", HashMap::is_empty)
             .expect("the observer sees it gone");
