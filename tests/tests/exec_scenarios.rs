@@ -95,7 +95,7 @@ async fn stopping_a_task_that_traps_sigint_yields_killing_terminated_130_and_kil
         ]
     );
     let terminated = of_type(&events, "Terminated")[0];
-    assert_eq!(terminated.exit_code, Some(130));
+    assert_eq!(terminated.exit_code, Some(130), "{events:#?}");
     assert_eq!(terminated.signal, None, "no SIGKILL: {events:#?}");
     let killing = of_type(&events, "Killing")[0];
     assert_eq!(
