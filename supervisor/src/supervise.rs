@@ -106,6 +106,32 @@ pub(crate) fn send(report: &Report) -> bool {
     true
 }
 
+/// Resets every signal the supervisor inherited as ignored to its default, `SIGPIPE`
+/// aside (the Rust runtime ignores it here on purpose; the task gets it back at its
+/// start). Ignored signals survive `exec`, and a shell started with `SIGINT` ignored
+/// cannot trap it: an agent launched in the background of a script (where `SIGINT` and
+/// `SIGQUIT` are ignored) or under `nohup` (`SIGHUP`) would pass that on to every task,
+/// whose `killSignal` would then do nothing. Tasks start as from a clean init.
+#[allow(unsafe_code)]
+pub(crate) fn default_signal_dispositions() {
+    for signal in 1..=libc::SIGRTMAX() {
+        if matches!(signal, libc::SIGKILL | libc::SIGSTOP | libc::SIGPIPE) {
+            continue;
+        }
+        // SAFETY: `sigaction` with a null new action only reads the disposition into a
+        // zeroed local; `signal(SIG_DFL)` installs no handler function. Signals the C
+        // library reserves answer EINVAL and are left alone.
+        unsafe {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
+                && current.sa_sigaction == libc::SIG_IGN
+            {
+                libc::signal(signal, libc::SIG_DFL);
+            }
+        }
+    }
+}
+
 /// The supervisor's entry point: `--zygote` serves start requests as a fork server;
 /// anything else is one supervisor's command line, with the environment on stdin.
 pub fn main() -> ExitCode {
@@ -113,6 +139,7 @@ pub fn main() -> ExitCode {
     if argv.peek().is_some_and(|first| first == "--zygote") {
         return crate::zygote::serve();
     }
+    default_signal_dispositions();
     let started = SupervisorArgs::parse(argv)
         .map_err(StartError::Args)
         .and_then(|args| Ok((read_environment()?, args)));
@@ -482,6 +509,32 @@ impl Output {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[allow(unsafe_code)]
+    fn disposition(signal: i32) -> libc::sighandler_t {
+        // SAFETY: reads the disposition into a zeroed local.
+        unsafe {
+            let mut current: libc::sigaction = std::mem::zeroed();
+            libc::sigaction(signal, std::ptr::null(), &mut current);
+            current.sa_sigaction
+        }
+    }
+
+    #[test]
+    #[allow(unsafe_code)]
+    fn ignored_signals_are_reset_to_their_defaults_but_sigpipe_stays_ignored() {
+        // SAFETY: no handler function is installed, only the kernel's dispositions. No
+        // other test of this crate relies on SIGHUP or SIGQUIT.
+        unsafe {
+            libc::signal(libc::SIGHUP, libc::SIG_IGN);
+            libc::signal(libc::SIGQUIT, libc::SIG_IGN);
+        }
+        let pipe = disposition(libc::SIGPIPE);
+        default_signal_dispositions();
+        assert_eq!(disposition(libc::SIGHUP), libc::SIG_DFL);
+        assert_eq!(disposition(libc::SIGQUIT), libc::SIG_DFL);
+        assert_eq!(disposition(libc::SIGPIPE), pipe);
+    }
 
     #[test]
     fn signalled_exits_read_as_128_plus_the_signal() {

@@ -85,6 +85,8 @@ impl ChildSignals {
 pub(crate) fn serve() -> ExitCode {
     // Terminal signals aimed at the agent's process group do not stop starting tasks.
     let _ = rustix::process::setsid();
+    // Once here, for every supervisor this server forks.
+    crate::supervise::default_signal_dispositions();
     let Ok(children) = ChildSignals::new() else {
         return ExitCode::from(1);
     };
