@@ -312,7 +312,7 @@ mod tests {
             .expect("sleep starts");
         let limit = Duration::from_secs(10);
         observer
-            .until(Instant::now(), limit, "seen", |m| {
+            .until(crate::measure::now(), limit, "seen", |m| {
                 m.get(&child.id()).is_some()
             })
             .expect("the observer sees the process");
@@ -322,12 +322,12 @@ mod tests {
         // A process gone before the call is never taken as running by it.
         assert!(
             observer
-                .until(Instant::now(), Duration::ZERO, "stale", |m| m
+                .until(crate::measure::now(), Duration::ZERO, "stale", |m| m
                     .contains_key(&pid))
                 .is_err()
         );
         observer
-            .until(Instant::now(), limit, "gone", HashMap::is_empty)
+            .until(crate::measure::now(), limit, "gone", HashMap::is_empty)
             .expect("the observer sees it gone");
     }
 }
