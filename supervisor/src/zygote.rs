@@ -33,6 +33,18 @@ use crate::supervise;
 /// The largest request accepted; the agent's socket buffer bounds what it can send.
 const MAX_REQUEST: usize = 1 << 20;
 
+/// The set holding `SIGCHLD` alone.
+#[allow(unsafe_code)]
+fn child_signal_set() -> libc::sigset_t {
+    // SAFETY: a zeroed `sigset_t` is valid storage, and is initialised by `sigemptyset`.
+    unsafe {
+        let mut set: libc::sigset_t = std::mem::zeroed();
+        libc::sigemptyset(&mut set);
+        libc::sigaddset(&mut set, libc::SIGCHLD);
+        set
+    }
+}
+
 /// `SIGCHLD` as a descriptor: blocked, and read from a `signalfd`.
 struct ChildSignals {
     fd: OwnedFd,
@@ -41,12 +53,10 @@ struct ChildSignals {
 impl ChildSignals {
     #[allow(unsafe_code)]
     fn new() -> io::Result<ChildSignals> {
-        // SAFETY: signal-set and mask calls on local, initialised sets; the descriptor
-        // `signalfd` returns is owned from here on.
+        let set = child_signal_set();
+        // SAFETY: a mask call on an initialised set; the descriptor `signalfd` returns
+        // is owned from here on.
         unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGCHLD);
             libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
             let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
             if fd == -1 {
@@ -69,12 +79,11 @@ impl ChildSignals {
     /// and the server's descriptor closed.
     #[allow(unsafe_code)]
     fn leave(&self) {
-        // SAFETY: the descriptor is the server's copy in this forked child, which never
-        // returns to the server's loop, so nothing else closes or uses it.
+        let set = child_signal_set();
+        // SAFETY: a mask call on an initialised set; the descriptor is the server's copy
+        // in this forked child, which never returns to the server's loop, so nothing else
+        // closes or uses it.
         unsafe {
-            let mut set: libc::sigset_t = std::mem::zeroed();
-            libc::sigemptyset(&mut set);
-            libc::sigaddset(&mut set, libc::SIGCHLD);
             libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
             libc::close(self.fd.as_raw_fd());
         }
