@@ -112,8 +112,47 @@ pub(crate) fn send(report: &Report) -> bool {
 /// cannot trap it: an agent launched in the background of a script (where `SIGINT` and
 /// `SIGQUIT` are ignored) or under `nohup` (`SIGHUP`) would pass that on to every task,
 /// whose `killSignal` would then do nothing. Tasks start as from a clean init.
+///
+/// The signals the C library keeps for itself (32 and 33 with glibc) need the raw
+/// system call: glibc's `posix_spawn`, which started this process, sets them to ignored
+/// when its caller handles them, and its `sigaction` refuses to touch them.
 #[allow(unsafe_code)]
 pub(crate) fn default_signal_dispositions() {
+    /// The kernel's `struct sigaction` (x86-64 and aarch64 both have `sa_restorer`).
+    #[repr(C)]
+    #[derive(Default)]
+    struct KernelSigaction {
+        handler: usize,
+        flags: libc::c_ulong,
+        restorer: usize,
+        mask: u64,
+    }
+    for signal in 32..libc::SIGRTMIN() {
+        let mut current = KernelSigaction::default();
+        let default = KernelSigaction::default(); // handler 0 is SIG_DFL
+        let size = std::mem::size_of::<u64>();
+        // SAFETY: `rt_sigaction` reads and writes the kernel's layout, which
+        // `KernelSigaction` is, with an 8-byte signal mask; no handler is installed.
+        unsafe {
+            if libc::syscall(
+                libc::SYS_rt_sigaction,
+                signal,
+                std::ptr::null::<KernelSigaction>(),
+                &raw mut current,
+                size,
+            ) == 0
+                && current.handler == libc::SIG_IGN
+            {
+                libc::syscall(
+                    libc::SYS_rt_sigaction,
+                    signal,
+                    &raw const default,
+                    std::ptr::null_mut::<KernelSigaction>(),
+                    size,
+                );
+            }
+        }
+    }
     for signal in 1..=libc::SIGRTMAX() {
         if matches!(signal, libc::SIGKILL | libc::SIGSTOP | libc::SIGPIPE) {
             continue;

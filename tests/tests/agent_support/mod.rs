@@ -87,12 +87,29 @@ impl AgentDirs {
 
     /// Starts the agent and waits until its API answers.
     pub fn start(&self) -> Agent {
+        self.start_with(Command::new(agent_binary()))
+    }
+
+    /// Starts the agent with `signals` (shell names: `INT HUP`) ignored, as a script's
+    /// background job or `nohup` would, and waits until its API answers.
+    pub fn start_ignoring(&self, signals: &str) -> Agent {
+        let mut shell = Command::new("/bin/sh");
+        shell
+            .arg("-c")
+            .arg(format!("trap '' {signals}; exec \"$0\" \"$@\""))
+            .arg(agent_binary());
+        self.start_with(shell)
+    }
+
+    /// Starts the agent through `command` (the binary, or a launcher that executes it,
+    /// which then receives the agent's arguments) and waits until its API answers.
+    fn start_with(&self, mut command: Command) -> Agent {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
             .open(self.root.path().join("agent.log"))
             .expect("agent log");
-        let child = Command::new(agent_binary())
+        let child = command
             .args(["agent", "--config"])
             .arg(&self.config)
             .env("STEAD_SUPERVISOR", supervisor_binary())

@@ -1,0 +1,64 @@
+//! The exec driver through the real `stead agent` binary: what a task inherits from the
+//! way the agent was launched.
+
+mod agent_support;
+
+use std::time::Duration;
+
+use agent_support::{AgentDirs, kill_all_with, processes_with, wait_for};
+
+/// The `SigIgn` mask of `pid`, from `/proc/<pid>/status`.
+fn ignored_signals(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let mask = status.lines().find_map(|l| l.strip_prefix("SigIgn:"))?;
+    u64::from_str_radix(mask.trim(), 16).ok()
+}
+
+#[test]
+fn a_task_of_an_agent_launched_with_sigint_and_sighup_ignored_ignores_nothing_and_stops_on_sigint()
+{
+    let dirs = AgentDirs::new("");
+    let marker = format!("stead-signals-{}", std::process::id());
+    // A task that leaves on SIGINT (the default kill signal) at once; only a SIGKILL,
+    // 30 s later, would end it if SIGINT stayed ignored.
+    dirs.write_spec(
+        "trap",
+        &format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: trap}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 30s\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"trap 'exit 130' INT; while :; do sleep 0.1; done\", \"{marker}\"]\n"
+        ),
+    );
+    let agent = dirs.start_ignoring("INT QUIT HUP");
+    let task = wait_for("the task runs", Duration::from_secs(20), || {
+        processes_with(&marker)
+            .first()
+            .copied()
+            .ok_or_else(|| agent.log_text())
+    });
+    assert_eq!(ignored_signals(task), Some(0), "the task ignores signals");
+
+    dirs.remove_spec("trap");
+    wait_for(
+        "the task stopped on SIGINT",
+        Duration::from_secs(10),
+        || {
+            if processes_with(&marker).is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{:?}", agent.status("trap")))
+            }
+        },
+    );
+    let status = agent.status("trap").expect("the alloc is known");
+    let terminated = status.tasks["main"]
+        .events
+        .iter()
+        .find(|e| e.event_type == "Terminated")
+        .cloned();
+    assert_eq!(
+        terminated.and_then(|e| e.exit_code),
+        Some(130),
+        "{status:#?}"
+    );
+    agent.terminate();
+    kill_all_with(&marker);
+}
