@@ -113,12 +113,13 @@ pub(crate) fn send(report: &Report) -> bool {
 /// `SIGQUIT` are ignored) or under `nohup` (`SIGHUP`) would pass that on to every task,
 /// whose `killSignal` would then do nothing. Tasks start as from a clean init.
 ///
-/// The signals the C library keeps for itself (32 and 33 with glibc) need the raw
-/// system call: glibc's `posix_spawn`, which started this process, sets them to ignored
-/// when its caller handles them, and its `sigaction` refuses to touch them.
+/// Through the raw system call for every signal: glibc's `posix_spawn`, which started
+/// this process, also leaves the signals glibc keeps for itself (32 and 33) ignored, and
+/// glibc's `sigaction` refuses to touch those.
 #[allow(unsafe_code)]
 pub(crate) fn default_signal_dispositions() {
-    /// The kernel's `struct sigaction` (x86-64 and aarch64 both have `sa_restorer`).
+    /// The kernel's `struct sigaction` (x86-64 and aarch64 both have `sa_restorer`);
+    /// all zero is `SIG_DFL`.
     #[repr(C)]
     #[derive(Default)]
     struct KernelSigaction {
@@ -127,10 +128,15 @@ pub(crate) fn default_signal_dispositions() {
         restorer: usize,
         mask: u64,
     }
-    for signal in 32..libc::SIGRTMIN() {
+    /// The kernel's signal numbers run from 1 to 64.
+    const SIGNALS: i32 = 64;
+    let mask_size = std::mem::size_of::<u64>();
+    let default = KernelSigaction::default();
+    for signal in 1..=SIGNALS {
+        if matches!(signal, libc::SIGKILL | libc::SIGSTOP | libc::SIGPIPE) {
+            continue;
+        }
         let mut current = KernelSigaction::default();
-        let default = KernelSigaction::default(); // handler 0 is SIG_DFL
-        let size = std::mem::size_of::<u64>();
         // SAFETY: `rt_sigaction` reads and writes the kernel's layout, which
         // `KernelSigaction` is, with an 8-byte signal mask; no handler is installed.
         unsafe {
@@ -139,7 +145,7 @@ pub(crate) fn default_signal_dispositions() {
                 signal,
                 std::ptr::null::<KernelSigaction>(),
                 &raw mut current,
-                size,
+                mask_size,
             ) == 0
                 && current.handler == libc::SIG_IGN
             {
@@ -148,24 +154,8 @@ pub(crate) fn default_signal_dispositions() {
                     signal,
                     &raw const default,
                     std::ptr::null_mut::<KernelSigaction>(),
-                    size,
+                    mask_size,
                 );
-            }
-        }
-    }
-    for signal in 1..=libc::SIGRTMAX() {
-        if matches!(signal, libc::SIGKILL | libc::SIGSTOP | libc::SIGPIPE) {
-            continue;
-        }
-        // SAFETY: `sigaction` with a null new action only reads the disposition into a
-        // zeroed local; `signal(SIG_DFL)` installs no handler function. Signals the C
-        // library reserves answer EINVAL and are left alone.
-        unsafe {
-            let mut current: libc::sigaction = std::mem::zeroed();
-            if libc::sigaction(signal, std::ptr::null(), &mut current) == 0
-                && current.sa_sigaction == libc::SIG_IGN
-            {
-                libc::signal(signal, libc::SIG_DFL);
             }
         }
     }
