@@ -29,6 +29,8 @@ pub(crate) struct TaskCommand<'a> {
     pub environment: &'a [(OsString, OsString)],
     pub uid: Option<u32>,
     pub gid: Option<u32>,
+    /// The write ends of the output pipes, consumed: the supervisor's copies close once
+    /// the task has its own, so the pipes reach EOF when the task's are gone.
     pub stdout: OwnedFd,
     pub stderr: OwnedFd,
 }
@@ -341,28 +343,42 @@ mod tests {
             .1
     }
 
-    #[test]
-    fn the_task_runs_in_its_own_session_with_exactly_its_environment_and_output() {
+    /// Spawns `program` with `args` and `environment`, no ids; the spawn's result and
+    /// the read end of the task's stdout.
+    fn spawn_with(
+        program: &str,
+        args: &[&str],
+        environment: &[(&str, &str)],
+    ) -> (io::Result<Pid>, std::fs::File) {
         let (read, write) = pipe();
         let (_err_read, err_write) = pipe();
-        let pid = spawn(TaskCommand {
-            program: OsStr::new("sh"),
-            args: &[
-                OsString::from("-c"),
-                OsString::from(
-                    "echo \"$GREETING $(env | wc -l) $(cut -d\" \" -f6 /proc/$$/stat)\"",
-                ),
-            ],
-            environment: &env(&[("PATH", "/usr/bin:/bin"), ("GREETING", "hi")]),
+        let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+        let spawned = spawn(TaskCommand {
+            program: OsStr::new(program),
+            args: &args,
+            environment: &env(environment),
             uid: None,
             gid: None,
             stdout: write,
             stderr: err_write,
-        })
-        .expect("spawned");
+        });
+        (spawned, std::fs::File::from(read))
+    }
+
+    #[test]
+    fn the_task_runs_in_its_own_session_with_exactly_its_environment_and_output() {
+        let (spawned, mut stdout) = spawn_with(
+            "sh",
+            &[
+                "-c",
+                "echo \"$GREETING $(env | wc -l) $(cut -d\" \" -f6 /proc/$$/stat)\"",
+            ],
+            &[("PATH", "/usr/bin:/bin"), ("GREETING", "hi")],
+        );
+        let pid = spawned.expect("spawned");
         assert!(wait(pid).exit_status() == Some(0));
         let mut out = String::new();
-        std::io::Read::read_to_string(&mut std::fs::File::from(read), &mut out).expect("read");
+        std::io::Read::read_to_string(&mut stdout, &mut out).expect("read");
         let fields: Vec<&str> = out.split_whitespace().collect();
         // sh adds PWD, SHLVL and `_` to the two it was given.
         assert_eq!(fields[0], "hi", "{out}");
@@ -372,18 +388,9 @@ mod tests {
 
     #[test]
     fn a_missing_program_is_not_found() {
-        let (_read, write) = pipe();
-        let (_err_read, err_write) = pipe();
-        let error = spawn(TaskCommand {
-            program: OsStr::new("stead-no-such-program"),
-            args: &[],
-            environment: &env(&[("PATH", "/usr/bin:/bin")]),
-            uid: None,
-            gid: None,
-            stdout: write,
-            stderr: err_write,
-        })
-        .expect_err("nothing to run");
+        let (spawned, _stdout) =
+            spawn_with("stead-no-such-program", &[], &[("PATH", "/usr/bin:/bin")]);
+        let error = spawned.expect_err("nothing to run");
         assert_eq!(error.kind(), io::ErrorKind::NotFound);
     }
 }
