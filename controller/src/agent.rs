@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use clap::Args;
 use stead_reconcilers::alloc::Limits;
+use stead_schemas::Timestamp;
 use stead_schemas::config::{AgentConfig, ShutdownMode};
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
@@ -21,7 +22,7 @@ use crate::logging::{LogFormat, init_logging};
 use crate::metrics::Metrics;
 use crate::node::{DEFAULT_TICK, Node, NodeConfig};
 use crate::queue::Shutdown;
-use crate::source::{ListingCache, Syncer, list_specs_cached};
+use crate::source::{Listing, ListingCache, Syncer, list_specs_cached};
 use crate::store::rocks::OpenError;
 use crate::store::{RocksDbOptions, RocksDbStore, Store};
 use crate::watch::SpecsWatcher;
@@ -398,8 +399,7 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             } else {
                 None
             };
-            let mut cache = ListingCache::default();
-            let listing = list_specs_cached(&dir, &mut cache, now);
+            let (listing, cache) = list_pass(&dir, ListingCache::default(), now);
             (watcher, listing, cache)
         })
     };
@@ -476,12 +476,8 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             _ => {
                 let dir = settings.specs_dir.clone();
                 let now = clock.now();
-                let mut taken = std::mem::take(&mut cache);
-                let pass = tokio::task::spawn_blocking(move || {
-                    let listing = list_specs_cached(&dir, &mut taken, now);
-                    (listing, taken)
-                })
-                .await;
+                let taken = std::mem::take(&mut cache);
+                let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
                 // A panicked pass loses the cache: the next pass reads everything again.
                 let Ok((listing, kept)) = pass else { continue };
                 cache = kept;
@@ -518,6 +514,12 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     node.shutdown(settings.shutdown).await;
     let _ = tokio::task::spawn_blocking(move || api.join()).await;
     Ok(())
+}
+
+/// One listing of the specs dir with `cache`; the listing and the cache for the next.
+fn list_pass(dir: &Path, mut cache: ListingCache, now: Timestamp) -> (Listing, ListingCache) {
+    let listing = list_specs_cached(dir, &mut cache, now);
+    (listing, cache)
 }
 
 /// Watches `dir`, or logs why it cannot (the resync still lists it).
