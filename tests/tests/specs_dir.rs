@@ -12,7 +12,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use agent_support::AgentDirs;
+use agent_support::{AgentDirs, batch_spec, service_spec};
 use stead_schemas::api::AllocListItem;
 use stead_schemas::status::AllocStatus;
 
@@ -541,12 +541,14 @@ fn a_disk_over_the_threshold_makes_garbage_collection_destroy_what_max_allocs_wo
         "resync: 1h\ngc: {interval: 1s, maxAllocs: 50, diskUsageThreshold: 0}\n",
         &[],
     );
-    let (kept, gone) = (mock_spec("kept", "k"), mock_spec("gone", "g"));
+    // `gone` runs on the exec driver, which makes an alloc dir for destroy to remove.
+    let (kept, gone) = (mock_spec("kept", "k"), service_spec("gone", "g"));
     agent.write("kept.yaml", &kept);
     agent.write("gone.yaml", &gone);
     let kept_status = agent.until_running("kept", &revision_of(&kept), DEADLINE);
     let gone_status = agent.until_running("gone", &revision_of(&gone), DEADLINE);
     let gone_dir = agent.data.join("allocs").join(&gone_status.id);
+    assert!(gone_dir.is_dir());
 
     std::fs::remove_file(agent.specs.join("gone.yaml")).expect("deleted");
     agent.until("gc destroys gone under disk pressure", DEADLINE, |a| {
@@ -558,4 +560,149 @@ fn a_disk_over_the_threshold_makes_garbage_collection_destroy_what_max_allocs_wo
         .expect("a running alloc is never collected");
     assert!(all_tasks(&kept_now, "running"));
     assert_eq!(kept_now.id, kept_status.id);
+}
+
+/// The names of the allocs the agent's log says garbage collection destroyed, in order.
+fn collected_in_log(log: &str) -> Vec<String> {
+    log.lines()
+        .filter(|l| l.ends_with("garbage collected"))
+        .filter_map(|l| {
+            Some(
+                l.split_once("alloc{alloc=")?
+                    .1
+                    .split_once('}')?
+                    .0
+                    .to_owned(),
+            )
+        })
+        .collect()
+}
+
+#[test]
+fn one_gc_pass_over_sixty_terminal_allocs_leaves_the_fifty_newest_and_never_a_running_one() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // `maxAllocs` and `parallelDestroys` at their defaults (Nomad's 50 and 2); no
+    // filesystem is over 100 %, so only the count collects.
+    let agent = Agent::start(
+        "resync: 1h\ngc: {interval: 200ms, diskUsageThreshold: 100}\n",
+        &[],
+    );
+    let web = service_spec("web", "gc");
+    agent.write("web.yaml", &web);
+    let web_status = agent.until_running("web", &revision_of(&web), DEADLINE);
+
+    // Finished one after another: each is written once the one before is complete. The
+    // names are scattered over age (37 is prime to 60), so the ten oldest are neither
+    // the first nor the last ten by name and only age explains a choice; `web`, which
+    // never finished a task, would sort before them all.
+    let names: Vec<String> = (0..60).map(|i| format!("b-{:02}", i * 37 % 60)).collect();
+    let mut dirs = Vec::new();
+    let mut finished = Vec::new();
+    for name in &names {
+        agent.write(&format!("{name}.yaml"), &batch_spec(name, "gc"));
+        let done = agent.until(&format!("{name} completes"), DEADLINE, |a| {
+            a.status(name).filter(|s| s.client_status == "complete")
+        });
+        let dir = agent.data.join("allocs").join(&done.id);
+        assert!(dir.is_dir(), "{name} has an alloc dir");
+        dirs.push(dir);
+        finished.push(done.tasks["main"].finished_at.expect("finished"));
+    }
+    assert!(
+        finished.windows(2).all(|w| w[0] < w[1]),
+        "finish times follow the write order: {finished:?}"
+    );
+    assert!(
+        collected_in_log(&agent.log()).is_empty(),
+        "nothing is collected while every spec is there"
+    );
+
+    // Collectable only once their specs are gone; oldest first. Whatever the pass
+    // boundaries, a pass destroys an alloc only while 50 newer ones are collectable,
+    // so of these 60 only the 10 oldest can ever go.
+    for name in &names {
+        std::fs::remove_file(agent.specs.join(format!("{name}.yaml"))).expect("deleted");
+    }
+    let batch_left = |a: &Agent| -> Vec<String> {
+        a.list()
+            .into_iter()
+            .map(|i| i.name)
+            .filter(|n| n.starts_with("b-"))
+            .collect()
+    };
+    let left = agent.until("gc keeps 50 of the 60", DEADLINE, |a| {
+        Some(batch_left(a)).filter(|left| left.len() <= 50)
+    });
+    let mut newest: Vec<String> = names[10..].to_vec();
+    newest.sort();
+    assert_eq!(left, newest, "the fifty that finished last remain");
+    for (name, dir) in names[..10].iter().zip(&dirs) {
+        assert_eq!(
+            agent
+                .get(&format!("/v1/allocs/{name}"))
+                .map(|(code, _)| code),
+            Some(404),
+            "{name} is destroyed"
+        );
+        assert!(!dir.exists(), "{name}'s alloc dir is removed");
+    }
+    for (name, dir) in names[10..].iter().zip(&dirs[10..]) {
+        let status = agent.status(name).expect("kept");
+        assert_eq!(status.desired_status, "stop", "{name}");
+        assert!(dir.is_dir(), "{name}'s alloc dir is kept");
+    }
+    let log_order = collected_in_log(&agent.log());
+    println!("collected, in the log's order: {log_order:?}");
+    let mut oldest = names[..10].to_vec();
+    oldest.sort();
+    let mut logged = log_order.clone();
+    logged.sort();
+    assert_eq!(logged, oldest);
+
+    // A later pass still keeps 50: one more alloc finishes and loses its spec, and the
+    // pass that follows destroys the oldest left, not the newcomer, whose name sorts
+    // first.
+    let late = "a-late";
+    agent.write(&format!("{late}.yaml"), &batch_spec(late, "gc"));
+    agent.until("a-late completes", DEADLINE, |a| {
+        a.status(late).filter(|s| s.client_status == "complete")
+    });
+    std::fs::remove_file(agent.specs.join(format!("{late}.yaml"))).expect("deleted");
+    let eleventh = &names[10];
+    agent.until(&format!("gc destroys {eleventh}"), DEADLINE, |a| {
+        (a.get(&format!("/v1/allocs/{eleventh}"))
+            .map(|(code, _)| code)
+            == Some(404))
+        .then_some(())
+    });
+    let mut kept = names[11..].to_vec();
+    kept.sort();
+    assert_eq!(batch_left(&agent), kept, "only {eleventh} went");
+    assert!(!dirs[10].exists(), "{eleventh}'s alloc dir is removed");
+    assert_eq!(
+        agent
+            .status(late)
+            .expect("the newest is kept")
+            .desired_status,
+        "stop"
+    );
+
+    // A pass every 200 ms the whole time: the running alloc is still there, untouched.
+    let web_now = agent
+        .status("web")
+        .expect("a running alloc is never collected");
+    assert!(all_tasks(&web_now, "running"));
+    assert_eq!(web_now.id, web_status.id);
+    assert_eq!(
+        web_now.tasks["main"].started_at,
+        web_status.tasks["main"].started_at
+    );
+    assert!(agent.data.join("allocs").join(&web_status.id).is_dir());
+    let log = agent.log();
+    assert_eq!(collected_in_log(&log).len(), 11);
+    let passes: Vec<&str> = log
+        .lines()
+        .filter_map(|l| Some(l.split_once("garbage collection pass ")?.1))
+        .collect();
+    println!("gc passes that collected: {passes:?}");
 }
