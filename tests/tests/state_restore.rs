@@ -249,6 +249,9 @@ fn a_spec_deleted_while_the_agent_was_down_stops_only_that_alloc_after_the_first
         "detached tasks outlive the agent"
     );
     dirs.remove_spec("orphan");
+    let first_run = std::fs::read_to_string(dirs.root.path().join("agent.log"))
+        .expect("the first run's log")
+        .len();
 
     let agent = dirs.start();
     wait_for("the orphan stopped", Duration::from_secs(5), || {
@@ -270,17 +273,34 @@ fn a_spec_deleted_while_the_agent_was_down_stops_only_that_alloc_after_the_first
             .collect();
         assert!(!events.contains(&"Killing"), "{name}: {events:?}");
     }
-    // Nothing was stopped before the listing: the log shows the first listing's removal
-    // before any kill of the orphan.
-    let log = agent.log_text();
-    let second_start = log.rfind("agent started").expect("started twice");
-    let after = &log[second_start..];
-    let removed = after
-        .find("removed")
+    // Nothing was stopped before the listing: in the second run's log (restore
+    // included), no task exits before the listing removed the orphan, and then only the
+    // orphan's does.
+    let second_run = wait_for("the orphan's exit logged", Duration::from_secs(5), || {
+        let run = agent.log_text().split_off(first_run);
+        if run
+            .lines()
+            .any(|l| l.contains("alloc{alloc=orphan}") && l.contains("task exited"))
+        {
+            Ok(run)
+        } else {
+            Err(run)
+        }
+    });
+    let removed = second_run
+        .find("removed alloc=orphan")
         .expect("the orphan was removed by a listing");
     assert!(
-        !after[..removed].contains("Killing"),
-        "nothing was killed before the listing: {after}"
+        !second_run[..removed].contains("task exited"),
+        "a task was stopped before the listing: {second_run}"
+    );
+    let exits: Vec<&str> = second_run
+        .lines()
+        .filter(|l| l.contains("task exited"))
+        .collect();
+    assert!(
+        exits.len() == 1 && exits[0].contains("alloc{alloc=orphan}"),
+        "only the orphan's task exits: {second_run}"
     );
     agent.terminate();
 }
