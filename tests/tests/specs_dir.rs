@@ -1,9 +1,10 @@
 //! The specs directory as desired state, through the real `stead agent` binary on
 //! temporary directories: file events and resync, replacement without overlap, sticky
-//! disks, editor saves, broken edits, deletions, scale and garbage collection.
+//! disks, editor saves, broken edits, deletions, multi-document files, a name declared
+//! in two files, scale and garbage collection.
 //!
 //! The tests in this file run one at a time (they measure latencies on a shared machine)
-//! and synchronise only by polling what the API shows, with deadlines.
+//! and synchronise only by polling what the API and the agent's log show, with deadlines.
 
 mod agent_support;
 
@@ -12,7 +13,7 @@ use std::process::Command;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use agent_support::{AgentDirs, batch_spec, service_spec};
+use agent_support::{AgentDirs, batch_spec, service_spec, show};
 use stead_schemas::api::AllocListItem;
 use stead_schemas::status::AllocStatus;
 
@@ -466,6 +467,175 @@ fn desired_status_stop_and_run_act_in_place() {
     let again = agent.until_running("web", &revision_of(&run), DEADLINE);
     assert_eq!(again.id, first.id);
     assert_eq!(again.desired_status, "run");
+}
+
+/// An exec service alloc whose task appends its pid to `witness` when it starts, so the
+/// file lists every process this content ever ran, then runs until stopped.
+fn witnessed_spec(name: &str, witness: &Path) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 2s\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"echo $$ >> $0; trap 'exit 0' TERM; while :; do sleep 0.2; done\", \"{}\"]\n",
+        witness.display()
+    )
+}
+
+/// The pids a [`witnessed_spec`] task wrote to `witness`, in start order (none when the
+/// content never ran).
+fn witnessed_pids(witness: &Path) -> Vec<u32> {
+    std::fs::read_to_string(witness)
+        .unwrap_or_default()
+        .lines()
+        .map(|l| l.parse().expect("a pid"))
+        .collect()
+}
+
+fn pid(status: &AllocStatus) -> u32 {
+    status.tasks["main"].pid.expect("an exec task has a pid")
+}
+
+/// The log lines that say alloc `name` was applied (or removed, with `what`).
+fn sync_lines(log: &str, what: &str, name: &str) -> usize {
+    log.lines()
+        .filter(|l| l.contains(&format!(" {what} alloc={name} ")))
+        .count()
+}
+
+/// Asserts that `now` is the run `before` showed: same alloc id, same process, never
+/// restarted, still running.
+fn assert_same_run(now: &AllocStatus, before: &AllocStatus) {
+    assert_eq!(now.id, before.id);
+    assert!(all_tasks(now, "running"), "{now:?}");
+    assert_eq!(now.tasks["main"].pid, before.tasks["main"].pid);
+    assert_eq!(
+        now.tasks["main"].started_at,
+        before.tasks["main"].started_at
+    );
+    assert_eq!(now.tasks["main"].restarts, 0);
+}
+
+#[test]
+fn a_multi_document_file_is_one_alloc_per_document_and_changing_one_spares_the_others() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let agent = Agent::start("resync: 200ms\n", &[]);
+    let witness = |name: &str| agent.dirs.root.path().join(format!("{name}.pids"));
+    let one = witnessed_spec("one", &witness("one"));
+    let two = witnessed_spec("two", &witness("two-v1"));
+    // Written whole by a rename, so that no pass reads a half-written file.
+    agent.dirs.write_spec("pair", &format!("{one}---\n{two}"));
+    let one_first = agent.until_running("one", &revision_of(&one), DEADLINE);
+    let two_first = agent.until_running("two", &revision_of(&two), DEADLINE);
+    assert_eq!(witnessed_pids(&witness("one")), [pid(&one_first)]);
+    assert_eq!(witnessed_pids(&witness("two-v1")), [pid(&two_first)]);
+
+    // An edit of the second document replaces only `two`.
+    let two_edited = witnessed_spec("two", &witness("two-v2"));
+    agent
+        .dirs
+        .write_spec("pair", &format!("{one}---\n{two_edited}"));
+    let two_second = agent.until_running("two", &revision_of(&two_edited), DEADLINE);
+    assert_ne!(two_second.id, two_first.id);
+    assert_eq!(witnessed_pids(&witness("two-v2")), [pid(&two_second)]);
+    assert_eq!(witnessed_pids(&witness("two-v1")), [pid(&two_first)]);
+    let log = agent.until("the log says two was applied again", DEADLINE, |a| {
+        let log = a.log();
+        (sync_lines(&log, "applied", "two") == 2).then_some(log)
+    });
+    assert_eq!(
+        sync_lines(&log, "applied", "one"),
+        1,
+        "the unchanged document was not applied again:\n{log}"
+    );
+    assert_same_run(&agent.status("one").expect("one is there"), &one_first);
+    assert_eq!(witnessed_pids(&witness("one")), [pid(&one_first)]);
+
+    // Dropping the second document from the file stops only `two`.
+    agent.dirs.write_spec("pair", &one);
+    let two_stopped = agent.until("two stops", DEADLINE, |a| {
+        a.status("two")
+            .filter(|s| s.desired_status == "stop" && all_tasks(s, "dead"))
+    });
+    assert_eq!(two_stopped.id, two_second.id);
+    assert!(
+        agent_support::processes_with(&show(&witness("two-v2"))).is_empty(),
+        "two's process is gone"
+    );
+    let log = agent.until("the log says two was removed", DEADLINE, |a| {
+        let log = a.log();
+        (sync_lines(&log, "removed", "two") == 1).then_some(log)
+    });
+    assert_eq!(sync_lines(&log, "removed", "one"), 0, "{log}");
+    assert_eq!(sync_lines(&log, "applied", "one"), 1, "{log}");
+    assert_same_run(&agent.status("one").expect("one is there"), &one_first);
+    assert_eq!(witnessed_pids(&witness("one")), [pid(&one_first)]);
+    assert_eq!(
+        agent_support::processes_with(&show(&witness("one"))),
+        [pid(&one_first)]
+    );
+}
+
+#[test]
+fn a_name_declared_in_two_files_is_logged_with_both_paths_and_the_path_that_sorts_first_runs() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let witnesses = tempfile::tempdir().expect("temp dir");
+    let (a_witness, b_witness) = (
+        witnesses.path().join("a.pids"),
+        witnesses.path().join("b.pids"),
+    );
+    let (a, b) = (
+        witnessed_spec("web", &a_witness),
+        witnessed_spec("web", &b_witness),
+    );
+    // `b.yaml` is created first: the path decides, not the order of creation.
+    let agent = Agent::start(
+        "resync: 200ms\n",
+        &[("b.yaml".into(), b.clone()), ("a.yaml".into(), a.clone())],
+    );
+    let (a_path, b_path) = (agent.specs.join("a.yaml"), agent.specs.join("b.yaml"));
+    let first = agent.until_running("web", &revision_of(&a), DEADLINE);
+    assert_eq!(witnessed_pids(&a_witness), [pid(&first)]);
+
+    // Every pass reports the name twice in the agent's log: the file that lost, with the
+    // place of its declaration, and the file that won. Three passes have seen both.
+    let duplicate = |line: &&str| line.contains("is also declared in");
+    let reports = agent.until("three passes report the duplicate", DEADLINE, |a| {
+        let log = a.log();
+        let lines: Vec<String> = log.lines().filter(duplicate).map(str::to_owned).collect();
+        (lines.len() >= 3).then_some(lines)
+    });
+    println!("reported as: {}", reports[0]);
+    let expected = format!(
+        "{}:1:1: metadata.name: alloc \"web\" is also declared in {}, which takes precedence",
+        b_path.display(),
+        a_path.display()
+    );
+    for line in &reports {
+        assert!(line.contains(" WARN "), "{line}");
+        assert!(line.ends_with(&expected), "{line}");
+    }
+    // The loser's content never ran; the status shows only the winner, with no error.
+    assert_eq!(witnessed_pids(&b_witness), Vec::<u32>::new());
+    let names: Vec<String> = agent.list().into_iter().map(|i| i.name).collect();
+    assert_eq!(names, ["web"]);
+    let now = agent.status("web").expect("web is there");
+    assert_same_run(&now, &first);
+    assert_eq!(now.spec_error, None, "the duplicate shows only in the log");
+
+    // Without the winner, the other declaration takes over: a new revision, a new process.
+    std::fs::remove_file(&a_path).expect("deleted");
+    let second = agent.until_running("web", &revision_of(&b), DEADLINE);
+    assert_ne!(second.id, first.id);
+    assert_eq!(witnessed_pids(&b_witness), [pid(&second)]);
+    assert!(
+        agent_support::processes_with(&show(&a_witness)).is_empty(),
+        "the winner's process is gone"
+    );
+
+    // The rule is the path, not who ran first: `a.yaml` back takes the name back.
+    agent.dirs.write_spec("a", &a);
+    let third = agent.until_running("web", &revision_of(&a), DEADLINE);
+    let a_pids = witnessed_pids(&a_witness);
+    assert_eq!(a_pids.len(), 2, "{a_pids:?}");
+    assert_eq!(a_pids[1], pid(&third));
+    assert_eq!(witnessed_pids(&b_witness), [pid(&second)]);
 }
 
 #[test]
