@@ -38,6 +38,9 @@ pub struct Listing {
     pub specs: BTreeMap<Name, (PathBuf, ValidSpec)>,
     /// Allocs whose document is invalid now, with why.
     pub broken: BTreeMap<Name, Vec<Diagnostic>>,
+    /// Allocs that run from one valid declaration while another file also declares them
+    /// (validly, and ignored, or invalidly), with the other declarations' diagnostics.
+    pub conflicts: BTreeMap<Name, Vec<Diagnostic>>,
     /// Every problem found, in file order.
     pub diagnostics: Vec<Diagnostic>,
     /// Whether some file or directory could not be read.
@@ -143,16 +146,20 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
             let Some(name) = document.name else { continue };
             match document.spec {
                 Some(spec) => match listing.specs.get(&name) {
-                    Some((first, _)) => listing.diagnostics.push(Diagnostic::new(
-                        &path,
-                        document.location,
-                        "metadata.name",
-                        format!(
-                            "alloc {:?} is also declared in {}, which takes precedence",
-                            name.as_str(),
-                            first.display()
-                        ),
-                    )),
+                    Some((first, _)) => {
+                        let diagnostic = Diagnostic::new(
+                            &path,
+                            document.location,
+                            "metadata.name",
+                            format!(
+                                "alloc {:?} is also declared in {}, which takes precedence",
+                                name.as_str(),
+                                first.display()
+                            ),
+                        );
+                        listing.diagnostics.push(diagnostic.clone());
+                        listing.conflicts.entry(name).or_default().push(diagnostic);
+                    }
                     None => {
                         listing.specs.insert(name, (path.clone(), spec));
                     }
@@ -168,9 +175,19 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
         }
     }
     // A name that is valid in one file and broken in another is declared twice; the
-    // valid declaration runs.
-    let specs = &listing.specs;
-    listing.broken.retain(|name, _| !specs.contains_key(name));
+    // valid declaration runs, and the broken one is shown on it.
+    let broken = std::mem::take(&mut listing.broken);
+    for (name, diagnostics) in broken {
+        if listing.specs.contains_key(&name) {
+            listing
+                .conflicts
+                .entry(name)
+                .or_default()
+                .extend(diagnostics);
+        } else {
+            listing.broken.insert(name, diagnostics);
+        }
+    }
     cache.files = seen;
     listing
 }
@@ -243,10 +260,11 @@ impl Syncer {
         report
     }
 
-    /// Shows each broken spec's diagnostics on its alloc (when one runs), and clears them
-    /// once the spec is valid again or the alloc is gone.
+    /// Shows each broken or conflicting declaration's diagnostics on its alloc (when one
+    /// runs), and clears them once the spec is valid and declared once again, or the alloc
+    /// is gone.
     fn sync_errors(&mut self, node: &Node, listing: &Listing) {
-        for (name, diagnostics) in &listing.broken {
+        for (name, diagnostics) in listing.broken.iter().chain(&listing.conflicts) {
             if !self.applied.contains_key(name) {
                 continue; // no alloc to show it on: the agent's log has it
             }
@@ -265,6 +283,7 @@ impl Syncer {
             .keys()
             .filter(|name| {
                 !listing.broken.contains_key(*name)
+                    && !listing.conflicts.contains_key(*name)
                     && (listing.specs.contains_key(*name) || !self.applied.contains_key(*name))
             })
             .cloned()
@@ -301,6 +320,39 @@ mod tests {
         );
         assert_eq!(listing.diagnostics.len(), 1, "{:?}", listing.diagnostics);
         assert!(listing.diagnostics[0].file.ends_with("b.yaml"));
+        // The alloc that runs carries it too, so its status shows it.
+        let conflicts = &listing.conflicts[&"web".parse::<Name>().expect("name")];
+        assert_eq!(conflicts, &listing.diagnostics);
+        assert!(listing.broken.is_empty());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn a_name_broken_in_one_file_and_valid_in_another_runs_the_valid_one_and_shows_the_other() {
+        let dir = std::env::temp_dir().join(format!("stead-source-half-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        write(&dir, "b.yaml", "web");
+        std::fs::write(
+            dir.join("a.yaml"),
+            SPEC.replace("NAME", "web")
+                .replace("driver: mock", "driver: nope"),
+        )
+        .expect("write");
+        let listing = list_specs(&dir);
+        let web: Name = "web".parse().expect("name");
+        assert!(listing.specs[&web].0.ends_with("b.yaml"));
+        assert!(
+            listing.broken.is_empty(),
+            "the name runs: nothing to protect"
+        );
+        let conflicts = &listing.conflicts[&web];
+        assert_eq!(conflicts.len(), 1, "{conflicts:?}");
+        assert!(conflicts[0].file.ends_with("a.yaml"));
+        assert!(
+            conflicts[0].to_string().contains("driver"),
+            "{}",
+            conflicts[0]
+        );
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 

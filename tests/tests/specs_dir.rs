@@ -573,7 +573,7 @@ fn a_multi_document_file_is_one_alloc_per_document_and_changing_one_spares_the_o
 }
 
 #[test]
-fn a_name_declared_in_two_files_is_logged_with_both_paths_and_the_path_that_sorts_first_runs() {
+fn a_name_declared_in_two_files_is_reported_with_both_paths_and_the_path_that_sorts_first_runs() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let witnesses = tempfile::tempdir().expect("temp dir");
     let (a_witness, b_witness) = (
@@ -611,18 +611,24 @@ fn a_name_declared_in_two_files_is_logged_with_both_paths_and_the_path_that_sort
         assert!(line.contains(" WARN "), "{line}");
         assert!(line.ends_with(&expected), "{line}");
     }
-    // The loser's content never ran; the status shows only the winner, with no error.
+    // The loser's content never ran; the status shows only the winner, and the duplicate
+    // as its spec error, so `stead alloc status` shows it too.
     assert_eq!(witnessed_pids(&b_witness), Vec::<u32>::new());
     let names: Vec<String> = agent.list().into_iter().map(|i| i.name).collect();
     assert_eq!(names, ["web"]);
     let now = agent.status("web").expect("web is there");
     assert_same_run(&now, &first);
-    assert_eq!(now.spec_error, None, "the duplicate shows only in the log");
+    assert_eq!(now.spec_error.as_deref(), Some(expected.as_str()));
+    assert!(agent.list()[0].spec_error);
 
-    // Without the winner, the other declaration takes over: a new revision, a new process.
+    // Without the winner, the other declaration takes over: a new revision, a new process,
+    // and nothing left to report.
     std::fs::remove_file(&a_path).expect("deleted");
     let second = agent.until_running("web", &revision_of(&b), DEADLINE);
     assert_ne!(second.id, first.id);
+    let second = agent.until("the duplicate is no longer shown", DEADLINE, |a| {
+        a.status("web").filter(|s| s.spec_error.is_none())
+    });
     assert_eq!(witnessed_pids(&b_witness), [pid(&second)]);
     assert!(
         agent_support::processes_with(&show(&a_witness)).is_empty(),
@@ -636,6 +642,10 @@ fn a_name_declared_in_two_files_is_logged_with_both_paths_and_the_path_that_sort
     assert_eq!(a_pids.len(), 2, "{a_pids:?}");
     assert_eq!(a_pids[1], pid(&third));
     assert_eq!(witnessed_pids(&b_witness), [pid(&second)]);
+    agent.until("the duplicate is shown again", DEADLINE, |a| {
+        a.status("web")
+            .filter(|s| s.spec_error.as_deref() == Some(expected.as_str()))
+    });
 }
 
 #[test]
