@@ -224,11 +224,11 @@ fn a_thousand_rapid_writes_end_with_the_last_revision_running_after_few_intermed
         "1000 writes in {wrote:?}; last revision running after {converged:?}; revisions started: {started}"
     );
     assert!(started >= 1.0, "the last revision started");
-    // Passes coalesce every write that lands while one runs: unloaded, about ten of the
-    // thousand revisions start; a machine busy with other builds stretches the writes
-    // over more passes, so the bound leaves room (5 % of the writes) while still failing
-    // should writes be applied one by one.
-    assert!(started <= 50.0, "{started} revisions started");
+    // Passes coalesce every write that lands while one runs: unloaded, one to three of
+    // the thousand revisions start. A machine busy with other builds stretches the writes
+    // over more passes, so the bound, a handful with room (2 % of the writes), still
+    // fails long before writes are applied one by one.
+    assert!(started <= 20.0, "{started} revisions started");
 }
 
 /// A task that records its life in the sticky disk: when it starts (and whether the
