@@ -8,6 +8,7 @@ use clap::Args;
 use stead_reconcilers::alloc::Limits;
 use stead_schemas::Timestamp;
 use stead_schemas::config::{AgentConfig, ShutdownMode};
+use stead_schemas::spec::DriverKind;
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -387,6 +388,21 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     // The specs dir is watched and listed while the store opens (creating RocksDB syncs
     // a dozen files): both only read, and the listing is applied after the restore. The
     // watcher starts first, so no change falls between it and the listing.
+    let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
+    if settings.mock_driver {
+        drivers.push(Arc::new(MockDriver::new(clock)));
+    }
+    let exec = settings.exec_driver.then(|| {
+        let config = ExecDriverConfig {
+            allow_root: settings.allow_root,
+            ..ExecDriverConfig::new(&data_dir)
+        };
+        Arc::new(ExecDriver::new(config, clock))
+    });
+    if let Some(exec) = &exec {
+        drivers.push(exec.clone());
+    }
+    let drivers = Drivers::new(drivers);
     let changed = Arc::new(tokio::sync::Notify::new());
     let early = {
         let dir = settings.specs_dir.clone();
@@ -400,21 +416,23 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
                 None
             };
             let (listing, cache) = list_pass(&dir, ListingCache::default(), now);
+            // Exec tasks are coming: their fork server starts while the store opens.
+            if let Some(exec) = exec
+                && listing.specs.values().any(|(_, spec)| {
+                    spec.spec
+                        .spec
+                        .tasks
+                        .iter()
+                        .any(|t| t.driver == DriverKind::Exec)
+                })
+            {
+                exec.prepare();
+            }
             (watcher, listing, cache)
         })
     };
-    let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
-    if settings.mock_driver {
-        drivers.push(Arc::new(MockDriver::new(clock)));
-    }
-    if settings.exec_driver {
-        let config = ExecDriverConfig {
-            allow_root: settings.allow_root,
-            ..ExecDriverConfig::new(&data_dir)
-        };
-        drivers.push(Arc::new(ExecDriver::new(config, clock)));
-    }
-    let drivers = Drivers::new(drivers);
+    // The recorder is process-wide and slow to build (it calibrates a clock): in parallel.
+    let metrics = tokio::task::spawn_blocking(Metrics::install);
     let store: Arc<dyn Store> =
         Arc::new(RocksDbStore::open(&data_dir.join("state"), settings.store)?);
     let node = Arc::new(Node::with_alloc_dirs(
@@ -424,7 +442,10 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         clock,
         AllocDirs::new(&data_dir),
     ));
-    let metrics = Metrics::install().map_err(AgentError::Metrics)?;
+    let metrics = metrics
+        .await
+        .map_err(|_| AgentError::Runtime(std::io::Error::other("installing metrics panicked")))?
+        .map_err(AgentError::Metrics)?;
     let state = ApiState::new(node.clone(), drivers, data_dir.clone())
         .with_token(settings.token.clone())
         .with_metrics(metrics);

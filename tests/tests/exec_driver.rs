@@ -449,3 +449,26 @@ async fn a_run_no_agent_learnt_of_is_stopped_when_its_task_starts_again() {
     assert!(alive(handle.pid.expect("a pid")));
     stop(&next, &handle).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prepared_driver_has_its_fork_server_running_before_any_start_and_starts_through_it() {
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    assert_eq!(driver.fork_server_pid(), None, "started lazily by default");
+    driver.prepare();
+    let server = driver.fork_server_pid().expect("prepared");
+    assert!(alive(server), "the fork server runs before any task start");
+    driver.prepare();
+    assert_eq!(driver.fork_server_pid(), Some(server), "prepared once");
+
+    let handle = driver
+        .start(request("prepared", "/bin/sleep", &["1000"], None))
+        .await
+        .expect("started");
+    assert_eq!(
+        driver.fork_server_pid(),
+        Some(server),
+        "the first start used the prepared server"
+    );
+    stop(&driver, &handle).await;
+}

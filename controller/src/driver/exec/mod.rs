@@ -289,6 +289,15 @@ impl ExecDriver {
         &self.inner.dirs
     }
 
+    /// Starts the supervisors' fork server now rather than at the first task start, so
+    /// that its start overlaps the agent's own; a server that fails to start is logged
+    /// and tried again by that first start.
+    pub fn prepare(&self) {
+        if let Err(error) = self.inner.zygote.prepare(&self.inner.config.supervisor) {
+            tracing::warn!(error = %error, supervisor = %self.inner.config.supervisor.display(), "cannot start the fork server yet");
+        }
+    }
+
     /// The pid of the supervisors' fork server, once a task was started; for measuring
     /// what supervision costs.
     pub fn fork_server_pid(&self) -> Option<u32> {

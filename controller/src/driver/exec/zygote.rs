@@ -1,9 +1,10 @@
 //! The agent's end of the supervisors' fork server (`stead-supervisor --zygote`).
 //!
-//! The server is started on the first task start and lives as long as the driver: it
-//! exits when the driver drops its end of the socket. A start request is one
-//! `SOCK_SEQPACKET` message carrying the supervisor's arguments, the task's environment
-//! and the write end of a fresh pipe, on which the forked supervisor reports.
+//! The server is started on the first task start, or earlier when the agent knows tasks
+//! are coming ([`Zygote::prepare`]), and lives as long as the driver: it exits when the
+//! driver drops its end of the socket. A start request is one `SOCK_SEQPACKET` message
+//! carrying the supervisor's arguments, the task's environment and the write end of a
+//! fresh pipe, on which the forked supervisor reports.
 
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
@@ -103,6 +104,11 @@ impl Zygote {
         let server = Arc::new(Server::spawn(supervisor)?);
         *slot = Some(Arc::clone(&server));
         Ok(server)
+    }
+
+    /// Starts the server unless it runs.
+    pub(super) fn prepare(&self, supervisor: &Path) -> io::Result<()> {
+        self.server(supervisor).map(drop)
     }
 
     /// Forgets `dead` (unless another start already replaced it).
