@@ -750,6 +750,20 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         sleep: which("sleep").context("no sleep")?.display().to_string(),
         shell: which("sh").context("no sh")?.display().to_string(),
     };
+    // `STEAD_BENCH_MANAGERS=stead` (a comma-separated list) measures only some managers,
+    // against the same floor: quick to iterate on one of them.
+    let managers: Vec<Kind> = match std::env::var("STEAD_BENCH_MANAGERS") {
+        Ok(list) => list
+            .split(',')
+            .map(|name| {
+                Kind::ALL
+                    .into_iter()
+                    .find(|kind| kind.name() == name.trim())
+                    .with_context(|| format!("STEAD_BENCH_MANAGERS: unknown manager {name:?}"))
+            })
+            .collect::<anyhow::Result<_>>()?,
+        Err(_) => Kind::ALL.to_vec(),
+    };
     let mut observer = Observer::new(classify);
     if !observer.marked().is_empty() {
         bail!("benchmark tasks from an earlier run still run; stop them first");
@@ -780,7 +794,7 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
             );
         }
         let measure_idle = (round_index + 1 == rounds).then_some(idle);
-        for kind in Kind::ALL {
+        for &kind in &managers {
             eprintln!("peers: round {}/{rounds}: {}", round_index + 1, kind.name());
             round(
                 kind,
