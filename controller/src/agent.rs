@@ -25,7 +25,7 @@ use crate::node::{DEFAULT_TICK, Node, NodeConfig};
 use crate::queue::Shutdown;
 use crate::source::{Listing, ListingCache, Syncer, list_specs_cached};
 use crate::store::rocks::OpenError;
-use crate::store::{RocksDbOptions, RocksDbStore, Store};
+use crate::store::{OpeningError, OpeningStore, RocksDbOptions, RocksDbStore, Store};
 use crate::watch::SpecsWatcher;
 
 /// `stead agent` flags; each overrides the config file's key of the same meaning.
@@ -119,6 +119,13 @@ pub enum AgentError {
     /// The state store could not be opened.
     #[error(transparent)]
     OpenStore(#[from] OpenError),
+    /// The state store of a new data dir, created while the first tasks started, could
+    /// not be created.
+    #[error(transparent)]
+    CreateStore(#[from] OpeningError<OpenError>),
+    /// The thread that creates the state store could not be started.
+    #[error("cannot start the thread that creates the state store")]
+    StoreThread(#[source] std::io::Error),
     /// Reading the store at start-up failed.
     #[error("cannot restore state")]
     Restore(#[source] crate::store::StoreError),
@@ -433,8 +440,22 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     };
     // The recorder is process-wide and slow to build (it calibrates a clock): in parallel.
     let metrics = tokio::task::spawn_blocking(Metrics::install);
-    let store: Arc<dyn Store> =
-        Arc::new(RocksDbStore::open(&data_dir.join("state"), settings.store)?);
+    // A data dir without a database has nothing to restore: the database is created while
+    // the first tasks start (see `store::opening`). Otherwise it is opened, and restored,
+    // first.
+    let state_dir = data_dir.join("state");
+    // A state dir that cannot even be made fails the agent before anything starts.
+    let new_store = !has_database(&state_dir) && std::fs::create_dir_all(&state_dir).is_ok();
+    let (store, mut creating): (Arc<dyn Store>, _) = if !new_store {
+        let store = RocksDbStore::open(&state_dir, settings.store)?;
+        (Arc::new(store), None)
+    } else {
+        let options = settings.store;
+        let (store, created) =
+            OpeningStore::open_in_background(move || RocksDbStore::open(&state_dir, options))
+                .map_err(AgentError::StoreThread)?;
+        (Arc::new(store), Some(created))
+    };
     let node = Arc::new(Node::with_alloc_dirs(
         settings.node.clone(),
         drivers.clone(),
@@ -450,8 +471,17 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         .with_token(settings.token.clone())
         .with_metrics(metrics);
     let stop_api = state.shutdown_token();
-    let api = start_api(state, settings.listen.clone(), settings.socket.clone())?;
-    tracing::info!(listen = %settings.listen, "api listening");
+    let serve = |state| {
+        let api = start_api(state, settings.listen.clone(), settings.socket.clone())?;
+        tracing::info!(listen = %settings.listen, "api listening");
+        Ok::<_, AgentError>(api)
+    };
+    // While a new store is being created the API waits, so that nothing it shows can be
+    // lost to a crash (see `store::opening`); the tasks start meanwhile.
+    let (mut api, mut unserved) = match creating {
+        None => (Some(serve(state)?), None),
+        Some(_) => (None, Some(state)),
+    };
     let restored = node.restore().map_err(AgentError::Restore)?;
     for corrupt in &restored.corrupt {
         tracing::error!(alloc = %corrupt.name, error = %crate::alloc::error_chain(corrupt), "cannot restore alloc");
@@ -469,8 +499,12 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     };
     let mut gc = None;
     tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
-    // Ready for systemd (`Type=notify`) only now: state restored, the API serving.
-    crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
+    // Ready for systemd (`Type=notify`) only now: state restored (or a new store created),
+    // the API serving.
+    if creating.is_none() {
+        crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
+    }
+    let mut failure = None;
     loop {
         // (Re)start the watcher before listing, so no change falls between the two; a
         // directory that cannot be watched yet is tried again at the next resync.
@@ -482,6 +516,34 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             () = changed.notified() => "watch",
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
+            created = async { creating.as_mut().expect("guarded").await }, if creating.is_some() => {
+                creating = None;
+                match created {
+                    Ok(Ok(())) => {
+                        tracing::info!("state store created");
+                        // Held since the start, when the store was found missing.
+                        let state = unserved.take().expect("the api waits for the new store");
+                        match serve(state) {
+                            Ok(thread) => {
+                                api = Some(thread);
+                                crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
+                                continue;
+                            }
+                            Err(error) => failure = Some(error),
+                        }
+                    }
+                    Ok(Err(error)) => {
+                        tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store; leaving the tasks running");
+                        failure = Some(AgentError::CreateStore(error));
+                    }
+                    Err(_) => {
+                        failure = Some(AgentError::StoreThread(std::io::Error::other(
+                            "the thread creating the state store ended without a word",
+                        )));
+                    }
+                }
+                break;
+            }
         };
         if trigger == "watch" {
             // Let the burst settle (an editor's save is several events), then list once:
@@ -525,16 +587,34 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             )));
         }
     }
-    tracing::info!(mode = ?settings.shutdown, "shutting down");
+    // Without a store, the tasks are left running, as a crash would leave them; the next
+    // agent takes them over.
+    let mode = if failure.is_some() {
+        Shutdown::Detach
+    } else {
+        settings.shutdown
+    };
+    tracing::info!(?mode, "shutting down");
     crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
     drop(watcher);
     if let Some(gc) = gc {
         gc.abort();
     }
     stop_api.cancel();
-    node.shutdown(settings.shutdown).await;
-    let _ = tokio::task::spawn_blocking(move || api.join()).await;
-    Ok(())
+    node.shutdown(mode).await;
+    if let Some(api) = api {
+        let _ = tokio::task::spawn_blocking(move || api.join()).await;
+    }
+    failure.map_or(Ok(()), Err)
+}
+
+/// Whether `state_dir` holds a RocksDB database (its `CURRENT` file names the manifest).
+/// Anything but a clear "not there" counts as a database, whose open then reports it.
+fn has_database(state_dir: &Path) -> bool {
+    !matches!(
+        std::fs::symlink_metadata(state_dir.join("CURRENT")),
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound
+    )
 }
 
 /// One listing of the specs dir with `cache`; the listing and the cache for the next.

@@ -1,6 +1,7 @@
 //! Restore through the real agent binary on its RocksDB state: tasks survive an agent
 //! restart, a damaged record or a missing alloc dir fails only its own alloc with a
-//! message naming it, and a second agent on the same data dir is refused at once.
+//! message naming it, a second agent on the same data dir is refused at once, and a new
+//! node's tasks start while its store is still being created.
 
 mod agent_support;
 
@@ -302,5 +303,99 @@ fn a_spec_deleted_while_the_agent_was_down_stops_only_that_alloc_after_the_first
         exits.len() == 1 && exits[0].contains("alloc{alloc=orphan}"),
         "only the orphan's task exits: {second_run}"
     );
+    agent.terminate();
+}
+
+#[test]
+fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does_and_a_crash_meanwhile_starts_each_task_once_more()
+ {
+    let token = format!("stead-new-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("shutdown: detach\n");
+    let names = ["a", "b", "c"];
+    let marker = |name: &str| format!("{token}-{name}.");
+    for name in names {
+        dirs.write_spec(name, &service_spec(name, &marker(name)));
+    }
+    // Hold the creation of the database: RocksDB writes a new database's identity
+    // through `000000.dbtmp` before anything else is durable, and a FIFO there blocks
+    // that write until someone reads it, which nobody does.
+    let state = dirs.data.join("state");
+    std::fs::create_dir_all(&state).expect("state dir");
+    let gate = state.join("000000.dbtmp");
+    let made = Command::new("mkfifo")
+        .arg(&gate)
+        .status()
+        .expect("mkfifo runs");
+    assert!(made.success(), "mkfifo {}", gate.display());
+
+    let agent = dirs.launch();
+    let first: Vec<u32> = wait_for(
+        "tasks run while the store is created",
+        Duration::from_secs(10),
+        || {
+            let pids: Vec<Vec<u32>> = names.iter().map(|n| processes_with(&marker(n))).collect();
+            if pids.iter().all(|p| p.len() == 1) {
+                Ok(pids.iter().map(|p| p[0]).collect())
+            } else {
+                Err(format!("{pids:?}"))
+            }
+        },
+    );
+    assert!(
+        agent.try_get("/v1/health").is_none(),
+        "the API waits for the store:\n{}",
+        agent.log_text()
+    );
+    assert!(!state.join("CURRENT").exists(), "the database was held");
+    agent.kill9();
+    for (name, pid) in names.iter().zip(&first) {
+        assert_eq!(
+            processes_with(&marker(name)),
+            [*pid],
+            "{name} outlives the agent"
+        );
+    }
+
+    // The next agent has no record of them: each starts once more, and the run the
+    // crashed agent left is stopped, never doubled.
+    std::fs::remove_file(&gate).expect("gate removed");
+    let agent = dirs.start();
+    let second: Vec<u32> = wait_for("each task runs once, anew", Duration::from_secs(10), || {
+        names
+            .iter()
+            .zip(&first)
+            .map(|(name, old)| {
+                match (
+                    &processes_with(&marker(name))[..],
+                    running_pid(&agent, name),
+                ) {
+                    ([pid], Ok(shown)) if pid != old && *pid == shown => Ok(*pid),
+                    (pids, shown) => Err(format!("{name}: {pids:?} shown {shown:?}")),
+                }
+            })
+            .collect::<Result<Vec<_>, _>>()
+    });
+    assert!(state.join("CURRENT").exists(), "the store exists now");
+
+    // And from now on the tasks survive a crash as usual: the store has them.
+    agent.kill9();
+    let agent = dirs.start();
+    for (name, pid) in names.iter().zip(&second) {
+        let pid = *pid;
+        wait_for(
+            &format!("{name} reattached"),
+            Duration::from_secs(10),
+            || match running_pid(&agent, name) {
+                Ok(shown) if shown == pid => Ok(()),
+                other => Err(format!("{other:?}")),
+            },
+        );
+        assert_eq!(
+            processes_with(&marker(name)),
+            [pid],
+            "{name} was not restarted"
+        );
+    }
     agent.terminate();
 }

@@ -101,9 +101,33 @@ impl AgentDirs {
         self.start_with(shell)
     }
 
+    /// Starts the agent without waiting for anything.
+    pub fn launch(&self) -> Agent {
+        self.launch_with(Command::new(agent_binary()))
+    }
+
     /// Starts the agent through `command` (the binary, or a launcher that executes it,
     /// which then receives the agent's arguments) and waits until its API answers.
-    fn start_with(&self, mut command: Command) -> Agent {
+    fn start_with(&self, command: Command) -> Agent {
+        let mut agent = self.launch_with(command);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        loop {
+            if agent.try_get("/v1/health").is_some() {
+                return agent;
+            }
+            if let Ok(Some(status)) = agent.child.try_wait() {
+                panic!("agent exited with {status}:\n{}", agent.log_text());
+            }
+            assert!(
+                Instant::now() < deadline,
+                "agent API not up:\n{}",
+                agent.log_text()
+            );
+            std::thread::sleep(Duration::from_millis(10));
+        }
+    }
+
+    fn launch_with(&self, mut command: Command) -> Agent {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -119,25 +143,10 @@ impl AgentDirs {
             .stderr(log)
             .spawn()
             .expect("agent spawned");
-        let mut agent = Agent {
+        Agent {
             child,
             port: self.port,
             log: self.root.path().join("agent.log"),
-        };
-        let deadline = Instant::now() + Duration::from_secs(20);
-        loop {
-            if agent.try_get("/v1/health").is_some() {
-                return agent;
-            }
-            if let Ok(Some(status)) = agent.child.try_wait() {
-                panic!("agent exited with {status}:\n{}", agent.log_text());
-            }
-            assert!(
-                Instant::now() < deadline,
-                "agent API not up:\n{}",
-                agent.log_text()
-            );
-            std::thread::sleep(Duration::from_millis(10));
         }
     }
 }
