@@ -361,18 +361,22 @@ async fn agent_sends_ready_only_once_restored_and_serving_then_stopping_on_sigte
     let mut agent = Agent::start(path.to_str().expect("utf-8 path"), &[]);
 
     until_message(&socket, &agent, "READY=1").await;
-    // The log line that follows the restore is written (synchronously) before READY=1
-    // is sent, so it is in the file by now; and the API already answers.
+    // The log lines that follow the restore, the creation of a new node's store and the
+    // API's bind are written (synchronously) before READY=1 is sent, so they are in the
+    // file by now; and the API already answers.
     let log = agent.log();
-    let started = log
-        .lines()
-        .position(|l| l.contains("agent started"))
-        .unwrap_or_else(|| panic!("READY=1 came before the agent restored its state:\n{log}"));
+    let position = |needle: &str| log.lines().position(|l| l.contains(needle));
     assert!(
-        log.lines()
-            .position(|l| l.contains("api listening"))
-            .is_some_and(|api| api < started),
-        "the API listens before the agent is ready:\n{log}"
+        position("agent started").is_some(),
+        "READY=1 came before the agent restored its state:\n{log}"
+    );
+    let api = position("api listening")
+        .unwrap_or_else(|| panic!("READY=1 came before the API listened:\n{log}"));
+    // This data dir is new: its store is created while the first tasks start, and the
+    // API waits for it.
+    assert!(
+        position("state store created").is_some_and(|created| created < api),
+        "the API listened before the new store was created:\n{log}"
     );
     let health = reqwest::get(format!("http://127.0.0.1:{}/v1/health", agent.port))
         .await
