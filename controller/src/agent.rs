@@ -7,6 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use stead_reconcilers::alloc::Limits;
 use stead_schemas::Timestamp;
+use stead_schemas::ValidSpec;
 use stead_schemas::config::{AgentConfig, ShutdownMode};
 use stead_schemas::spec::DriverKind;
 use thiserror::Error;
@@ -23,7 +24,7 @@ use crate::logging::{LogFormat, init_logging};
 use crate::metrics::Metrics;
 use crate::node::{DEFAULT_TICK, Node, NodeConfig};
 use crate::queue::Shutdown;
-use crate::source::{Listing, ListingCache, Syncer, list_specs_cached};
+use crate::source::{Listing, ListingCache, Syncer, list_specs_cached, list_specs_streaming};
 use crate::store::rocks::OpenError;
 use crate::store::{OpeningError, OpeningStore, RocksDbOptions, RocksDbStore, Store};
 use crate::watch::SpecsWatcher;
@@ -411,6 +412,9 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     }
     let drivers = Drivers::new(drivers);
     let changed = Arc::new(tokio::sync::Notify::new());
+    // Each spec of the first listing is handed over as soon as it is read, so the first
+    // tasks start while the rest of the directory is read.
+    let (found_tx, mut found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
     let early = {
         let dir = settings.specs_dir.clone();
         let watch = settings.watch;
@@ -422,19 +426,21 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             } else {
                 None
             };
-            let (listing, cache) = list_pass(&dir, ListingCache::default(), now);
-            // Exec tasks are coming: their fork server starts while the store opens.
-            if let Some(exec) = exec
-                && listing.specs.values().any(|(_, spec)| {
-                    spec.spec
-                        .spec
-                        .tasks
-                        .iter()
-                        .any(|t| t.driver == DriverKind::Exec)
-                })
-            {
-                exec.prepare();
-            }
+            let mut exec = exec;
+            let mut cache = ListingCache::default();
+            let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
+                // Exec tasks are coming: their fork server starts now.
+                let runs_exec = spec
+                    .spec
+                    .spec
+                    .tasks
+                    .iter()
+                    .any(|t| t.driver == DriverKind::Exec);
+                if runs_exec && let Some(exec) = exec.take() {
+                    exec.prepare();
+                }
+                let _ = found_tx.send(spec.clone());
+            });
             (watcher, listing, cache)
         })
     };
@@ -487,6 +493,13 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         tracing::error!(alloc = %corrupt.name, error = %crate::alloc::error_chain(corrupt), "cannot restore alloc");
     }
     let mut syncer = Syncer::new(restored.allocs.clone());
+    // Until the first listing ends, only what it found is applied: nothing is removed
+    // before the whole directory was read.
+    while let Some(spec) = found.recv().await {
+        if syncer.apply(&node, &spec) {
+            tracing::info!(alloc = %spec.spec.metadata.name, trigger = "listing", "applied");
+        }
+    }
     let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let mut resync = tokio::time::interval(settings.resync);

@@ -102,6 +102,18 @@ pub fn list_specs(dir: &Path) -> Listing {
 /// since a pass at least [`RACY_MARGIN`] after their last change; `now` is the time of
 /// this pass.
 pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -> Listing {
+    list_specs_streaming(dir, cache, now, |_| {})
+}
+
+/// [`list_specs_cached`], also handing each spec that will be in the listing to `found`
+/// as soon as it is read: files are read in the order that decides between two
+/// declarations of one name, so a spec handed over is the one the listing keeps.
+pub fn list_specs_streaming(
+    dir: &Path,
+    cache: &mut ListingCache,
+    now: Timestamp,
+    mut found: impl FnMut(&ValidSpec),
+) -> Listing {
     let mut listing = Listing::default();
     let mut seen: HashMap<PathBuf, (FileStamp, Arc<SpecFile>)> = HashMap::new();
     let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
@@ -161,6 +173,7 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
                         listing.conflicts.entry(name).or_default().push(diagnostic);
                     }
                     None => {
+                        found(&spec);
                         listing.specs.insert(name, (path.clone(), spec));
                     }
                 },
@@ -235,12 +248,9 @@ impl Syncer {
     /// Tells `node` what changed since the last pass.
     pub fn sync(&mut self, node: &Node, listing: &Listing) -> SyncReport {
         let mut report = SyncReport::default();
-        for (name, (_, spec)) in &listing.specs {
-            let key = (Some(spec.revision.clone()), spec.spec.spec.desired_status);
-            if self.applied.get(name) != Some(&key) {
-                node.apply(spec.clone());
-                self.applied.insert(name.clone(), key);
-                report.applied.push(name.clone());
+        for spec in listing.specs.values().map(|(_, spec)| spec) {
+            if self.apply(node, spec) {
+                report.applied.push(spec.spec.metadata.name.clone());
             }
         }
         if !listing.incomplete {
@@ -258,6 +268,20 @@ impl Syncer {
         }
         self.sync_errors(node, listing);
         report
+    }
+
+    /// Applies `spec` unless the node runs it already (same revision and desired status);
+    /// whether it did. Applying ahead of a full pass is safe for a spec that pass will
+    /// hold, as [`list_specs_streaming`] hands over: the pass then finds it applied.
+    pub fn apply(&mut self, node: &Node, spec: &ValidSpec) -> bool {
+        let name = &spec.spec.metadata.name;
+        let key = (Some(spec.revision.clone()), spec.spec.spec.desired_status);
+        if self.applied.get(name) == Some(&key) {
+            return false;
+        }
+        node.apply(spec.clone());
+        self.applied.insert(name.clone(), key);
+        true
     }
 
     /// Shows each broken or conflicting declaration's diagnostics on its alloc (when one
@@ -324,6 +348,39 @@ mod tests {
         let conflicts = &listing.conflicts[&"web".parse::<Name>().expect("name")];
         assert_eq!(conflicts, &listing.diagnostics);
         assert!(listing.broken.is_empty());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn streaming_hands_over_exactly_the_specs_the_listing_keeps_in_reading_order() {
+        let dir = std::env::temp_dir().join(format!("stead-source-stream-{}", std::process::id()));
+        std::fs::create_dir_all(dir.join("sub")).expect("dir");
+        write(&dir, "b.yaml", "web");
+        write(&dir, "a.yaml", "web"); // wins over b.yaml
+        write(&dir, "c.yaml", "api");
+        write(&dir.join("sub"), "d.yaml", "db");
+        std::fs::write(dir.join("e.yaml"), "not: [a spec").expect("write");
+        let mut found = Vec::new();
+        let listing = list_specs_streaming(
+            &dir,
+            &mut ListingCache::default(),
+            Timestamp::EPOCH,
+            |spec| found.push(spec.clone()),
+        );
+        let order: Vec<&str> = found
+            .iter()
+            .map(|s| s.spec.metadata.name.as_str())
+            .collect();
+        assert_eq!(order, ["web", "api", "db"]);
+        assert_eq!(found.len(), listing.specs.len());
+        for spec in &found {
+            assert_eq!(&listing.specs[&spec.spec.metadata.name].1, spec);
+        }
+        assert!(
+            listing.specs[&"web".parse::<Name>().expect("name")]
+                .0
+                .ends_with("a.yaml")
+        );
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
