@@ -469,13 +469,8 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         clock,
         AllocDirs::new(&data_dir),
     ));
-    let metrics = metrics
-        .await
-        .map_err(|_| AgentError::Runtime(std::io::Error::other("installing metrics panicked")))?
-        .map_err(AgentError::Metrics)?;
-    let state = ApiState::new(node.clone(), drivers, data_dir.clone())
-        .with_token(settings.token.clone())
-        .with_metrics(metrics);
+    let state =
+        ApiState::new(node.clone(), drivers, data_dir.clone()).with_token(settings.token.clone());
     let stop_api = state.shutdown_token();
     let serve = |state| {
         let api = start_api(state, settings.listen.clone(), settings.socket.clone())?;
@@ -485,8 +480,11 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     // While a new store is being created the API waits, so that nothing it shows can be
     // lost to a crash (see `store::opening`); the tasks start meanwhile.
     let (mut api, mut unserved) = match creating {
-        None => (Some(serve(state)?), None),
-        Some(_) => (None, Some(state)),
+        None => {
+            let metrics = installed(metrics).await?;
+            (Some(serve(state.with_metrics(metrics))?), None)
+        }
+        Some(_) => (None, Some((state, metrics))),
     };
     let restored = node.restore().map_err(AgentError::Restore)?;
     for corrupt in &restored.corrupt {
@@ -535,8 +533,8 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
                     Ok(Ok(())) => {
                         tracing::info!("state store created");
                         // Held since the start, when the store was found missing.
-                        let state = unserved.take().expect("the api waits for the new store");
-                        match serve(state) {
+                        let (state, metrics) = unserved.take().expect("the api waits for the new store");
+                        match installed(metrics).await.and_then(|metrics| serve(state.with_metrics(metrics))) {
                             Ok(thread) => {
                                 api = Some(thread);
                                 crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
@@ -619,6 +617,16 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         let _ = tokio::task::spawn_blocking(move || api.join()).await;
     }
     failure.map_or(Ok(()), Err)
+}
+
+/// The metrics recorder, once its installation (started at launch) is done.
+async fn installed(
+    installing: tokio::task::JoinHandle<Result<Metrics, crate::metrics::MetricsError>>,
+) -> Result<Metrics, AgentError> {
+    installing
+        .await
+        .map_err(|_| AgentError::Runtime(std::io::Error::other("installing metrics panicked")))?
+        .map_err(AgentError::Metrics)
 }
 
 /// Whether `state_dir` holds a RocksDB database (its `CURRENT` file names the manifest).
