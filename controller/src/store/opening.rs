@@ -9,11 +9,14 @@
 //! in one go and from then on passes every call straight on.
 //!
 //! Nothing the agent says outside is at risk: it serves its API and tells systemd it is
-//! ready only once the database is open. A crash before that moment leaves the first
-//! tasks running with no record of them; the next agent finds no records, applies the
-//! specs again, and each exec start first stops the run an earlier agent left in the same
-//! task dir (alloc ids derive from the revision) before it starts a new one. Those tasks
-//! therefore start again once, as a start in flight at a crash does.
+//! ready only once the database is open, and a shutdown waits for it. A crash before that
+//! moment leaves the first tasks running with no record of them; the next agent finds no
+//! records, applies the specs again, and each exec start first stops the run an earlier
+//! agent left in the same task dir before it starts a new one. Those tasks therefore start
+//! again once, as a start in flight at a crash does. Alloc ids derive from the revision,
+//! so this holds for a spec left as it was; one edited before the next agent starts leaves
+//! its old run in a dir no record names. Should the database fail to be created, the
+//! agent stops the tasks it started and exits.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Condvar, Mutex, PoisonError};
@@ -88,9 +91,9 @@ impl<S: Store> OpeningStore<S> {
         Ok((OpeningStore { shared }, rx))
     }
 
-    /// Blocks until the database is open or failed to; for tests and for callers that
-    /// must read what is stored.
-    pub fn wait_settled(&self) {
+    /// Blocks until the database is open or failed to.
+    #[cfg(test)]
+    fn wait_settled(&self) {
         let mut phase = self.shared.lock();
         while matches!(*phase, Phase::Opening(_)) {
             phase = self
@@ -115,34 +118,41 @@ impl<S> Shared<S> {
         self.phase.lock().unwrap_or_else(PoisonError::into_inner)
     }
 
-    /// Writes the held records into `store` and makes it the store; the lock is held
-    /// throughout, so no later write can overtake a held one.
+    /// Writes the held records into `store` and makes it the store. Writes go out in
+    /// rounds without the lock, so callers never wait on the disk; a write made during a
+    /// round is held for the next, so none overtakes an older write of its alloc. The
+    /// store takes over once a round finds nothing held.
     fn take_over<E: std::error::Error + 'static>(&self, store: S) -> Result<(), OpeningError<E>>
     where
         S: Store,
     {
-        let mut phase = self.lock();
-        let Phase::Opening(held) = std::mem::replace(&mut *phase, Phase::Failed(String::new()))
-        else {
-            unreachable!("only the opener leaves the opening phase");
-        };
-        let mut outcome = Ok(());
-        for (name, write) in held {
-            let written = match write {
-                Some(record) => store.put_alloc(&record),
-                None => store.delete_alloc(&name),
+        loop {
+            let held = {
+                let mut phase = self.lock();
+                match &mut *phase {
+                    Phase::Opening(held) if held.is_empty() => {
+                        *phase = Phase::Open(Arc::new(store));
+                        self.settled.notify_all();
+                        return Ok(());
+                    }
+                    Phase::Opening(held) => std::mem::take(held),
+                    Phase::Open(_) | Phase::Failed(_) => {
+                        unreachable!("only the opener leaves the opening phase")
+                    }
+                }
             };
-            if let Err(error) = written {
-                outcome = Err(OpeningError::Flush(error));
-                break;
+            for (name, write) in held {
+                let written = match write {
+                    Some(record) => store.put_alloc(&record),
+                    None => store.delete_alloc(&name),
+                };
+                if let Err(error) = written {
+                    let error = OpeningError::Flush(error);
+                    self.fail(crate::alloc::error_chain(&error));
+                    return Err(error);
+                }
             }
         }
-        *phase = match &outcome {
-            Ok(()) => Phase::Open(Arc::new(store)),
-            Err(error) => Phase::Failed(crate::alloc::error_chain(error)),
-        };
-        self.settled.notify_all();
-        outcome
     }
 
     fn fail(&self, why: String) {
@@ -254,7 +264,7 @@ mod tests {
     }
 
     #[test]
-    fn writes_while_opening_are_held_and_reach_the_database_latest_first_once_open() {
+    fn writes_while_opening_are_held_and_only_the_latest_of_each_alloc_reaches_the_database() {
         let inner = MemoryStore::default();
         let (store, release, outcome) = gated(inner.clone());
         let (a1, a2, b) = (
@@ -344,16 +354,20 @@ mod tests {
     }
 
     #[test]
-    fn a_new_rocksdb_store_opened_in_the_background_holds_what_was_written_meanwhile() {
+    fn a_new_rocksdb_store_opened_in_the_background_keeps_what_was_written_meanwhile() {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("state");
         let opened = path.clone();
+        let (release, gate) = mpsc::channel::<()>();
         let (store, outcome) = OpeningStore::open_in_background(move || {
+            gate.recv().expect("released");
             RocksDbStore::open(&opened, RocksDbOptions::default())
         })
         .expect("thread");
         let record = conformance::sample_record("web", 1);
-        store.put_alloc(&record).expect("written or held");
+        store.put_alloc(&record).expect("held");
+        assert!(!path.exists(), "the database is not there yet");
+        release.send(()).expect("released");
         outcome.blocking_recv().expect("sent").expect("opened");
         drop(store);
         let reopened = RocksDbStore::open(&path, RocksDbOptions::default()).expect("reopens");
@@ -364,6 +378,92 @@ mod tests {
             .map(|r| r.expect("valid"))
             .collect();
         assert_eq!(stored, [record]);
+    }
+
+    /// A store whose first write waits for a gate.
+    struct SlowFirstWrite {
+        inner: MemoryStore,
+        gate: Mutex<Option<mpsc::Receiver<()>>>,
+        entered: Mutex<Option<mpsc::Sender<()>>>,
+    }
+
+    impl Store for SlowFirstWrite {
+        fn put_alloc(&self, record: &AllocRecord) -> Result<(), StoreError> {
+            if let Some(entered) = self.entered.lock().expect("lock").take() {
+                entered.send(()).expect("told");
+            }
+            if let Some(gate) = self.gate.lock().expect("lock").take() {
+                gate.recv().expect("released");
+            }
+            self.inner.put_alloc(record)
+        }
+        fn delete_alloc(&self, name: &Name) -> Result<(), StoreError> {
+            self.inner.delete_alloc(name)
+        }
+        fn load_allocs(&self) -> Result<Vec<Result<AllocRecord, CorruptRecord>>, StoreError> {
+            self.inner.load_allocs()
+        }
+        fn metrics(&self) -> StoreMetrics {
+            self.inner.metrics()
+        }
+    }
+
+    #[test]
+    fn a_write_made_while_held_records_are_written_waits_for_no_disk_and_lands_after_them() {
+        let inner = MemoryStore::default();
+        let (release_write, write_gate) = mpsc::channel::<()>();
+        let (entered_tx, entered) = mpsc::channel::<()>();
+        let slow = SlowFirstWrite {
+            inner: inner.clone(),
+            gate: Mutex::new(Some(write_gate)),
+            entered: Mutex::new(Some(entered_tx)),
+        };
+        let (release_open, open_gate) = mpsc::channel::<()>();
+        let (store, outcome) = OpeningStore::open_in_background(move || {
+            open_gate.recv().map_err(std::io::Error::other)?;
+            Ok::<_, std::io::Error>(slow)
+        })
+        .expect("thread");
+        store
+            .put_alloc(&conformance::sample_record("web", 1))
+            .expect("held");
+        release_open.send(()).expect("released");
+        entered.recv().expect("the held record is being written");
+
+        // The held record's write is stuck on its disk; writes now must not wait for it.
+        let (newer, other) = (
+            conformance::sample_record("web", 2),
+            conformance::sample_record("api", 1),
+        );
+        let (done_tx, done) = mpsc::channel();
+        let writer = OpeningStore {
+            shared: Arc::clone(&store.shared),
+        };
+        let (n, o) = (newer.clone(), other.clone());
+        std::thread::spawn(move || {
+            let _ = done_tx.send((writer.put_alloc(&n), writer.put_alloc(&o)));
+        });
+        let (a, b) = done
+            .recv_timeout(std::time::Duration::from_secs(10))
+            .expect("writes made during the flush do not wait for it");
+        a.expect("held");
+        b.expect("held");
+        assert_eq!(
+            inner.metrics().writes,
+            0,
+            "nothing has reached the disk yet"
+        );
+
+        release_write.send(()).expect("released");
+        outcome.blocking_recv().expect("sent").expect("opened");
+        let mut stored: Vec<AllocRecord> = inner
+            .load_allocs()
+            .expect("loads")
+            .into_iter()
+            .map(|r| r.expect("valid"))
+            .collect();
+        stored.sort_by(|a, b| a.name.cmp(&b.name));
+        assert_eq!(stored, [other, newer], "web's newer write landed last");
     }
 
     impl<S: PlantRaw> PlantRaw for OpeningStore<S> {
