@@ -127,6 +127,9 @@ pub enum AgentError {
     /// The thread that creates the state store could not be started.
     #[error("cannot start the thread that creates the state store")]
     StoreThread(#[source] std::io::Error),
+    /// The thread that creates the state store died without an outcome.
+    #[error("the thread creating the state store died")]
+    StoreThreadDied,
     /// Reading the store at start-up failed.
     #[error("cannot restore state")]
     Restore(#[source] crate::store::StoreError),
@@ -316,40 +319,52 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     Ok(0)
 }
 
-/// Serves the API on a thread and runtime of its own, so requests never queue behind
-/// the workers (measured with `stead-bench api`); returns once the listeners are bound.
+/// The API's listeners, bound before anything starts so that a taken port or a file in
+/// the socket's way fails the agent at once; they are served later ([`start_api`]).
+struct ApiListeners {
+    tcp: std::net::TcpListener,
+    unix: Option<std::os::unix::net::UnixListener>,
+}
+
+/// Binds the API's listeners (loopback TCP, and the unix socket when configured).
+async fn bind_api(listen: &str, socket: Option<&Path>) -> Result<ApiListeners, AgentError> {
+    let tcp = bind_tcp(listen).await?;
+    let unix = socket.map(bind_unix).transpose()?;
+    // Handed to the API's own runtime, which registers them again.
+    Ok(ApiListeners {
+        tcp: tcp.into_std().map_err(AgentError::Runtime)?,
+        unix: unix
+            .map(tokio::net::UnixListener::into_std)
+            .transpose()
+            .map_err(AgentError::Runtime)?,
+    })
+}
+
+/// Serves the API on `listeners`, on a thread and runtime of its own, so requests never
+/// queue behind the workers (measured with `stead-bench api`).
 fn start_api(
     state: ApiState,
-    listen: String,
-    socket: Option<PathBuf>,
+    listeners: ApiListeners,
 ) -> Result<std::thread::JoinHandle<()>, AgentError> {
-    let (bound_tx, bound_rx) = std::sync::mpsc::channel();
-    let thread = std::thread::Builder::new()
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .map_err(AgentError::Runtime)?;
+    std::thread::Builder::new()
         .name("stead-api".to_owned())
         .spawn(move || {
-            let runtime = match tokio::runtime::Builder::new_current_thread().enable_all().build() {
-                Ok(runtime) => runtime,
-                Err(error) => {
-                    let _ = bound_tx.send(Err(AgentError::Runtime(error)));
-                    return;
-                }
-            };
             runtime.block_on(async move {
-                let tcp = match bind_tcp(&listen).await {
-                    Ok(listener) => listener,
+                let registered = tokio::net::TcpListener::from_std(listeners.tcp).and_then(|tcp| {
+                    let unix = listeners.unix.map(tokio::net::UnixListener::from_std).transpose()?;
+                    Ok((tcp, unix))
+                });
+                let (tcp, unix) = match registered {
+                    Ok(listeners) => listeners,
                     Err(error) => {
-                        let _ = bound_tx.send(Err(AgentError::Api(error)));
+                        tracing::error!(error = %crate::alloc::error_chain(&error), "api not served");
                         return;
                     }
                 };
-                let unix = match socket.as_deref().map(bind_unix).transpose() {
-                    Ok(listener) => listener,
-                    Err(error) => {
-                        let _ = bound_tx.send(Err(AgentError::Api(error)));
-                        return;
-                    }
-                };
-                let _ = bound_tx.send(Ok(()));
                 let app = router(state.clone());
                 let stop = state.shutdown_token();
                 let tcp_server = serve_tcp(tcp, app.clone(), stop.clone().cancelled_owned());
@@ -371,14 +386,7 @@ fn start_api(
                 }
             });
         })
-        .map_err(AgentError::Runtime)?;
-    match bound_rx.recv() {
-        Ok(Ok(())) => Ok(thread),
-        Ok(Err(error)) => Err(error),
-        Err(_) => Err(AgentError::Runtime(std::io::Error::other(
-            "the api thread ended",
-        ))),
-    }
+        .map_err(AgentError::Runtime)
 }
 
 /// Runs the agent until SIGINT or SIGTERM.
@@ -393,9 +401,11 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             source,
         })?;
     let clock = Clock::system();
-    // The specs dir is watched and listed while the store opens (creating RocksDB syncs
-    // a dozen files): both only read, and the listing is applied after the restore. The
-    // watcher starts first, so no change falls between it and the listing.
+    // Before any task starts: from then on SIGTERM and SIGINT must reach the shutdown
+    // below, and a taken port must fail the agent before there is anything to stop.
+    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));
@@ -412,8 +422,10 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     }
     let drivers = Drivers::new(drivers);
     let changed = Arc::new(tokio::sync::Notify::new());
-    // Each spec of the first listing is handed over as soon as it is read, so the first
-    // tasks start while the rest of the directory is read.
+    // The specs dir is watched and listed while the store opens: both only read. The
+    // watcher starts first, so no change falls between it and the listing. Each spec of
+    // the listing is handed over as soon as it is read, so the first tasks start (after
+    // the restore) while the rest of the directory is read.
     let (found_tx, mut found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
     let early = {
         let dir = settings.specs_dir.clone();
@@ -436,10 +448,10 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
                     .tasks
                     .iter()
                     .any(|t| t.driver == DriverKind::Exec);
+                let _ = found_tx.send(spec.clone());
                 if runs_exec && let Some(exec) = exec.take() {
                     exec.prepare();
                 }
-                let _ = found_tx.send(spec.clone());
             });
             (watcher, listing, cache)
         })
@@ -450,8 +462,9 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     // the first tasks start (see `store::opening`). Otherwise it is opened, and restored,
     // first.
     let state_dir = data_dir.join("state");
-    // A state dir that cannot even be made fails the agent before anything starts.
-    let new_store = !has_database(&state_dir) && std::fs::create_dir_all(&state_dir).is_ok();
+    // A state dir that cannot be made or written to fails the agent (in the open below)
+    // before anything starts.
+    let new_store = !has_database(&state_dir) && writable_dir(&state_dir);
     let (store, mut creating): (Arc<dyn Store>, _) = if !new_store {
         let store = RocksDbStore::open(&state_dir, settings.store)?;
         (Arc::new(store), None)
@@ -469,22 +482,23 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         clock,
         AllocDirs::new(&data_dir),
     ));
-    let state =
-        ApiState::new(node.clone(), drivers, data_dir.clone()).with_token(settings.token.clone());
+    // Installed before any task starts, so that no count is lost.
+    let metrics = installed(metrics).await?;
+    let state = ApiState::new(node.clone(), drivers, data_dir.clone())
+        .with_token(settings.token.clone())
+        .with_metrics(metrics);
     let stop_api = state.shutdown_token();
-    let serve = |state| {
-        let api = start_api(state, settings.listen.clone(), settings.socket.clone())?;
+    let serve = |state, listeners| {
+        let api = start_api(state, listeners)?;
         tracing::info!(listen = %settings.listen, "api listening");
         Ok::<_, AgentError>(api)
     };
-    // While a new store is being created the API waits, so that nothing it shows can be
-    // lost to a crash (see `store::opening`); the tasks start meanwhile.
+    // While a new store is being created the API waits (a client's connection waits in
+    // the backlog), so that nothing it shows can be lost to a crash (see
+    // `store::opening`); the tasks start meanwhile.
     let (mut api, mut unserved) = match creating {
-        None => {
-            let metrics = installed(metrics).await?;
-            (Some(serve(state.with_metrics(metrics))?), None)
-        }
-        Some(_) => (None, Some((state, metrics))),
+        None => (Some(serve(state, listeners)?), None),
+        Some(_) => (None, Some((state, listeners))),
     };
     let restored = node.restore().map_err(AgentError::Restore)?;
     for corrupt in &restored.corrupt {
@@ -498,8 +512,6 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             tracing::info!(alloc = %spec.spec.metadata.name, trigger = "listing", "applied");
         }
     }
-    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     let mut resync = tokio::time::interval(settings.resync);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // File events only say "look again"; the listing is the level. A wake-up that comes
@@ -533,8 +545,8 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
                     Ok(Ok(())) => {
                         tracing::info!("state store created");
                         // Held since the start, when the store was found missing.
-                        let (state, metrics) = unserved.take().expect("the api waits for the new store");
-                        match installed(metrics).await.and_then(|metrics| serve(state.with_metrics(metrics))) {
+                        let (state, listeners) = unserved.take().expect("the api waits for the new store");
+                        match serve(state, listeners) {
                             Ok(thread) => {
                                 api = Some(thread);
                                 crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
@@ -544,13 +556,12 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
                         }
                     }
                     Ok(Err(error)) => {
-                        tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store; leaving the tasks running");
+                        tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store; stopping the tasks");
                         failure = Some(AgentError::CreateStore(error));
                     }
                     Err(_) => {
-                        failure = Some(AgentError::StoreThread(std::io::Error::other(
-                            "the thread creating the state store ended without a word",
-                        )));
+                        tracing::error!("the thread creating the state store died; stopping the tasks");
+                        failure = Some(AgentError::StoreThreadDied);
                     }
                 }
                 break;
@@ -598,13 +609,28 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             )));
         }
     }
-    // Without a store, the tasks are left running, as a crash would leave them; the next
-    // agent takes them over.
+    // Without a store nothing could take the tasks over (no record names them), so they
+    // are stopped whatever the shutdown mode.
     let mode = if failure.is_some() {
-        Shutdown::Detach
+        Shutdown::Drain
     } else {
         settings.shutdown
     };
+    // A new store still being created gets its held records before the agent lets go of
+    // the data dir, so the next agent takes over what this one leaves running.
+    if let Some(creating) = creating {
+        match tokio::time::timeout(STORE_CREATION_GRACE, creating).await {
+            Ok(Ok(Ok(()))) => tracing::info!("state store created"),
+            Ok(Ok(Err(error))) => {
+                tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store");
+            }
+            Ok(Err(_)) => tracing::error!("the thread creating the state store died"),
+            Err(_) => tracing::error!(
+                grace = ?STORE_CREATION_GRACE,
+                "the state store is still being created; exiting without it"
+            ),
+        }
+    }
     tracing::info!(?mode, "shutting down");
     crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
     drop(watcher);
@@ -617,6 +643,21 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         let _ = tokio::task::spawn_blocking(move || api.join()).await;
     }
     failure.map_or(Ok(()), Err)
+}
+
+/// How long a shutdown waits for a new store that is still being created.
+const STORE_CREATION_GRACE: Duration = Duration::from_secs(10);
+
+/// Whether `dir` exists (made now if missing) and a file can be created in it: a cheap
+/// check before the database is created in the background.
+fn writable_dir(dir: &Path) -> bool {
+    if std::fs::create_dir_all(dir).is_err() {
+        return false;
+    }
+    let probe = dir.join(format!(".probe-{}", std::process::id()));
+    let created = std::fs::File::create(&probe).is_ok();
+    let _ = std::fs::remove_file(&probe);
+    created
 }
 
 /// The metrics recorder, once its installation (started at launch) is done.

@@ -5,6 +5,8 @@
 
 mod agent_support;
 
+use std::io::{Read, Write};
+use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
 
@@ -306,20 +308,22 @@ fn a_spec_deleted_while_the_agent_was_down_stops_only_that_alloc_after_the_first
     agent.terminate();
 }
 
-#[test]
-fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does_and_a_crash_meanwhile_starts_each_task_once_more()
- {
-    let token = format!("stead-new-{}", std::process::id());
-    let _cleanup = Cleanup(token.clone());
-    let dirs = AgentDirs::new("shutdown: detach\n");
-    let names = ["a", "b", "c"];
-    let marker = |name: &str| format!("{token}-{name}.");
+/// A new node whose database creation is held: the agent runs `names` (service specs
+/// marked `<token>-<name>.`) with `config`; returns once every task runs, with the gate.
+fn new_node_with_store_held(
+    token: &str,
+    names: &[&str],
+    config: &str,
+) -> (AgentDirs, PathBuf, agent_support::Agent, Vec<u32>) {
+    let dirs = AgentDirs::new(config);
     for name in names {
-        dirs.write_spec(name, &service_spec(name, &marker(name)));
+        dirs.write_spec(name, &service_spec(name, &format!("{token}-{name}.")));
     }
     // Hold the creation of the database: RocksDB writes a new database's identity
     // through `000000.dbtmp` before anything else is durable, and a FIFO there blocks
-    // that write until someone reads it, which nobody does.
+    // that write until someone opens it for reading. (A RocksDB that named its first
+    // file otherwise would not be held, and the callers' checks that nothing is served
+    // yet would fail.)
     let state = dirs.data.join("state");
     std::fs::create_dir_all(&state).expect("state dir");
     let gate = state.join("000000.dbtmp");
@@ -328,13 +332,15 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
         .status()
         .expect("mkfifo runs");
     assert!(made.success(), "mkfifo {}", gate.display());
-
     let agent = dirs.launch();
-    let first: Vec<u32> = wait_for(
+    let pids = wait_for(
         "tasks run while the store is created",
         Duration::from_secs(10),
         || {
-            let pids: Vec<Vec<u32>> = names.iter().map(|n| processes_with(&marker(n))).collect();
+            let pids: Vec<Vec<u32>> = names
+                .iter()
+                .map(|n| processes_with(&format!("{token}-{n}.")))
+                .collect();
             if pids.iter().all(|p| p.len() == 1) {
                 Ok(pids.iter().map(|p| p[0]).collect())
             } else {
@@ -342,9 +348,30 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
             }
         },
     );
+    (dirs, gate, agent, pids)
+}
+
+#[test]
+fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does_and_a_crash_meanwhile_starts_each_task_once_more()
+ {
+    let token = format!("stead-new-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let names = ["a", "b", "c"];
+    let marker = |name: &str| format!("{token}-{name}.");
+    let (dirs, gate, agent, first) = new_node_with_store_held(&token, &names, "shutdown: detach\n");
+    let state = dirs.data.join("state");
+    // The port is bound from the start, so a taken one fails the agent at once, but
+    // nothing is served before the store exists.
+    let mut probe =
+        std::net::TcpStream::connect(("127.0.0.1", dirs.port)).expect("the port is bound");
+    probe
+        .set_read_timeout(Some(Duration::from_millis(300)))
+        .expect("timeout");
+    write!(probe, "GET /v1/health HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("sent");
+    let answer = probe.read(&mut [0u8; 1]);
     assert!(
-        agent.try_get("/v1/health").is_none(),
-        "the API waits for the store:\n{}",
+        matches!(&answer, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
+        "the API answered while the store was held ({answer:?}):\n{}",
         agent.log_text()
     );
     assert!(!state.join("CURRENT").exists(), "the database was held");
@@ -398,4 +425,37 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
         );
     }
     agent.terminate();
+}
+
+#[test]
+fn a_new_node_whose_store_cannot_be_created_stops_the_tasks_it_started_and_exits_with_why() {
+    let token = format!("stead-nostore-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let names = ["a", "b"];
+    // Detach is configured, yet nothing could take these tasks over: they are stopped.
+    let (_dirs, gate, mut agent, _) =
+        new_node_with_store_held(&token, &names, "shutdown: detach\n");
+    // Opening the FIFO lets RocksDB write into it, and its sync of a pipe fails.
+    let reader = std::thread::spawn(move || {
+        let mut fifo = std::fs::File::open(&gate).expect("fifo opened");
+        let mut sink = Vec::new();
+        let _ = fifo.read_to_end(&mut sink);
+    });
+    let status = wait_for("the agent exits", Duration::from_secs(20), || {
+        match agent.child.try_wait().expect("wait") {
+            Some(status) => Ok(status),
+            None => Err("still running".to_owned()),
+        }
+    });
+    reader.join().expect("reader");
+    let log = agent.log_text();
+    assert!(!status.success(), "{status}:\n{log}");
+    assert!(log.contains("cannot create the state store"), "{log}");
+    for name in names {
+        assert_eq!(
+            processes_with(&format!("{token}-{name}.")),
+            Vec::<u32>::new(),
+            "{name} was stopped:\n{log}"
+        );
+    }
 }
