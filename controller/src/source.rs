@@ -38,8 +38,9 @@ pub struct Listing {
     pub specs: BTreeMap<Name, (PathBuf, ValidSpec)>,
     /// Allocs whose document is invalid now, with why.
     pub broken: BTreeMap<Name, Vec<Diagnostic>>,
-    /// Allocs that run from one valid declaration while another file also declares them
-    /// (validly, and ignored, or invalidly), with the other declarations' diagnostics.
+    /// Allocs that run from one valid declaration while another declaration of the name
+    /// (in another file or another document of the same file; valid and ignored, or
+    /// invalid) exists, with the other declarations' diagnostics.
     pub conflicts: BTreeMap<Name, Vec<Diagnostic>>,
     /// Every problem found, in file order.
     pub diagnostics: Vec<Diagnostic>,

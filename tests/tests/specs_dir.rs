@@ -488,6 +488,16 @@ fn witnessed_pids(witness: &Path) -> Vec<u32> {
         .collect()
 }
 
+/// Waits until `witness` lists exactly `pids`: a task shows as running once started,
+/// which may be before its shell wrote its pid.
+fn until_witnessed(agent: &Agent, witness: &Path, pids: &[u32]) {
+    agent.until(
+        &format!("{} lists {pids:?}", witness.display()),
+        DEADLINE,
+        |_| (witnessed_pids(witness) == pids).then_some(()),
+    );
+}
+
 fn pid(status: &AllocStatus) -> u32 {
     status.tasks["main"].pid.expect("an exec task has a pid")
 }
@@ -523,8 +533,8 @@ fn a_multi_document_file_is_one_alloc_per_document_and_changing_one_spares_the_o
     agent.dirs.write_spec("pair", &format!("{one}---\n{two}"));
     let one_first = agent.until_running("one", &revision_of(&one), DEADLINE);
     let two_first = agent.until_running("two", &revision_of(&two), DEADLINE);
-    assert_eq!(witnessed_pids(&witness("one")), [pid(&one_first)]);
-    assert_eq!(witnessed_pids(&witness("two-v1")), [pid(&two_first)]);
+    until_witnessed(&agent, &witness("one"), &[pid(&one_first)]);
+    until_witnessed(&agent, &witness("two-v1"), &[pid(&two_first)]);
 
     // An edit of the second document replaces only `two`.
     let two_edited = witnessed_spec("two", &witness("two-v2"));
@@ -533,7 +543,7 @@ fn a_multi_document_file_is_one_alloc_per_document_and_changing_one_spares_the_o
         .write_spec("pair", &format!("{one}---\n{two_edited}"));
     let two_second = agent.until_running("two", &revision_of(&two_edited), DEADLINE);
     assert_ne!(two_second.id, two_first.id);
-    assert_eq!(witnessed_pids(&witness("two-v2")), [pid(&two_second)]);
+    until_witnessed(&agent, &witness("two-v2"), &[pid(&two_second)]);
     assert_eq!(witnessed_pids(&witness("two-v1")), [pid(&two_first)]);
     let log = agent.until("the log says two was applied again", DEADLINE, |a| {
         let log = a.log();
@@ -591,7 +601,7 @@ fn a_name_declared_in_two_files_is_reported_with_both_paths_and_the_path_that_so
     );
     let (a_path, b_path) = (agent.specs.join("a.yaml"), agent.specs.join("b.yaml"));
     let first = agent.until_running("web", &revision_of(&a), DEADLINE);
-    assert_eq!(witnessed_pids(&a_witness), [pid(&first)]);
+    until_witnessed(&agent, &a_witness, &[pid(&first)]);
 
     // Every pass reports the name twice in the agent's log: the file that lost, with the
     // place of its declaration, and the file that won. Three passes have seen both.
@@ -629,7 +639,7 @@ fn a_name_declared_in_two_files_is_reported_with_both_paths_and_the_path_that_so
     let second = agent.until("the duplicate is no longer shown", DEADLINE, |a| {
         a.status("web").filter(|s| s.spec_error.is_none())
     });
-    assert_eq!(witnessed_pids(&b_witness), [pid(&second)]);
+    until_witnessed(&agent, &b_witness, &[pid(&second)]);
     assert!(
         agent_support::processes_with(&show(&a_witness)).is_empty(),
         "the winner's process is gone"
@@ -638,7 +648,10 @@ fn a_name_declared_in_two_files_is_reported_with_both_paths_and_the_path_that_so
     // The rule is the path, not who ran first: `a.yaml` back takes the name back.
     agent.dirs.write_spec("a", &a);
     let third = agent.until_running("web", &revision_of(&a), DEADLINE);
-    let a_pids = witnessed_pids(&a_witness);
+    let a_pids = agent.until("a.yaml's second process is witnessed", DEADLINE, |_| {
+        let pids = witnessed_pids(&a_witness);
+        (pids.len() >= 2).then_some(pids)
+    });
     assert_eq!(a_pids.len(), 2, "{a_pids:?}");
     assert_eq!(a_pids[1], pid(&third));
     assert_eq!(witnessed_pids(&b_witness), [pid(&second)]);

@@ -1,11 +1,12 @@
 //! The `exec` driver: real processes, each the child of its own supervisor.
 //!
 //! Starting a task builds its alloc dir ([`crate::allocdir`]), then asks the
-//! supervisors' fork server (`stead-supervisor --zygote`, started on first use) for a
-//! supervisor, handing it the task's command line and environment and the write end of
-//! a pipe, and reads the supervisor's `started` (or `failed`) line from that pipe. The
-//! supervisor starts the task in its own session and process group, in the task dir,
-//! copies its output into rotating log files, and outlives the agent; see
+//! supervisors' fork server (`stead-supervisor --zygote`, started on first use or by
+//! [`ExecDriver::prepare`]) for a supervisor, handing it the task's command line and
+//! environment and the write end of a pipe, and reads the supervisor's `started` (or
+//! `failed`) line from that pipe. The supervisor starts the task in its own session and
+//! process group, in the task dir, copies its output into rotating log files, and
+//! outlives the agent; see
 //! `stead-supervisor` for its side.
 //!
 //! Everything a later agent needs to find a run again is in the handle id (module `run`): the
@@ -298,7 +299,7 @@ impl ExecDriver {
         }
     }
 
-    /// The pid of the supervisors' fork server, once a task was started; for measuring
+    /// The pid of the supervisors' fork server, once it runs; for measuring
     /// what supervision costs.
     pub fn fork_server_pid(&self) -> Option<u32> {
         self.inner.zygote.pid()
