@@ -111,8 +111,9 @@ fn load(store: &dyn Store, check: &str) -> Vec<Result<AllocRecord, CorruptRecord
         .unwrap_or_else(|error| panic!("{check}: load_allocs failed: {error:?}"))
 }
 
-/// Loads every record, panicking on a store error or a corrupt record.
-fn load_ok(store: &dyn Store, check: &str) -> Vec<AllocRecord> {
+/// Loads every record, panicking on a store error or a corrupt record (`check` names
+/// the caller in the panic).
+pub fn load_ok(store: &dyn Store, check: &str) -> Vec<AllocRecord> {
     load(store, check)
         .into_iter()
         .map(|loaded| loaded.unwrap_or_else(|error| panic!("{check}: corrupt record: {error:?}")))

@@ -279,23 +279,13 @@ mod tests {
         store.delete_alloc(&name("never")).expect("held");
         // Nothing reached the database yet, and the store answers from what it holds.
         assert!(inner.load_allocs().expect("loads").is_empty());
-        let held: Vec<AllocRecord> = store
-            .load_allocs()
-            .expect("loads")
-            .into_iter()
-            .map(|r| r.expect("valid"))
-            .collect();
+        let held = conformance::load_ok(&store, "held");
         assert_eq!(held, std::slice::from_ref(&a2));
         assert_eq!(store.metrics(), StoreMetrics::default());
 
         release.send(()).expect("released");
         outcome.blocking_recv().expect("sent").expect("opened");
-        let stored: Vec<AllocRecord> = inner
-            .load_allocs()
-            .expect("loads")
-            .into_iter()
-            .map(|r| r.expect("valid"))
-            .collect();
+        let stored = conformance::load_ok(&inner, "stored");
         assert_eq!(stored, [a2], "only the latest write of each alloc");
         assert_eq!(inner.metrics().writes, 1);
 
@@ -304,12 +294,7 @@ mod tests {
         store.put_alloc(&a3).expect("written");
         store.put_alloc(&b).expect("written");
         store.delete_alloc(&name("a")).expect("deleted");
-        let stored: Vec<AllocRecord> = inner
-            .load_allocs()
-            .expect("loads")
-            .into_iter()
-            .map(|r| r.expect("valid"))
-            .collect();
+        let stored = conformance::load_ok(&inner, "stored");
         assert_eq!(stored, [b]);
         assert_eq!(store.metrics(), inner.metrics());
     }
@@ -371,12 +356,7 @@ mod tests {
         outcome.blocking_recv().expect("sent").expect("opened");
         drop(store);
         let reopened = RocksDbStore::open(&path, RocksDbOptions::default()).expect("reopens");
-        let stored: Vec<AllocRecord> = reopened
-            .load_allocs()
-            .expect("loads")
-            .into_iter()
-            .map(|r| r.expect("valid"))
-            .collect();
+        let stored = conformance::load_ok(&reopened, "stored");
         assert_eq!(stored, [record]);
     }
 
@@ -456,12 +436,7 @@ mod tests {
 
         release_write.send(()).expect("released");
         outcome.blocking_recv().expect("sent").expect("opened");
-        let mut stored: Vec<AllocRecord> = inner
-            .load_allocs()
-            .expect("loads")
-            .into_iter()
-            .map(|r| r.expect("valid"))
-            .collect();
+        let mut stored = conformance::load_ok(&inner, "stored");
         stored.sort_by(|a, b| a.name.cmp(&b.name));
         assert_eq!(stored, [other, newer], "web's newer write landed last");
     }
