@@ -616,8 +616,17 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     } else {
         settings.shutdown
     };
-    // A new store still being created gets its held records before the agent lets go of
-    // the data dir, so the next agent takes over what this one leaves running.
+    tracing::info!(?mode, "shutting down");
+    crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
+    drop(watcher);
+    if let Some(gc) = gc {
+        gc.abort();
+    }
+    stop_api.cancel();
+    node.shutdown(mode).await;
+    // A new store still being created gets its held records, the shutdown's included,
+    // before the agent lets go of the data dir, so the next agent takes over what this
+    // one left running.
     if let Some(creating) = creating {
         match tokio::time::timeout(STORE_CREATION_GRACE, creating).await {
             Ok(Ok(Ok(()))) => tracing::info!("state store created"),
@@ -631,14 +640,6 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             ),
         }
     }
-    tracing::info!(?mode, "shutting down");
-    crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
-    drop(watcher);
-    if let Some(gc) = gc {
-        gc.abort();
-    }
-    stop_api.cancel();
-    node.shutdown(mode).await;
     if let Some(api) = api {
         let _ = tokio::task::spawn_blocking(move || api.join()).await;
     }
