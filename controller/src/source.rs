@@ -354,16 +354,17 @@ mod tests {
 
     #[test]
     fn streaming_hands_over_exactly_the_specs_the_listing_keeps_in_reading_order() {
-        let dir = std::env::temp_dir().join(format!("stead-source-stream-{}", std::process::id()));
+        let temp = tempfile::tempdir().expect("temp dir");
+        let dir = temp.path();
         std::fs::create_dir_all(dir.join("sub")).expect("dir");
-        write(&dir, "b.yaml", "web");
-        write(&dir, "a.yaml", "web"); // wins over b.yaml
-        write(&dir, "c.yaml", "api");
+        write(dir, "b.yaml", "web");
+        write(dir, "a.yaml", "web"); // wins over b.yaml
+        write(dir, "c.yaml", "api");
         write(&dir.join("sub"), "d.yaml", "db");
         std::fs::write(dir.join("e.yaml"), "not: [a spec").expect("write");
         let mut found = Vec::new();
         let listing = list_specs_streaming(
-            &dir,
+            dir,
             &mut ListingCache::default(),
             Timestamp::EPOCH,
             |spec| found.push(spec.clone()),
@@ -382,21 +383,20 @@ mod tests {
                 .0
                 .ends_with("a.yaml")
         );
-        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]
     fn a_name_broken_in_one_file_and_valid_in_another_runs_the_valid_one_and_shows_the_other() {
-        let dir = std::env::temp_dir().join(format!("stead-source-half-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).expect("dir");
-        write(&dir, "b.yaml", "web");
+        let temp = tempfile::tempdir().expect("temp dir");
+        let dir = temp.path();
+        write(dir, "b.yaml", "web");
         std::fs::write(
             dir.join("a.yaml"),
             SPEC.replace("NAME", "web")
                 .replace("driver: mock", "driver: nope"),
         )
         .expect("write");
-        let listing = list_specs(&dir);
+        let listing = list_specs(dir);
         let web: Name = "web".parse().expect("name");
         assert!(listing.specs[&web].0.ends_with("b.yaml"));
         assert!(
@@ -411,7 +411,6 @@ mod tests {
             "{}",
             conflicts[0]
         );
-        std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
     #[test]
