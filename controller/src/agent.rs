@@ -136,9 +136,12 @@ pub enum AgentError {
     /// The API could not be served.
     #[error(transparent)]
     Api(#[from] crate::api::ServeError),
-    /// A runtime or thread could not be started.
-    #[error("cannot start the api runtime")]
+    /// The API's runtime, thread or listeners could not be set up.
+    #[error("cannot set up the api's runtime, thread or listeners")]
     Runtime(#[source] std::io::Error),
+    /// Installing the metrics recorder panicked.
+    #[error("installing the metrics recorder panicked")]
+    MetricsPanicked,
     /// The metrics recorder could not be installed.
     #[error("cannot install the metrics recorder")]
     Metrics(#[source] crate::metrics::MetricsError),
@@ -667,7 +670,7 @@ async fn installed(
 ) -> Result<Metrics, AgentError> {
     installing
         .await
-        .map_err(|_| AgentError::Runtime(std::io::Error::other("installing metrics panicked")))?
+        .map_err(|_| AgentError::MetricsPanicked)?
         .map_err(AgentError::Metrics)
 }
 
