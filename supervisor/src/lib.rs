@@ -26,6 +26,7 @@
 //! files, log file names), so they are defined once.
 
 pub mod args;
+mod children;
 pub mod logs;
 pub mod proc;
 pub mod protocol;

@@ -46,6 +46,7 @@ struct Child {
     uid: Option<u32>,
     gid: Option<u32>,
     parent: libc::pid_t,
+    /// The signal mask the task starts with: the supervisor's, `SIGCHLD` unblocked.
     mask: libc::sigset_t,
     /// The errno of the step that failed, 0 when the child reached `exec`.
     error: libc::c_int,
@@ -180,13 +181,18 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
     let clone_error;
     // SAFETY: every signal is blocked around the clone, as `posix_spawn` does, so no
     // handler of the supervisor runs on the child's stack in the shared address space;
-    // the child restores the mask before `exec`. `child` points to a live `Child` that
+    // the child sets the task's mask before `exec`. `child` points to a live `Child` that
     // nothing else touches until the clone returns, and `run_child` only makes system
     // calls and writes its `error`.
     unsafe {
         let mut all: libc::sigset_t = std::mem::zeroed();
         libc::sigfillset(&mut all);
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut child.mask);
+        let mut saved: libc::sigset_t = std::mem::zeroed();
+        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
+        // The supervisor blocks `SIGCHLD` to read it from a descriptor; the task starts
+        // with it unblocked, as any program expects.
+        child.mask = saved;
+        libc::sigdelset(&mut child.mask, libc::SIGCHLD);
         pid = libc::clone(
             run_child,
             top,
@@ -194,7 +200,7 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
             (&raw mut child).cast(),
         );
         clone_error = io::Error::last_os_error();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
+        libc::pthread_sigmask(libc::SIG_SETMASK, &saved, ptr::null_mut());
     }
     drop(null);
     drop(stack);

@@ -1,9 +1,9 @@
 //! The supervisor's life: start the task, copy its output, reap it, clean up, report.
 //!
-//! One thread polls the task's stdout and stderr pipes and a notification pipe; a second
-//! thread (a small stack, no allocation) blocks in `wait()` and reaps every child: the
-//! task and the orphans the supervisor adopts as a subreaper. Nothing wakes the
-//! supervisor while its task is quiet.
+//! One thread polls the task's stdout and stderr pipes and a `signalfd` for `SIGCHLD`
+//! ([`crate::children`]); on the signal it reaps every child that exited: the task and
+//! the orphans the supervisor adopts as a subreaper. Nothing wakes the supervisor while
+//! its task is quiet, and it runs no second thread.
 
 use std::ffi::OsString;
 use std::io;
@@ -18,6 +18,7 @@ use rustix::pipe::{PipeFlags, pipe_with};
 use rustix::process::{Pid, Signal, WaitOptions, WaitStatus};
 
 use crate::args::{ArgsError, SupervisorArgs};
+use crate::children::ChildSignals;
 use crate::logs::{Rotator, Stream};
 use crate::proc;
 use crate::protocol::{self, ExitStatus, Report, RunRecord};
@@ -25,8 +26,6 @@ use crate::spawn::{self, TaskCommand};
 
 /// The size of the read buffer for the task's output.
 const READ_BUFFER: usize = 16 * 1024;
-/// The reaper thread's stack: it calls `wait()` and `write()` and nothing else.
-const REAPER_STACK: usize = 64 * 1024;
 /// How long the supervisor waits for output after everything of the task was killed.
 const DRAIN_IDLE_MS: i64 = 100;
 
@@ -61,8 +60,8 @@ enum StartError {
         #[source]
         source: io::Error,
     },
-    #[error("starting the reaper thread")]
-    Reaper(#[source] io::Error),
+    #[error("watching for the task's exit (signalfd)")]
+    ChildSignals(#[source] io::Error),
 }
 
 impl StartError {
@@ -231,8 +230,8 @@ struct Running {
     task_start: u64,
     supervisor_start: u64,
     outputs: [Output; 2],
-    /// Receives the task's exit status from the reaper thread (8 bytes).
-    exited: OwnedFd,
+    /// Readable when a child exited (the task or an adopted orphan).
+    children: ChildSignals,
 }
 
 /// Reads the task's environment: `KEY=VALUE\0` entries, ended by an empty entry.
@@ -304,8 +303,8 @@ fn start(
     let stderr_log = open_output(args, Stream::Stderr)?;
     let (stdout_read, stdout_write) = nonblocking_pipe()?;
     let (stderr_read, stderr_write) = nonblocking_pipe()?;
-    let (exited_read, exited_write) =
-        pipe_with(PipeFlags::CLOEXEC).map_err(|e| StartError::Pipe(e.into()))?;
+    // Before the task exists, so that no exit of it goes unseen.
+    let children = ChildSignals::new().map_err(StartError::ChildSignals)?;
 
     let task_pid = spawn::spawn(TaskCommand {
         program: &args.command,
@@ -321,7 +320,7 @@ fn start(
         source,
     })?;
     let task_raw = task_pid.as_raw_nonzero().get().unsigned_abs();
-    // The task cannot be reaped before the reaper starts, so its stat is there.
+    // Nothing reaps the task before the poll loop, so its stat is there.
     let task_start = proc::start_time(task_raw).unwrap_or(0);
     let supervisor_start = proc::start_time(std::process::id()).unwrap_or(0);
     // Only for an agent that died before it learnt of this run; not fatal.
@@ -335,11 +334,6 @@ fn start(
             task_start,
         },
     );
-    std::thread::Builder::new()
-        .name("reaper".to_owned())
-        .stack_size(REAPER_STACK)
-        .spawn(move || reap(task_pid, exited_write))
-        .map_err(StartError::Reaper)?;
     Ok(Running {
         task_pid,
         task_start,
@@ -354,7 +348,7 @@ fn start(
                 rotator: stderr_log,
             },
         ],
-        exited: exited_read,
+        children,
     })
 }
 
@@ -374,25 +368,6 @@ fn exit_from(code: Option<i32>, signal: Option<i32>) -> ExitStatus {
             code: 0,
             signal: None,
         },
-    }
-}
-
-/// The reaper thread: reaps every child, and sends the task's exit status down `exited`.
-fn reap(task: Pid, exited: OwnedFd) {
-    loop {
-        match rustix::process::wait(WaitOptions::empty()) {
-            Ok(Some((pid, status))) if pid == task => {
-                let status = exit_status(status);
-                let mut message = [0u8; 8];
-                message[..4].copy_from_slice(&status.code.to_ne_bytes());
-                message[4..].copy_from_slice(&status.signal.unwrap_or(0).to_ne_bytes());
-                let _ = rustix::io::write(&exited, &message);
-            }
-            Ok(_) | Err(Errno::INTR) => {}
-            // ECHILD: no children left. Orphans adopted later are reaped by the main
-            // thread while it kills them.
-            Err(_) => return,
-        }
     }
 }
 
@@ -430,7 +405,7 @@ impl Running {
                 }
             }
             if watch_exit {
-                fds.push(PollFd::new(&self.exited, PollFlags::IN));
+                fds.push(PollFd::new(&self.children, PollFlags::IN));
                 slots.push(2);
             }
             if fds.is_empty() {
@@ -452,20 +427,25 @@ impl Running {
             }
         }
         if readable[2] {
-            let mut message = [0u8; 8];
-            if let Ok(8) = rustix::io::read(&self.exited, &mut message) {
-                let mut code = [0u8; 4];
-                let mut signal = [0u8; 4];
-                code.copy_from_slice(&message[..4]);
-                signal.copy_from_slice(&message[4..]);
-                let signal = i32::from_ne_bytes(signal);
-                exit = Some(ExitStatus {
-                    code: i32::from_ne_bytes(code),
-                    signal: (signal != 0).then_some(signal),
-                });
-            }
+            exit = self.reap_children();
         }
         (ready, exit)
+    }
+
+    /// Reaps every child that exited; the task's exit status if it was one of them.
+    fn reap_children(&self) -> Option<ExitStatus> {
+        self.children.clear();
+        let mut exit = None;
+        loop {
+            match rustix::process::wait(WaitOptions::NOHANG) {
+                Ok(Some((pid, status))) if pid == self.task_pid => {
+                    exit = Some(exit_status(status));
+                }
+                Ok(Some(_)) | Err(Errno::INTR) => {}
+                // None: children left, none exited; ECHILD: no children at all.
+                Ok(None) | Err(_) => return exit,
+            }
+        }
     }
 
     /// Runs until the task exits, then kills what it left and drains its output.

@@ -7,7 +7,7 @@
 //! and the supervisors share its pages.
 //!
 //! The server reaps the supervisors that exit while it runs: it blocks `SIGCHLD` and
-//! polls a `signalfd` beside the socket, so a start costs it one `fork()` and never a
+//! polls a `signalfd` beside the socket ([`crate::children`]), so a start costs it one `fork()` and never a
 //! wait. Reaping in this one process, rather than having the kernel reap each
 //! supervisor as it exits (`SIGCHLD` ignored), keeps hundreds of exits at once from
 //! contending on the kernel's process-table locks on every core (measured: a drain of
@@ -18,7 +18,7 @@
 use std::ffi::OsString;
 use std::io::{self, IoSliceMut};
 use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsFd, OwnedFd};
 use std::process::ExitCode;
 
 use rustix::event::{PollFd, PollFlags, poll};
@@ -27,68 +27,12 @@ use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFl
 use rustix::process::{Pid, WaitOptions};
 
 use crate::args::SupervisorArgs;
+use crate::children::ChildSignals;
 use crate::protocol::{self, Report};
 use crate::supervise;
 
 /// The largest request accepted; the agent's socket buffer bounds what it can send.
 const MAX_REQUEST: usize = 1 << 20;
-
-/// The set holding `SIGCHLD` alone.
-#[allow(unsafe_code)]
-fn child_signal_set() -> libc::sigset_t {
-    // SAFETY: a zeroed `sigset_t` is valid storage, and is initialised by `sigemptyset`.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGCHLD);
-        set
-    }
-}
-
-/// `SIGCHLD` as a descriptor: blocked, and read from a `signalfd`.
-struct ChildSignals {
-    fd: OwnedFd,
-}
-
-impl ChildSignals {
-    #[allow(unsafe_code)]
-    fn new() -> io::Result<ChildSignals> {
-        let set = child_signal_set();
-        // SAFETY: a mask call on an initialised set; the descriptor `signalfd` returns
-        // is owned from here on.
-        unsafe {
-            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-            let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
-            if fd == -1 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(ChildSignals {
-                fd: OwnedFd::from_raw_fd(fd),
-            })
-        }
-    }
-
-    /// Consumes the pending notifications and reaps every supervisor that exited.
-    fn reap(&self) {
-        let mut info = [0u8; 128]; // one `signalfd_siginfo`
-        while rustix::io::read(&self.fd, &mut info).is_ok_and(|n| n > 0) {}
-        while let Ok(Some(_)) = rustix::process::wait(WaitOptions::NOHANG) {}
-    }
-
-    /// In a forked supervisor: `SIGCHLD` unblocked again (its task inherits the mask),
-    /// and the server's descriptor closed.
-    #[allow(unsafe_code)]
-    fn leave(&self) {
-        let set = child_signal_set();
-        // SAFETY: a mask call on an initialised set; the descriptor is the server's copy
-        // in this forked child, which never returns to the server's loop, so nothing else
-        // closes or uses it.
-        unsafe {
-            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-            libc::close(self.fd.as_raw_fd());
-        }
-    }
-}
 
 /// Serves start requests on stdin until the agent closes it.
 pub(crate) fn serve() -> ExitCode {
@@ -106,7 +50,7 @@ pub(crate) fn serve() -> ExitCode {
             let stdin = rustix::stdio::stdin();
             let mut fds = [
                 PollFd::new(&stdin, PollFlags::IN),
-                PollFd::new(&children.fd, PollFlags::IN),
+                PollFd::new(&children, PollFlags::IN),
             ];
             match poll(&mut fds, None) {
                 Ok(_) => (!fds[0].revents().is_empty(), !fds[1].revents().is_empty()),
@@ -115,7 +59,9 @@ pub(crate) fn serve() -> ExitCode {
             }
         };
         if exited {
-            children.reap();
+            // Every supervisor that exited, reaped.
+            children.clear();
+            while let Ok(Some(_)) = rustix::process::wait(WaitOptions::NOHANG) {}
         }
         if !request {
             continue;

@@ -404,6 +404,62 @@ async fn a_start_cancelled_midway_leaves_no_process_behind() {
     .await;
 }
 
+/// A line of `/proc/<pid>/status`, such as `Threads` or `SigBlk`.
+fn status_line(pid: u32, key: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        (name == key).then(|| value.trim().to_owned())
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_task_starts_with_no_signal_blocked()
+ {
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    // The inner shell leaves a short sleep behind and exits: the sleep is orphaned, the
+    // supervisor (a subreaper) adopts it, and it exits while the task still runs.
+    let script = "sh -c 'sleep 0.3 & echo $! > local/orphan'; exec sleep 1000";
+    let handle = driver.start(shell("reaps", script)).await.expect("started");
+    let pid = handle.pid.expect("a pid");
+    let supervisor: u32 = stat_field(pid, 4)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent");
+    assert_eq!(
+        status_line(supervisor, "Threads").as_deref(),
+        Some("1"),
+        "the supervisor waits for its children without a second thread"
+    );
+    assert_eq!(
+        status_line(pid, "SigBlk").as_deref(),
+        Some("0000000000000000"),
+        "the task inherits no blocked signal from its supervisor"
+    );
+    let orphan_file = driver
+        .alloc_dirs()
+        .alloc(&alloc_id("reaps"))
+        .path()
+        .join("t/local/orphan");
+    let mut orphan = None;
+    eventually("the orphan's pid is written", || {
+        orphan = std::fs::read_to_string(&orphan_file)
+            .ok()
+            .and_then(|text| text.trim().parse::<u32>().ok());
+        orphan.is_some()
+    })
+    .await;
+    let orphan = orphan.expect("read");
+    // Reaped, not left a zombie: its /proc entry goes away while the task runs on.
+    eventually("the exited orphan is reaped", || {
+        !std::path::Path::new(&format!("/proc/{orphan}")).exists()
+    })
+    .await;
+    assert!(alive(pid), "the task runs on");
+    assert!(alive(supervisor), "the supervisor runs on");
+    stop(&driver, &handle).await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
     let data = DataDir::new();
