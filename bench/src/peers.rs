@@ -501,6 +501,12 @@ fn all_running(count: usize) -> impl FnMut(&HashMap<u32, Marked>) -> bool {
     }
 }
 
+/// Whether only cold start is measured (`STEAD_BENCH_COLD_ONLY` set): many quick
+/// rounds of the row that varies most, to compare two builds.
+fn cold_start_only() -> bool {
+    std::env::var_os("STEAD_BENCH_COLD_ONLY").is_some()
+}
+
 /// One round of every measurement for one manager.
 fn round(
     kind: Kind,
@@ -525,7 +531,7 @@ fn round(
             who,
             took.as_secs_f64(),
         );
-        if n != POOL {
+        if n != POOL || cold_start_only() {
             manager.shut_down(observer)?;
             continue;
         }
