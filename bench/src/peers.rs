@@ -862,6 +862,28 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
             ratio(by.get("stead"), by.get("pm2")),
         );
     }
+    // Each round's stead time over the floor measured just before it, in the same
+    // round: steadier than the ratio of medians when the machine's speed drifts.
+    let per_round: Vec<String> = results
+        .rows
+        .iter()
+        .filter_map(|(row, by)| {
+            let ratios: Vec<f64> = by
+                .get("stead")?
+                .iter()
+                .zip(by.get("floor")?)
+                .filter(|(_, floor)| **floor > 0.0)
+                .map(|(stead, floor)| stead / floor)
+                .collect();
+            (!ratios.is_empty()).then(|| format!("| {row} | {} |", cell(Some(&ratios))))
+        })
+        .collect();
+    if !per_round.is_empty() {
+        println!("\n| stead / floor, round by round | median (min-max) |\n|---|---|");
+        for line in per_round {
+            println!("{line}");
+        }
+    }
     println!();
     for note in &results.notes {
         println!("- {note}");
