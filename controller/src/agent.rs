@@ -308,6 +308,12 @@ fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File, AgentError> {
 /// `stead agent`: resolves the settings, sets up logging and runs the agent until
 /// SIGINT or SIGTERM.
 pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
+    // The recorder calibrates a clock by spinning for about half a millisecond, and the
+    // first task waits for it (no count may be lost): it starts now, on a thread of its
+    // own, while nothing else competes for the cores. `run` waits for this same install.
+    let _ = std::thread::Builder::new()
+        .name("stead-metrics".to_owned())
+        .spawn(|| drop(Metrics::install()));
     let settings = Settings::resolve(args)?;
     let format = match settings.log_format {
         Some(stead_schemas::config::LogFormat::Json) => LogFormat::Json,
@@ -459,7 +465,8 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             (watcher, listing, cache)
         })
     };
-    // The recorder is process-wide and slow to build (it calibrates a clock): in parallel.
+    // The recorder is process-wide and slow to build (it calibrates a clock): in parallel
+    // (`main` has started it already; this waits for that install).
     let metrics = tokio::task::spawn_blocking(Metrics::install);
     // A data dir without a database has nothing to restore: the database is created while
     // the first tasks start (see `store::opening`). Otherwise it is opened, and restored,
