@@ -7,10 +7,8 @@
 //! a fork of a small process is cheaper than an exec, and the copies share the server's
 //! pages. The supervisor
 //!
-//! 1. is out of the agent's session (forked: in the fork server's session, in a process
-//!    group of its own; executed directly: in a session of its own) and becomes a child
-//!    subreaper, so every process the task forks, daemonised grandchildren included,
-//!    stays below it;
+//! 1. leaves the agent's session and becomes a child subreaper, so every process the task
+//!    forks, daemonised grandchildren included, stays below it;
 //! 2. reads the task's environment from its stdin (never from its own environment: the
 //!    task's `LD_PRELOAD` must not load into a process that may run as root);
 //! 3. starts the task in its own session and process group, in its cwd (the task dir), as

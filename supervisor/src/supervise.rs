@@ -168,9 +168,6 @@ pub fn main() -> ExitCode {
         return crate::zygote::serve();
     }
     default_signal_dispositions();
-    // Executed by the agent, so in its session: out of it, so that the agent's terminal
-    // and process group signals (and its death) do not reach the supervisor.
-    let _ = rustix::process::setsid();
     let started = SupervisorArgs::parse(argv)
         .map_err(StartError::Args)
         .and_then(|args| Ok((read_environment()?, args)));
@@ -187,9 +184,11 @@ pub fn main() -> ExitCode {
 }
 
 /// Runs one supervisor to its end: starts the task, reports on stdout, supervises it,
-/// records its exit. Returns the supervisor's exit code. The caller has already left
-/// the agent's session.
+/// records its exit. Returns the supervisor's exit code.
 pub(crate) fn run(args: &SupervisorArgs, environment: Vec<(OsString, OsString)>) -> u8 {
+    // Out of the agent's session: the agent's terminal and process group signals (and
+    // its death) do not reach the supervisor.
+    let _ = rustix::process::setsid();
     let mut running = match start(args, environment) {
         Ok(running) => running,
         Err(error) => {

@@ -158,12 +158,5 @@ fn become_supervisor(
         std::process::exit(1);
     }
     drop(report);
-    // Already out of the agent's session (the server's own, which has no terminal); a
-    // process group of its own, so that no signal or hang-up aimed at the server's group
-    // reaches it: were the server's group orphaned (the server exiting with the agent)
-    // while one of its supervisors is stopped, the kernel would hang up every member.
-    // Not a session of its own: `setsid` also creates a scheduler autogroup, a cost on
-    // every start that a process group does not have.
-    let _ = rustix::process::setpgid(None, None);
     std::process::exit(i32::from(supervise::run(args, environment)))
 }

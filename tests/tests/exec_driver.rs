@@ -461,38 +461,6 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_supervisor_has_a_process_group_of_its_own_in_the_fork_servers_session() {
-    let data = DataDir::new();
-    let driver = exec_driver(data.path(), true);
-    let handle = driver
-        .start(shell("group", "exec sleep 1000"))
-        .await
-        .expect("started");
-    let pid = handle.pid.expect("a pid");
-    let supervisor: u32 = stat_field(pid, 4)
-        .and_then(|ppid| ppid.parse().ok())
-        .expect("a parent");
-    let server = driver.fork_server_pid().expect("the fork server runs");
-    assert_eq!(
-        stat_field(supervisor, 5),
-        Some(supervisor.to_string()),
-        "a process group of its own: nothing aimed at the server's group reaches it"
-    );
-    assert_eq!(
-        stat_field(supervisor, 6),
-        stat_field(server, 6),
-        "the fork server's session, not one of its own"
-    );
-    let ours = stat_field(std::process::id(), 6);
-    assert_ne!(
-        stat_field(supervisor, 6),
-        ours,
-        "out of the agent's session"
-    );
-    stop(&driver, &handle).await;
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
     let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
