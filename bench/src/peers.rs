@@ -826,11 +826,18 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         pm2_version(&tools.pm2),
         version(Path::new("node"), &["--version"])
     );
-    println!(
-        "Run: `stead-bench peers {rounds} {} {restarts}`: {rounds} rounds, {restarts} kills per round, idle {} s once  ",
-        idle.as_secs(),
-        idle.as_secs()
-    );
+    if cold_start_only() {
+        println!(
+            "Run: `STEAD_BENCH_COLD_ONLY=1 stead-bench peers {rounds} {} {restarts}`: {rounds} rounds of cold start only  ",
+            idle.as_secs()
+        );
+    } else {
+        println!(
+            "Run: `stead-bench peers {rounds} {} {restarts}`: {rounds} rounds, {restarts} kills per round, idle {} s once  ",
+            idle.as_secs(),
+            idle.as_secs()
+        );
+    }
     println!(
         "Observed by {}, the same for every manager and the floor\n",
         observer.method()
@@ -862,8 +869,8 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
             ratio(by.get("stead"), by.get("pm2")),
         );
     }
-    // Each round's stead time over the floor measured just before it, in the same
-    // round: steadier than the ratio of medians when the machine's speed drifts.
+    // Each round's stead time over the floor measured in the same round (before any
+    // manager): steadier than the ratio of medians when the machine's speed drifts.
     let per_round: Vec<String> = results
         .rows
         .iter()

@@ -308,9 +308,10 @@ fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File, AgentError> {
 /// `stead agent`: resolves the settings, sets up logging and runs the agent until
 /// SIGINT or SIGTERM.
 pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
-    // The recorder calibrates a clock by spinning for about half a millisecond, and the
-    // first task waits for it (no count may be lost): it starts now, on a thread of its
-    // own, while nothing else competes for the cores. `run` waits for this same install.
+    // The recorder calibrates a clock by spinning (about half a millisecond alone, longer
+    // when it competes for the cores), and the first task waits for it (no count may be
+    // lost): it starts now, on a thread of its own, while little else runs yet. `run`
+    // waits for this same install.
     let _ = std::thread::Builder::new()
         .name("stead-metrics".to_owned())
         .spawn(|| drop(Metrics::install()));

@@ -7,8 +7,8 @@
 //! and the supervisors share its pages.
 //!
 //! The server reaps the supervisors that exit while it runs: it blocks `SIGCHLD` and
-//! polls a `signalfd` beside the socket ([`crate::children`]), so a start costs it one `fork()` and never a
-//! wait. Reaping in this one process, rather than having the kernel reap each
+//! polls a `signalfd` beside the socket ([`crate::children`]), so a start costs it one
+//! `fork()` and never a wait. Reaping in this one process, rather than having the kernel reap each
 //! supervisor as it exits (`SIGCHLD` ignored), keeps hundreds of exits at once from
 //! contending on the kernel's process-table locks on every core (measured: a drain of
 //! 500 tasks took 2.5x as long that way). The server exits when the agent closes the

@@ -431,6 +431,12 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
         Some("1"),
         "the supervisor waits for its children without a second thread"
     );
+    // Read once the shell has become `sleep`: a shell blocks signals of its own while it
+    // starts and waits for a child.
+    eventually("the task has exec'ed sleep", || {
+        std::fs::read_to_string(format!("/proc/{pid}/comm")).is_ok_and(|c| c.trim() == "sleep")
+    })
+    .await;
     assert_eq!(
         status_line(pid, "SigBlk").as_deref(),
         Some("0000000000000000"),
