@@ -8,8 +8,8 @@ use std::collections::BTreeMap;
 use std::time::Duration;
 
 use exec_support::{
-    DataDir, alive, eventually, exec_driver, hog, processes_of_alloc, processes_under,
-    running_as_root, stat_field,
+    DataDir, alive, eventually, exec_driver, hog, processes_of_alloc, processes_under, read_pid,
+    running_as_root, stat_field, status_field,
 };
 use stead_controller::driver::exec::ExecDriver;
 use stead_controller::driver::{
@@ -404,15 +404,6 @@ async fn a_start_cancelled_midway_leaves_no_process_behind() {
     .await;
 }
 
-/// A line of `/proc/<pid>/status`, such as `Threads` or `SigBlk`.
-fn status_line(pid: u32, key: &str) -> Option<String> {
-    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
-    status.lines().find_map(|line| {
-        let (name, value) = line.split_once(':')?;
-        (name == key).then(|| value.trim().to_owned())
-    })
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_task_starts_with_no_signal_blocked()
  {
@@ -427,7 +418,7 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
         .and_then(|ppid| ppid.parse().ok())
         .expect("a parent");
     assert_eq!(
-        status_line(supervisor, "Threads").as_deref(),
+        status_field(supervisor, "Threads").as_deref(),
         Some("1"),
         "the supervisor waits for its children without a second thread"
     );
@@ -438,7 +429,7 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
     })
     .await;
     assert_eq!(
-        status_line(pid, "SigBlk").as_deref(),
+        status_field(pid, "SigBlk").as_deref(),
         Some("0000000000000000"),
         "the task inherits no blocked signal from its supervisor"
     );
@@ -447,15 +438,11 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
         .alloc(&alloc_id("reaps"))
         .path()
         .join("t/local/orphan");
-    let mut orphan = None;
     eventually("the orphan's pid is written", || {
-        orphan = std::fs::read_to_string(&orphan_file)
-            .ok()
-            .and_then(|text| text.trim().parse::<u32>().ok());
-        orphan.is_some()
+        read_pid(&orphan_file).is_some()
     })
     .await;
-    let orphan = orphan.expect("read");
+    let orphan = read_pid(&orphan_file).expect("written");
     // Reaped, not left a zombie: its /proc entry goes away while the task runs on.
     eventually("the exited orphan is reaped", || {
         !std::path::Path::new(&format!("/proc/{orphan}")).exists()

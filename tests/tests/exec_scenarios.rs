@@ -8,7 +8,8 @@ mod exec_support;
 use std::time::Duration;
 
 use exec_support::{
-    ExecNode, alive, alloc, eventually, processes_of_alloc, shell_alloc, start_time, stat_field,
+    ExecNode, alive, alloc, eventually, processes_of_alloc, read_pid, shell_alloc, start_time,
+    stat_field,
 };
 use stead_schemas::status::TaskEventStatus;
 
@@ -17,10 +18,6 @@ fn of_type<'a>(events: &'a [TaskEventStatus], event_type: &str) -> Vec<&'a TaskE
         .iter()
         .filter(|e| e.event_type == event_type)
         .collect()
-}
-
-fn read_pid(path: &std::path::Path) -> Option<u32> {
-    std::fs::read_to_string(path).ok()?.trim().parse().ok()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -233,6 +233,20 @@ pub fn stat_field(pid: u32, n: usize) -> Option<String> {
     rest.split_whitespace().nth(n - 3).map(str::to_owned)
 }
 
+/// A field of `/proc/<pid>/status`, such as `Threads` or `SigBlk`, trimmed.
+pub fn status_field(pid: u32, key: &str) -> Option<String> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    status.lines().find_map(|line| {
+        let (name, value) = line.split_once(':')?;
+        (name == key).then(|| value.trim().to_owned())
+    })
+}
+
+/// The pid a task wrote to `path`, once it has.
+pub fn read_pid(path: &Path) -> Option<u32> {
+    std::fs::read_to_string(path).ok()?.trim().parse().ok()
+}
+
 /// Whether `pid` is a live process (not a zombie).
 pub fn alive(pid: u32) -> bool {
     stat_field(pid, 3).is_some_and(|state| state != "Z")
