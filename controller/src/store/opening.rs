@@ -86,6 +86,9 @@ impl<S: Store> OpeningStore<S> {
                         Err(OpeningError::Open(error))
                     }
                 };
+                // Let go of the store before telling: whoever hears the outcome and drops
+                // its own handle has the database closed (its lock released).
+                drop(opener);
                 let _ = tx.send(outcome);
             })?;
         Ok((OpeningStore { shared }, rx))
