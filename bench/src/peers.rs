@@ -507,6 +507,22 @@ fn cold_start_only() -> bool {
     std::env::var_os("STEAD_BENCH_COLD_ONLY").is_some()
 }
 
+/// The cold start sizes measured: all of [`COLD`], or in cold-only mode those named by
+/// `STEAD_BENCH_COLD_SIZES` (comma-separated, say `10` to iterate on the smallest).
+fn cold_sizes() -> anyhow::Result<Vec<usize>> {
+    match std::env::var("STEAD_BENCH_COLD_SIZES") {
+        Ok(list) if cold_start_only() => list
+            .split(',')
+            .map(|size| {
+                size.trim()
+                    .parse()
+                    .with_context(|| format!("STEAD_BENCH_COLD_SIZES: not a count: {size:?}"))
+            })
+            .collect(),
+        _ => Ok(COLD.to_vec()),
+    }
+}
+
 /// One round of every measurement for one manager.
 fn round(
     kind: Kind,
@@ -519,7 +535,7 @@ fn round(
 ) -> anyhow::Result<()> {
     let dir = base.join(kind.name());
     let who = kind.name();
-    for n in COLD {
+    for n in cold_sizes()? {
         // Nothing of the floor's or an earlier manager's may count for this one.
         observer.until(now(), LIMIT, "earlier tasks gone", HashMap::is_empty)?;
         let tasks = (0..n).map(|i| sleep_task(tools, i, 1)).collect();
@@ -778,7 +794,7 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
 
     let mut results = Results::default();
     for round_index in 0..rounds {
-        for n in COLD {
+        for n in cold_sizes()? {
             observer.until(now(), LIMIT, "earlier tasks gone", HashMap::is_empty)?;
             let took = crate::bare_spawn_loop(
                 n,
