@@ -27,8 +27,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, IteratorMode,
-    LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, InfoLogger,
+    IteratorMode, LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
 };
 use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRecord};
 use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStateRecord};
@@ -138,6 +138,16 @@ impl std::fmt::Debug for RocksDbStore {
     }
 }
 
+/// Where RocksDB's messages go: its warnings and errors into the agent's log.
+fn rocksdb_message(level: LogLevel, message: &str) {
+    let message = message.trim_end();
+    match level {
+        LogLevel::Warn => tracing::warn!(source = "rocksdb", "{message}"),
+        LogLevel::Error | LogLevel::Fatal => tracing::error!(source = "rocksdb", "{message}"),
+        LogLevel::Debug | LogLevel::Info | LogLevel::Header => {}
+    }
+}
+
 impl RocksDbStore {
     /// Opens (creating when missing) the database in `path`.
     pub fn open(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
@@ -167,16 +177,24 @@ impl RocksDbStore {
         db_options.create_if_missing(true);
         db_options.create_missing_column_families(true);
         db_options.set_write_buffer_manager(&buffers);
-        // A node agent's state is small: bound the WAL, files, threads and RocksDB's log.
+        // A node agent's state is small: bound the WAL, files and threads.
         db_options.set_max_total_wal_size(4 << 20);
         db_options.set_max_open_files(64);
         db_options.set_max_background_jobs(2);
-        db_options.set_keep_log_file_num(2);
-        db_options.set_max_log_file_size(1 << 20);
         // The manifest of a store this small stays in kilobytes; RocksDB's default 4 MiB
         // preallocation costs real pages on tmpfs at every open.
         db_options.set_manifest_preallocation_size(64 << 10);
+        // RocksDB's own warnings and errors go to the agent's log, where an operator looks,
+        // not to a LOG file in the state dir. Below that, RocksDB writes out its whole
+        // configuration at every open (about 1,150 lines, 80 KB, each timestamped and
+        // written to the file): a large part of a new store's creation, on the cores the
+        // first tasks start on. Those lines reach the callback as INFO and are dropped; the
+        // OPTIONS file in the state dir holds the same configuration.
         db_options.set_log_level(LogLevel::Warn);
+        db_options.set_info_logger(InfoLogger::new_callback_logger(
+            LogLevel::Warn,
+            rocksdb_message,
+        ));
         db_options.set_stats_dump_period_sec(0);
         db_options.set_stats_persist_period_sec(0);
 
@@ -539,6 +557,76 @@ mod tests {
 
     fn open(dir: &Path) -> RocksDbStore {
         RocksDbStore::open(dir, RocksDbOptions::default()).expect("opens")
+    }
+
+    #[test]
+    fn rocksdb_writes_no_log_file_into_the_state_dir_and_keeps_its_options_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        store.put_alloc(&sample_record("web", 1)).expect("put");
+        drop(store);
+        // Reopened: RocksDB would roll a LOG file into LOG.old.* here.
+        drop(open(dir.path()));
+        let names: Vec<String> = std::fs::read_dir(dir.path())
+            .expect("lists")
+            .map(|entry| {
+                entry
+                    .expect("entry")
+                    .file_name()
+                    .to_string_lossy()
+                    .into_owned()
+            })
+            .collect();
+        assert!(
+            !names.iter().any(|name| name.starts_with("LOG")),
+            "no LOG file: {names:?}"
+        );
+        assert!(
+            names.iter().any(|name| name.starts_with("OPTIONS-")),
+            "the configuration is still on disk: {names:?}"
+        );
+    }
+
+    #[test]
+    fn rocksdb_warnings_and_errors_reach_the_agents_log_and_its_chatter_does_not() {
+        #[derive(Clone, Default)]
+        struct Captured(std::sync::Arc<Mutex<Vec<u8>>>);
+        impl std::io::Write for Captured {
+            fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().expect("lock").extend_from_slice(bytes);
+                Ok(bytes.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let captured = Captured::default();
+        let writer = captured.clone();
+        let subscriber = tracing_subscriber::fmt()
+            .with_writer(move || writer.clone())
+            .with_ansi(false)
+            .finish();
+        tracing::subscriber::with_default(subscriber, || {
+            rocksdb_message(LogLevel::Header, "Options.max_open_files: 64\n");
+            rocksdb_message(LogLevel::Info, "Options.max_open_files: 64\n");
+            rocksdb_message(LogLevel::Warn, "[WARN] a warning\n");
+            rocksdb_message(LogLevel::Error, "[ERROR] an error\n");
+        });
+        let text = String::from_utf8(captured.0.lock().expect("lock").clone()).expect("utf-8");
+        let lines: Vec<&str> = text.lines().collect();
+        assert_eq!(lines.len(), 2, "only the warning and the error: {text}");
+        assert!(
+            lines[0].contains("WARN") && lines[0].contains("a warning"),
+            "{text}"
+        );
+        assert!(
+            lines[1].contains("ERROR") && lines[1].contains("an error"),
+            "{text}"
+        );
+        assert!(
+            lines.iter().all(|line| line.contains("source=\"rocksdb\"")),
+            "{text}"
+        );
     }
 
     #[test]
