@@ -9,7 +9,6 @@ use stead_reconcilers::alloc::Limits;
 use stead_schemas::Timestamp;
 use stead_schemas::ValidSpec;
 use stead_schemas::config::{AgentConfig, ShutdownMode};
-use stead_schemas::spec::DriverKind;
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -411,6 +410,18 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             source,
         })?;
     let clock = Clock::system();
+    // The supervisors' fork server starts first thing, so that its own start (an exec
+    // and a dynamic load, a millisecond or more) overlaps everything the agent does
+    // before its first task start needs it, rather than following the first spec read.
+    let exec = settings.exec_driver.then(|| {
+        let config = ExecDriverConfig {
+            allow_root: settings.allow_root,
+            ..ExecDriverConfig::new(&data_dir)
+        };
+        let exec = Arc::new(ExecDriver::new(config, clock));
+        exec.prepare();
+        exec
+    });
     // Before any task starts: from then on SIGTERM and SIGINT must reach the shutdown
     // below, and a taken port must fail the agent before there is anything to stop.
     let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
@@ -420,13 +431,6 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));
     }
-    let exec = settings.exec_driver.then(|| {
-        let config = ExecDriverConfig {
-            allow_root: settings.allow_root,
-            ..ExecDriverConfig::new(&data_dir)
-        };
-        Arc::new(ExecDriver::new(config, clock))
-    });
     if let Some(exec) = &exec {
         drivers.push(exec.clone());
     }
@@ -448,20 +452,9 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             } else {
                 None
             };
-            let mut exec = exec;
             let mut cache = ListingCache::default();
             let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
-                // Exec tasks are coming: their fork server starts now.
-                let runs_exec = spec
-                    .spec
-                    .spec
-                    .tasks
-                    .iter()
-                    .any(|t| t.driver == DriverKind::Exec);
                 let _ = found_tx.send(spec.clone());
-                if runs_exec && let Some(exec) = exec.take() {
-                    exec.prepare();
-                }
             });
             (watcher, listing, cache)
         })
