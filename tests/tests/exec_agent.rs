@@ -1,5 +1,5 @@
-//! The exec driver through the real `stead agent` binary: what a task inherits from the
-//! way the agent was launched.
+//! The exec driver through the real `stead agent` binary: when its fork server starts,
+//! and what a task inherits from the way the agent was launched.
 
 mod agent_support;
 
@@ -61,4 +61,52 @@ fn a_task_of_an_agent_launched_with_sigint_and_sighup_ignored_ignores_nothing_an
     );
     agent.terminate();
     kill_all_with(&marker);
+}
+
+/// The agent's children whose command line is the fork server's.
+fn fork_servers_of(agent: u32) -> Vec<u32> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .flatten()
+        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
+        .filter(|pid| {
+            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
+            let parent = stat
+                .rsplit_once(") ")
+                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
+            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+            parent == Some(agent) && cmdline.split(|b| *b == 0).any(|arg| arg == b"--zygote")
+        })
+        .collect()
+}
+
+#[test]
+fn the_agent_starts_its_fork_server_before_any_spec_is_read_and_none_without_the_exec_driver() {
+    // No spec at all: the server starts with the agent, not with the first exec task.
+    let dirs = AgentDirs::new("");
+    let agent = dirs.start();
+    wait_for(
+        "the fork server runs",
+        Duration::from_secs(20),
+        || match fork_servers_of(agent.child.id()).as_slice() {
+            [_] => Ok(()),
+            other => Err(format!("fork servers {other:?}:\n{}", agent.log_text())),
+        },
+    );
+    assert!(agent.alloc_names().is_empty(), "nothing was declared");
+    let status = agent.terminate();
+    assert!(status.success(), "{status}");
+
+    let dirs = AgentDirs::new("drivers: {exec: {enabled: false}, mock: {enabled: true}}\n");
+    let agent = dirs.start();
+    assert_eq!(
+        fork_servers_of(agent.child.id()),
+        Vec::<u32>::new(),
+        "no exec driver, no fork server:\n{}",
+        agent.log_text()
+    );
+    let status = agent.terminate();
+    assert!(status.success(), "{status}");
 }
