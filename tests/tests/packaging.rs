@@ -1,6 +1,7 @@
 //! The packaging in `deploy/`: the manifests agree with each other and with the agent,
-//! the real agent speaks systemd's notification protocol, and the unit and the image
-//! pass their platforms' own checks where those tools run.
+//! the real agent speaks systemd's notification protocol, the unit and the image pass
+//! their platforms' own checks where those tools run, and the binary links its C++
+//! runtime statically where it can.
 
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
@@ -510,4 +511,47 @@ fn image_builds_where_a_docker_daemon_runs() {
             .expect("docker run runs");
         assert!(found.success(), "the image has {binary}");
     }
+}
+
+#[test]
+fn the_agent_links_the_cpp_runtime_statically_where_the_compiler_has_the_archive() {
+    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
+    let archive = std::process::Command::new(&compiler)
+        .arg("-print-file-name=libstdc++.a")
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+        .filter(|path| path.is_absolute() && path.is_file());
+    let Some(archive) = archive else {
+        eprintln!("skipped: {compiler} has no libstdc++.a, so the agent links the shared one");
+        return;
+    };
+    if std::env::var_os("STEAD_SHARED_LIBSTDCXX").is_some() {
+        eprintln!("skipped: STEAD_SHARED_LIBSTDCXX asks for the shared C++ runtime");
+        return;
+    }
+    let Ok(output) = std::process::Command::new("readelf")
+        .arg("--dynamic")
+        .arg(env!("CARGO_BIN_EXE_stead-test-agent"))
+        .output()
+    else {
+        eprintln!("skipped: no readelf to list the agent's shared libraries");
+        return;
+    };
+    let dynamic = String::from_utf8_lossy(&output.stdout);
+    assert!(output.status.success(), "readelf: {dynamic}");
+    let needed: Vec<&str> = dynamic
+        .lines()
+        .filter(|line| line.contains("(NEEDED)"))
+        .collect();
+    assert!(
+        needed.iter().any(|line| line.contains("libc.so")),
+        "the listing is the agent's: {needed:?}"
+    );
+    assert!(
+        !needed.iter().any(|line| line.contains("libstdc++")),
+        "expected {} linked in place of the shared library: {needed:?}",
+        archive.display()
+    );
 }
