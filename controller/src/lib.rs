@@ -19,3 +19,6 @@ pub mod source;
 pub mod spec_files;
 pub mod store;
 pub mod watch;
+
+/// Whether this build links the C++ runtime RocksDB needs statically (`build.rs`).
+pub const STATIC_CPP_RUNTIME: bool = cfg!(stead_static_libstdcxx);

@@ -515,20 +515,8 @@ fn image_builds_where_a_docker_daemon_runs() {
 
 #[test]
 fn the_agent_links_the_cpp_runtime_statically_where_the_compiler_has_the_archive() {
-    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
-    let archive = std::process::Command::new(&compiler)
-        .arg("-print-file-name=libstdc++.a")
-        .output()
-        .ok()
-        .filter(|output| output.status.success())
-        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
-        .filter(|path| path.is_absolute() && path.is_file());
-    let Some(archive) = archive else {
-        eprintln!("skipped: {compiler} has no libstdc++.a, so the agent links the shared one");
-        return;
-    };
-    if std::env::var_os("STEAD_SHARED_LIBSTDCXX").is_some() {
-        eprintln!("skipped: STEAD_SHARED_LIBSTDCXX asks for the shared C++ runtime");
+    if !cfg!(all(target_os = "linux", target_env = "gnu")) {
+        eprintln!("skipped: the C++ runtime is linked statically on GNU/Linux only");
         return;
     }
     let Ok(output) = std::process::Command::new("readelf")
@@ -549,9 +537,30 @@ fn the_agent_links_the_cpp_runtime_statically_where_the_compiler_has_the_archive
         needed.iter().any(|line| line.contains("libc.so")),
         "the listing is the agent's: {needed:?}"
     );
-    assert!(
-        !needed.iter().any(|line| line.contains("libstdc++")),
-        "expected {} linked in place of the shared library: {needed:?}",
-        archive.display()
+    // The binary is what the build script decided.
+    assert_eq!(
+        needed.iter().any(|line| line.contains("libstdc++")),
+        !stead_controller::STATIC_CPP_RUNTIME,
+        "shared libraries {needed:?}"
     );
+    // And where nothing asks otherwise and the compiler has the archive, it decided so.
+    let opted_out = std::env::var_os("STEAD_SHARED_LIBSTDCXX").is_some()
+        || (std::env::var_os("ROCKSDB_LIB_DIR").is_some()
+            && std::env::var_os("ROCKSDB_STATIC").is_none());
+    let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
+    let archive = std::process::Command::new(&compiler)
+        .arg("-print-file-name=libstdc++.a")
+        .output()
+        .ok()
+        .filter(|output| output.status.success())
+        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+        .filter(|path| path.is_absolute() && path.is_file());
+    match archive {
+        Some(archive) if !opted_out && !stead_controller::STATIC_CPP_RUNTIME => panic!(
+            "{} is there, yet the shared C++ runtime is linked",
+            archive.display()
+        ),
+        Some(_) if !opted_out => {}
+        _ => eprintln!("{compiler} has no libstdc++.a, or the build was asked for the shared one"),
+    }
 }
