@@ -410,9 +410,10 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             source,
         })?;
     let clock = Clock::system();
-    // The supervisors' fork server starts first thing, so that its own start (an exec
-    // and a dynamic load, a millisecond or more) overlaps everything the agent does
-    // before its first task start needs it, rather than following the first spec read.
+    // The supervisors' fork server starts first thing, so that its own start (its
+    // dynamic load and set-up, a millisecond or more, once the spawn here returns from
+    // its exec) overlaps everything the agent does before its first task start needs
+    // it, rather than following the first spec read.
     let exec = settings.exec_driver.then(|| {
         let config = ExecDriverConfig {
             allow_root: settings.allow_root,

@@ -1,8 +1,8 @@
 //! The agent's end of the supervisors' fork server (`stead-supervisor --zygote`).
 //!
 //! The server is started on the first task start, or earlier when asked
-//! ([`Zygote::prepare`]; the agent asks as it starts), and lives as long as the driver: it exits when the
-//! driver drops its end of the socket. A start request is one `SOCK_SEQPACKET` message
+//! ([`Zygote::prepare`]; the agent asks as it starts), and lives as long as the driver:
+//! it exits when the driver drops its end of the socket. A start request is one `SOCK_SEQPACKET` message
 //! carrying the supervisor's arguments, the task's environment and the write end of a
 //! fresh pipe, on which the forked supervisor reports.
 
