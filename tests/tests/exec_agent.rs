@@ -48,17 +48,17 @@ fn a_task_of_an_agent_launched_with_sigint_and_sighup_ignored_ignores_nothing_an
             }
         },
     );
-    let status = agent.status("trap").expect("the alloc is known");
-    let terminated = status.tasks["main"]
-        .events
-        .iter()
-        .find(|e| e.event_type == "Terminated")
-        .cloned();
-    assert_eq!(
-        terminated.and_then(|e| e.exit_code),
-        Some(130),
-        "{status:#?}"
-    );
+    // The process is gone before the agent has read its supervisor's exit report.
+    let terminated = wait_for("the task's exit recorded", Duration::from_secs(10), || {
+        let status = agent.status("trap");
+        status
+            .as_ref()
+            .and_then(|s| s.tasks.get("main"))
+            .and_then(|t| t.events.iter().find(|e| e.event_type == "Terminated"))
+            .cloned()
+            .ok_or_else(|| format!("{status:#?}"))
+    });
+    assert_eq!(terminated.exit_code, Some(130), "{terminated:#?}");
     agent.terminate();
     kill_all_with(&marker);
 }
