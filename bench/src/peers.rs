@@ -513,10 +513,9 @@ fn cold_sizes() -> anyhow::Result<Vec<usize>> {
     match std::env::var("STEAD_BENCH_COLD_SIZES") {
         Ok(list) if cold_start_only() => list
             .split(',')
-            .map(|size| {
-                size.trim()
-                    .parse()
-                    .with_context(|| format!("STEAD_BENCH_COLD_SIZES: not a count: {size:?}"))
+            .map(|size| match size.trim().parse() {
+                Ok(count) if count > 0 => Ok(count),
+                _ => bail!("STEAD_BENCH_COLD_SIZES: not a task count: {size:?}"),
             })
             .collect(),
         _ => Ok(COLD.to_vec()),
@@ -848,8 +847,9 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
     );
     if cold_start_only() {
         println!(
-            "Run: `STEAD_BENCH_COLD_ONLY=1 stead-bench peers {rounds} {} {restarts}`: {rounds} rounds of cold start only  ",
-            idle.as_secs()
+            "Run: `STEAD_BENCH_COLD_ONLY=1 stead-bench peers {rounds} {} {restarts}`: {rounds} rounds of cold start only, of {:?} tasks  ",
+            idle.as_secs(),
+            cold_sizes()?
         );
     } else {
         println!(
