@@ -5,7 +5,7 @@ mod agent_support;
 
 use std::time::Duration;
 
-use agent_support::{AgentDirs, kill_all_with, processes_with, wait_for};
+use agent_support::{AgentDirs, kill_all_with, parent_of, processes_with, wait_for};
 
 /// The `SigIgn` mask of `pid`, from `/proc/<pid>/status`.
 fn ignored_signals(pid: u32) -> Option<u64> {
@@ -65,20 +65,9 @@ fn a_task_of_an_agent_launched_with_sigint_and_sighup_ignored_ignores_nothing_an
 
 /// The agent's children whose command line is the fork server's.
 fn fork_servers_of(agent: u32) -> Vec<u32> {
-    let Ok(entries) = std::fs::read_dir("/proc") else {
-        return Vec::new();
-    };
-    entries
-        .flatten()
-        .filter_map(|entry| entry.file_name().to_str()?.parse::<u32>().ok())
-        .filter(|pid| {
-            let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).unwrap_or_default();
-            let parent = stat
-                .rsplit_once(") ")
-                .and_then(|(_, rest)| rest.split_whitespace().nth(1)?.parse::<u32>().ok());
-            let cmdline = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-            parent == Some(agent) && cmdline.split(|b| *b == 0).any(|arg| arg == b"--zygote")
-        })
+    processes_with("--zygote")
+        .into_iter()
+        .filter(|pid| parent_of(*pid) == Some(agent))
         .collect()
 }
 

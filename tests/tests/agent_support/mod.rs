@@ -304,12 +304,22 @@ pub fn processes_with(marker: &str) -> Vec<u32> {
     pids
 }
 
+/// Field `n` (1-based, as in proc(5), from 3 on) of `/proc/<pid>/stat`.
+fn stat_field(pid: u32, n: usize) -> Option<String> {
+    let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
+    let (_, rest) = stat.rsplit_once(") ")?;
+    rest.split_whitespace()
+        .nth(n.checked_sub(3)?)
+        .map(str::to_owned)
+}
+
 fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat")).is_ok_and(|stat| {
-        stat.rsplit_once(") ")
-            .and_then(|(_, rest)| rest.split_whitespace().next())
-            == Some("Z")
-    })
+    stat_field(pid, 3).as_deref() == Some("Z")
+}
+
+/// The parent of process `pid`, while it exists.
+pub fn parent_of(pid: u32) -> Option<u32> {
+    stat_field(pid, 4)?.parse().ok()
 }
 
 /// Kills every process whose command line contains `marker` (test clean-up).
