@@ -4,7 +4,7 @@
 CARGO ?= cargo
 SPECS ?= deploy/examples
 
-.PHONY: run test deps fmt-check clippy unit bench soak fuzz
+.PHONY: run test deps fmt-check clippy unit release bench soak fuzz
 
 # The same build as `make test` (every target of the workspace), so the two share one
 # compile of RocksDB's C++; a narrower selection unifies features differently and
@@ -30,9 +30,15 @@ clippy:
 unit:
 	scripts/cargo-test-summary.sh --locked --workspace
 
-# Benchmarks (release build; figures, not pass/fail). ALLOCS and IDLE_SECONDS scale the core one;
-# PEER_ROUNDS, PEER_IDLE_SECONDS and PEER_RESTARTS the one against supervisord and pm2, which
-# scripts/install-bench-deps.sh installs when missing. The peer report lands in target/bench-peers.md.
+# The shipped binaries, `stead` and its supervisor (static-pie on GNU/Linux), in one
+# directory: target/dist.
+release: deps
+	CARGO=$(CARGO) scripts/build-release.sh target/dist
+
+# Benchmarks (the release binaries, in target/dist; figures, not pass/fail). ALLOCS and
+# IDLE_SECONDS scale the core one; PEER_ROUNDS, PEER_IDLE_SECONDS and PEER_RESTARTS the
+# one against supervisord and pm2, which scripts/install-bench-deps.sh installs when
+# missing. The peer report lands in target/bench-peers.md.
 ALLOCS ?= 10000
 IDLE_SECONDS ?= 10
 PEER_ROUNDS ?= 3
@@ -40,13 +46,13 @@ PEER_IDLE_SECONDS ?= 60
 PEER_RESTARTS ?= 10
 bench: deps
 	@scripts/install-bench-deps.sh
-	$(CARGO) build --locked --release -p stead-bench -p stead-supervisor -p stead-controller
-	target/release/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
-	target/release/stead-bench exec 500
-	target/release/stead-bench store 1000 10 3
-	target/release/stead-bench devices 1000 64 201
+	CARGO=$(CARGO) scripts/build-release.sh target/dist stead-controller stead-supervisor stead-bench
+	target/dist/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
+	target/dist/stead-bench exec 500
+	target/dist/stead-bench store 1000 10 3
+	target/dist/stead-bench devices 1000 64 201
 	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
-	  target/release/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
+	  target/dist/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
 
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.

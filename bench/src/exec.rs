@@ -9,8 +9,8 @@
 //! CPU each start costs the agent, the supervisor and the task; and the latency from
 //! `kill -9` of a task with restart delay 0 until its new process runs (p50, p90).
 //!
-//! It needs `stead-supervisor` next to `stead-bench` (`cargo build --release -p
-//! stead-supervisor -p stead-bench`) or its path in `STEAD_SUPERVISOR`.
+//! It needs `stead-supervisor` next to `stead-bench` (`scripts/build-release.sh
+//! target/dist stead-supervisor stead-bench`) or its path in `STEAD_SUPERVISOR`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -215,7 +215,7 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         .unwrap_or_else(default_supervisor_path);
     if !supervisor.is_file() {
         bail!(
-            "no supervisor at {}; build it (`cargo build --release -p stead-supervisor`) or set STEAD_SUPERVISOR",
+            "no supervisor at {}; build it (`scripts/build-release.sh target/dist stead-supervisor stead-bench`) or set STEAD_SUPERVISOR",
             supervisor.display()
         );
     }

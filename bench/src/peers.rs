@@ -756,7 +756,7 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
     // The agent's exec driver finds its supervisor next to the agent.
     if !stead.is_file() || !stead.with_file_name("stead-supervisor").is_file() {
         bail!(
-            "no stead and stead-supervisor at {}; `cargo build --release -p stead-controller -p stead-supervisor -p stead-bench`, or set STEAD_BIN",
+            "no stead and stead-supervisor at {}; `scripts/build-release.sh target/dist stead-controller stead-supervisor stead-bench`, or set STEAD_BIN",
             stead.display()
         );
     }

@@ -99,3 +99,109 @@ fn the_agent_starts_its_fork_server_before_any_spec_is_read_and_none_without_the
     let status = agent.terminate();
     assert!(status.success(), "{status}");
 }
+
+/// Whether the ELF file at `path` names a program interpreter (`PT_INTERP`): every
+/// dynamically linked executable does, a static one does not.
+fn names_an_interpreter(path: &std::path::Path) -> bool {
+    let elf = std::fs::read(path).expect("the binary reads");
+    assert_eq!(elf.get(..4), Some(&b"\x7fELF"[..]), "an ELF file");
+    assert_eq!(elf[4], 2, "a 64-bit ELF file");
+    let u16_at = |at: usize| usize::from(u16::from_le_bytes([elf[at], elf[at + 1]]));
+    let phoff = usize::try_from(u64::from_le_bytes(
+        elf[0x20..0x28].try_into().expect("8 bytes"),
+    ))
+    .expect("an offset");
+    let (size, count) = (u16_at(0x36), u16_at(0x38));
+    const PT_INTERP: u32 = 3;
+    (0..count).any(|index| {
+        let at = phoff + index * size;
+        u32::from_le_bytes(elf[at..at + 4].try_into().expect("4 bytes")) == PT_INTERP
+    })
+}
+
+#[test]
+fn the_release_script_links_the_supervisor_static_and_it_runs_and_stops_a_task() {
+    if !cfg!(all(
+        target_os = "linux",
+        target_env = "gnu",
+        target_endian = "little"
+    )) {
+        eprintln!("skipped: the supervisor is linked static on GNU/Linux only");
+        return;
+    }
+    let libc_archive = std::process::Command::new("cc")
+        .arg("-print-file-name=libc.a")
+        .output()
+        .ok()
+        .map(|output| std::path::PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
+        .filter(|path| path.is_absolute() && path.is_file());
+    if libc_archive.is_none() {
+        eprintln!("skipped: the C compiler has no libc.a (libc6-dev) to link against");
+        return;
+    }
+    // The script's own build, in the dev profile and a target dir of its own (this test
+    // run holds the workspace's), warm after its first run.
+    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| stead_tests::workspace_dir().join("target"))
+        .join("static-supervisor");
+    let out = tempfile::tempdir().expect("temp dir");
+    let built =
+        std::process::Command::new(stead_tests::workspace_dir().join("scripts/build-release.sh"))
+            .arg(out.path())
+            .arg("stead-supervisor")
+            .env("STEAD_BUILD_PROFILE", "dev")
+            .env("CARGO_TARGET_DIR", &target_dir)
+            .env("CARGO", env!("CARGO"))
+            .env("CARGO_NET_OFFLINE", "true")
+            .output()
+            .expect("the script runs");
+    assert!(
+        built.status.success(),
+        "scripts/build-release.sh: {}\n{}",
+        built.status,
+        String::from_utf8_lossy(&built.stderr)
+    );
+    let supervisor = out.path().join("stead-supervisor");
+    assert!(
+        !names_an_interpreter(&supervisor),
+        "{} is dynamically linked",
+        supervisor.display()
+    );
+    assert!(
+        names_an_interpreter(&agent_support::supervisor_binary()),
+        "the check tells a dynamic binary"
+    );
+
+    let dirs = AgentDirs::new("");
+    let marker = format!("stead-static-{}", std::process::id());
+    dirs.write_spec("svc", &agent_support::service_spec("svc", &marker));
+    let agent = dirs.start_supervised_by(&supervisor);
+    let task = wait_for("the task runs", Duration::from_secs(20), || {
+        processes_with(&marker)
+            .first()
+            .copied()
+            .ok_or_else(|| agent.log_text())
+    });
+    let parent = parent_of(task).expect("the task has a parent");
+    assert_eq!(
+        std::fs::read_link(format!("/proc/{parent}/exe")).expect("the parent's executable"),
+        supervisor,
+        "the static supervisor is the task's parent"
+    );
+
+    dirs.remove_spec("svc");
+    let terminated = wait_for("the task's exit recorded", Duration::from_secs(20), || {
+        let status = agent.status("svc");
+        status
+            .as_ref()
+            .and_then(|s| s.tasks.get("main"))
+            .and_then(|t| t.events.iter().find(|e| e.event_type == "Terminated"))
+            .cloned()
+            .ok_or_else(|| format!("{status:#?}"))
+    });
+    assert!(processes_with(&marker).is_empty(), "{terminated:#?}");
+    let status = agent.terminate();
+    assert!(status.success(), "{status}");
+    kill_all_with(&marker);
+}

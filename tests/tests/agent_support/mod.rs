@@ -87,7 +87,13 @@ impl AgentDirs {
 
     /// Starts the agent and waits until its API answers.
     pub fn start(&self) -> Agent {
-        self.start_with(Command::new(agent_binary()))
+        self.start_with(Command::new(agent_binary()), &supervisor_binary())
+    }
+
+    /// Starts the agent with `supervisor` as its exec driver's supervisor and waits
+    /// until its API answers.
+    pub fn start_supervised_by(&self, supervisor: &Path) -> Agent {
+        self.start_with(Command::new(agent_binary()), supervisor)
     }
 
     /// Starts the agent with `signals` (shell names: `INT HUP`) ignored, as a script's
@@ -98,18 +104,18 @@ impl AgentDirs {
             .arg("-c")
             .arg(format!("trap '' {signals}; exec \"$0\" \"$@\""))
             .arg(agent_binary());
-        self.start_with(shell)
+        self.start_with(shell, &supervisor_binary())
     }
 
     /// Starts the agent without waiting for anything.
     pub fn launch(&self) -> Agent {
-        self.launch_with(Command::new(agent_binary()))
+        self.launch_with(Command::new(agent_binary()), &supervisor_binary())
     }
 
     /// Starts the agent through `command` (the binary, or a launcher that executes it,
     /// which then receives the agent's arguments) and waits until its API answers.
-    fn start_with(&self, command: Command) -> Agent {
-        let mut agent = self.launch_with(command);
+    fn start_with(&self, command: Command, supervisor: &Path) -> Agent {
+        let mut agent = self.launch_with(command, supervisor);
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if agent.try_get("/v1/health").is_some() {
@@ -127,7 +133,7 @@ impl AgentDirs {
         }
     }
 
-    fn launch_with(&self, mut command: Command) -> Agent {
+    fn launch_with(&self, mut command: Command, supervisor: &Path) -> Agent {
         let log = std::fs::OpenOptions::new()
             .create(true)
             .append(true)
@@ -136,7 +142,7 @@ impl AgentDirs {
         let child = command
             .args(["agent", "--config"])
             .arg(&self.config)
-            .env("STEAD_SUPERVISOR", supervisor_binary())
+            .env("STEAD_SUPERVISOR", supervisor)
             .env("RUST_LOG", "info")
             .stdin(Stdio::null())
             .stdout(log.try_clone().expect("log handle"))
