@@ -33,7 +33,7 @@ unit:
 # The shipped binaries, `stead` and its supervisor (static-pie on GNU/Linux), in one
 # directory: target/dist.
 release: deps
-	CARGO=$(CARGO) scripts/build-release.sh target/dist
+	CARGO="$(CARGO)" scripts/build-release.sh target/dist
 
 # Benchmarks (the release binaries, in target/dist; figures, not pass/fail). ALLOCS and
 # IDLE_SECONDS scale the core one; PEER_ROUNDS, PEER_IDLE_SECONDS and PEER_RESTARTS the
@@ -46,7 +46,7 @@ PEER_IDLE_SECONDS ?= 60
 PEER_RESTARTS ?= 10
 bench: deps
 	@scripts/install-bench-deps.sh
-	CARGO=$(CARGO) scripts/build-release.sh target/dist stead-controller stead-supervisor stead-bench
+	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-controller stead-supervisor stead-bench
 	target/dist/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 	target/dist/stead-bench exec 500
 	target/dist/stead-bench store 1000 10 3

@@ -118,7 +118,7 @@ fn agent_idle(allocs: usize, idle: Duration) -> anyhow::Result<(u64, u64, u64)> 
     let stead = exe.with_file_name("stead");
     if !stead.is_file() {
         bail!(
-            "{} is missing: build it with `cargo build --release -p stead-controller`",
+            "{} is missing: build it with `scripts/build-release.sh target/dist stead-controller stead-bench`",
             stead.display()
         );
     }

@@ -100,23 +100,55 @@ fn the_agent_starts_its_fork_server_before_any_spec_is_read_and_none_without_the
     assert!(status.success(), "{status}");
 }
 
-/// Whether the ELF file at `path` names a program interpreter (`PT_INTERP`): every
-/// dynamically linked executable does, a static one does not.
-fn names_an_interpreter(path: &std::path::Path) -> bool {
+/// What the program headers of the 64-bit little-endian ELF executable at `path` say:
+/// whether it is position-independent (`ET_DYN`) and whether it names a program
+/// interpreter (`PT_INTERP`), which every dynamically linked executable does.
+fn elf_kind(path: &std::path::Path) -> (bool, bool) {
     let elf = std::fs::read(path).expect("the binary reads");
-    assert_eq!(elf.get(..4), Some(&b"\x7fELF"[..]), "an ELF file");
-    assert_eq!(elf[4], 2, "a 64-bit ELF file");
-    let u16_at = |at: usize| usize::from(u16::from_le_bytes([elf[at], elf[at + 1]]));
-    let phoff = usize::try_from(u64::from_le_bytes(
-        elf[0x20..0x28].try_into().expect("8 bytes"),
-    ))
-    .expect("an offset");
+    let field = |at: usize, len: usize| -> &[u8] {
+        at.checked_add(len)
+            .and_then(|end| elf.get(at..end))
+            .unwrap_or_else(|| panic!("{} is a truncated ELF file", path.display()))
+    };
+    assert_eq!(field(0, 4), b"\x7fELF", "{} is an ELF file", path.display());
+    assert_eq!(field(4, 2), [2, 1], "a 64-bit little-endian ELF file");
+    let u16_at = |at: usize| usize::from(u16::from_le_bytes([field(at, 2)[0], field(at, 2)[1]]));
+    let phoff = u64::from_le_bytes(field(0x20, 8).try_into().expect("8 bytes"));
+    let phoff = usize::try_from(phoff).expect("an offset");
     let (size, count) = (u16_at(0x36), u16_at(0x38));
+    const ET_DYN: usize = 3;
     const PT_INTERP: u32 = 3;
-    (0..count).any(|index| {
-        let at = phoff + index * size;
-        u32::from_le_bytes(elf[at..at + 4].try_into().expect("4 bytes")) == PT_INTERP
-    })
+    let interpreter = (0..count).any(|index| {
+        let at = index
+            .checked_mul(size)
+            .and_then(|offset| offset.checked_add(phoff))
+            .expect("a program header offset");
+        u32::from_le_bytes(field(at, 4).try_into().expect("4 bytes")) == PT_INTERP
+    });
+    (u16_at(0x10) == ET_DYN, interpreter)
+}
+
+/// The global and weak symbols `path` defines, from `nm`, or `None` without it.
+fn defined_symbols(path: &std::path::Path) -> Option<Vec<String>> {
+    let output = std::process::Command::new("nm")
+        .arg("--defined-only")
+        .arg(path)
+        .output()
+        .ok()
+        .filter(|output| output.status.success())?;
+    Some(
+        String::from_utf8_lossy(&output.stdout)
+            .lines()
+            .filter_map(
+                |line| match line.split_whitespace().collect::<Vec<_>>()[..] {
+                    [_, kind, name] if kind.chars().all(|c| c.is_ascii_uppercase()) => {
+                        Some(name.to_owned())
+                    }
+                    _ => None,
+                },
+            )
+            .collect(),
+    )
 }
 
 #[test]
@@ -124,9 +156,10 @@ fn the_release_script_links_the_supervisor_static_and_it_runs_and_stops_a_task()
     if !cfg!(all(
         target_os = "linux",
         target_env = "gnu",
+        target_pointer_width = "64",
         target_endian = "little"
     )) {
-        eprintln!("skipped: the supervisor is linked static on GNU/Linux only");
+        eprintln!("skipped: the supervisor is linked static on 64-bit GNU/Linux here");
         return;
     }
     let libc_archive = std::process::Command::new("cc")
@@ -140,20 +173,27 @@ fn the_release_script_links_the_supervisor_static_and_it_runs_and_stops_a_task()
         return;
     }
     // The script's own build, in the dev profile and a target dir of its own (this test
-    // run holds the workspace's), warm after its first run.
-    let target_dir = std::env::var_os("CARGO_TARGET_DIR")
-        .map(std::path::PathBuf::from)
-        .unwrap_or_else(|| stead_tests::workspace_dir().join("target"))
-        .join("static-supervisor");
+    // run holds the workspace's), warm after its first run; nothing of the outer build's
+    // settings, which could move its output or link it otherwise, reaches it.
+    let target_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("static-supervisor");
     let out = tempfile::tempdir().expect("temp dir");
     let built =
         std::process::Command::new(stead_tests::workspace_dir().join("scripts/build-release.sh"))
             .arg(out.path())
             .arg("stead-supervisor")
             .env("STEAD_BUILD_PROFILE", "dev")
+            .env("STEAD_REQUIRE_STATIC", "1")
             .env("CARGO_TARGET_DIR", &target_dir)
-            .env("CARGO", env!("CARGO"))
+            .env(
+                "CARGO",
+                std::env::var_os("CARGO").unwrap_or_else(|| env!("CARGO").into()),
+            )
             .env("CARGO_NET_OFFLINE", "true")
+            .env("CARGO_BUILD_JOBS", "1")
+            .env_remove("CC")
+            .env_remove("RUSTC")
+            .env_remove("CARGO_BUILD_TARGET")
+            .env_remove("CARGO_BUILD_TARGET_DIR")
             .output()
             .expect("the script runs");
     assert!(
@@ -162,16 +202,53 @@ fn the_release_script_links_the_supervisor_static_and_it_runs_and_stops_a_task()
         built.status,
         String::from_utf8_lossy(&built.stderr)
     );
-    let supervisor = out.path().join("stead-supervisor");
-    assert!(
-        !names_an_interpreter(&supervisor),
-        "{} is dynamically linked",
+    let supervisor = out
+        .path()
+        .join("stead-supervisor")
+        .canonicalize()
+        .expect("the script installed the supervisor");
+    assert_eq!(
+        elf_kind(&supervisor),
+        (true, false),
+        "{} is a static-pie executable (position-independent, no interpreter)",
         supervisor.display()
     );
-    assert!(
-        names_an_interpreter(&agent_support::supervisor_binary()),
-        "the check tells a dynamic binary"
+    assert_eq!(
+        elf_kind(&agent_support::supervisor_binary()),
+        (true, true),
+        "the check tells a dynamically linked executable"
     );
+    // The lookups that go through NSS, which a static binary cannot load reliably.
+    const LOOKUPS: [&str; 13] = [
+        "getaddrinfo",
+        "gethostbyname",
+        "gethostbyname_r",
+        "getpwnam",
+        "getpwnam_r",
+        "getpwuid",
+        "getpwuid_r",
+        "getgrnam",
+        "getgrnam_r",
+        "getgrgid",
+        "getgrgid_r",
+        "getgrouplist",
+        "initgroups",
+    ];
+    match defined_symbols(&supervisor) {
+        Some(symbols) => {
+            assert!(
+                symbols.iter().any(|name| name == "main"),
+                "nm lists {}",
+                supervisor.display()
+            );
+            let lookups: Vec<&String> = symbols
+                .iter()
+                .filter(|name| LOOKUPS.contains(&name.as_str()))
+                .collect();
+            assert!(lookups.is_empty(), "NSS lookups linked in: {lookups:?}");
+        }
+        None => eprintln!("no nm: the supervisor's symbols were not checked"),
+    }
 
     let dirs = AgentDirs::new("");
     let marker = format!("stead-static-{}", std::process::id());
