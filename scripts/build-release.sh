@@ -47,7 +47,7 @@ if [[ " ${packages[*]} " == *" stead-supervisor "* ]]; then
     static=true
   else
     case $host in
-      *-linux-gnu*) reason="$("${cc[@]}" -dumpmachine 2>/dev/null || echo "${cc[*]}") has no libc.a (libc6-dev)" ;;
+      *-linux-gnu*) reason="${cc[*]} finds no libc.a (Debian: libc6-dev)" ;;
       *) reason="static linking against glibc applies to GNU/Linux hosts, not $host" ;;
     esac
     if [ "${STEAD_REQUIRE_STATIC:-}" = 1 ]; then
