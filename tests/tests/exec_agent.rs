@@ -49,15 +49,7 @@ fn a_task_of_an_agent_launched_with_sigint_and_sighup_ignored_ignores_nothing_an
         },
     );
     // The process is gone before the agent has read its supervisor's exit report.
-    let terminated = wait_for("the task's exit recorded", Duration::from_secs(10), || {
-        let status = agent.status("trap");
-        status
-            .as_ref()
-            .and_then(|s| s.tasks.get("main"))
-            .and_then(|t| t.events.iter().find(|e| e.event_type == "Terminated"))
-            .cloned()
-            .ok_or_else(|| format!("{status:#?}"))
-    });
+    let terminated = agent.wait_for_event("trap", "main", "Terminated", Duration::from_secs(10));
     assert_eq!(terminated.exit_code, Some(130), "{terminated:#?}");
     agent.terminate();
     kill_all_with(&marker);
@@ -268,15 +260,7 @@ fn the_release_script_links_the_supervisor_static_and_it_runs_and_stops_a_task()
     );
 
     dirs.remove_spec("svc");
-    let terminated = wait_for("the task's exit recorded", Duration::from_secs(20), || {
-        let status = agent.status("svc");
-        status
-            .as_ref()
-            .and_then(|s| s.tasks.get("main"))
-            .and_then(|t| t.events.iter().find(|e| e.event_type == "Terminated"))
-            .cloned()
-            .ok_or_else(|| format!("{status:#?}"))
-    });
+    let terminated = agent.wait_for_event("svc", "main", "Terminated", Duration::from_secs(20));
     assert!(processes_with(&marker).is_empty(), "{terminated:#?}");
     let status = agent.terminate();
     assert!(status.success(), "{status}");

@@ -229,6 +229,12 @@ fn daemonset_compose_image_and_agent_config_agree_on_port_paths_and_probe() {
         port_of(flag(&cmd, "--listen").expect("the image listens on all interfaces")),
         port_of(&example.listen)
     );
+    // The binaries come from the release script, with the supervisor linked static.
+    assert!(
+        dockerfile.contains("STEAD_REQUIRE_STATIC=1 scripts/build-release.sh /out"),
+        "the image builds through scripts/build-release.sh"
+    );
+    assert!(workspace_dir().join("scripts/build-release.sh").is_file());
     let copied = instruction("COPY").join("\n");
     assert!(copied.contains("/out/stead /out/stead-supervisor /usr/local/bin/"));
     assert!(copied.contains(&format!(

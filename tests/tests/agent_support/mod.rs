@@ -9,7 +9,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use stead_schemas::status::AllocStatus;
+use stead_schemas::status::{AllocStatus, TaskEventStatus};
 
 /// The agent binary cargo built for these tests.
 pub fn agent_binary() -> PathBuf {
@@ -227,6 +227,30 @@ impl Agent {
             (200, body) => Some(serde_json::from_str(&body).expect("a status document")),
             _ => None,
         }
+    }
+
+    /// Waits up to `within` for the first event of `event_type` (say `Terminated`) of
+    /// task `task` of alloc `alloc`, and returns it.
+    pub fn wait_for_event(
+        &self,
+        alloc: &str,
+        task: &str,
+        event_type: &str,
+        within: Duration,
+    ) -> TaskEventStatus {
+        wait_for(
+            &format!("a {event_type} event of {alloc}/{task}"),
+            within,
+            || {
+                let status = self.status(alloc);
+                status
+                    .as_ref()
+                    .and_then(|s| s.tasks.get(task))
+                    .and_then(|t| t.events.iter().find(|e| e.event_type == event_type))
+                    .cloned()
+                    .ok_or_else(|| format!("{status:#?}"))
+            },
+        )
     }
 
     /// The names of every alloc the agent shows.
