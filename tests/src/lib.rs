@@ -15,6 +15,20 @@ pub fn workspace_dir() -> PathBuf {
         .to_owned()
 }
 
+/// The file `compiler -print-file-name=NAME` names, when it is one: whether the
+/// toolchain has an archive such as `libc.a` or `libstdc++.a` to link statically.
+pub fn compiler_file(compiler: &str, name: &str) -> Option<PathBuf> {
+    let output = std::process::Command::new(compiler)
+        .arg(format!("-print-file-name={name}"))
+        .output()
+        .ok()
+        .filter(|output| output.status.success())?;
+    Some(PathBuf::from(
+        String::from_utf8_lossy(&output.stdout).trim(),
+    ))
+    .filter(|path| path.is_absolute() && path.is_file())
+}
+
 /// Runs the `stead` CLI in-process with `args` (without the program name); returns the
 /// exit code, stdout and stderr.
 pub fn stead(args: &[&str]) -> (u8, String, String) {

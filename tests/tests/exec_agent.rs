@@ -154,13 +154,7 @@ fn the_release_script_links_the_supervisor_static_and_it_runs_and_stops_a_task()
         eprintln!("skipped: the supervisor is linked static on 64-bit GNU/Linux here");
         return;
     }
-    let libc_archive = std::process::Command::new("cc")
-        .arg("-print-file-name=libc.a")
-        .output()
-        .ok()
-        .map(|output| std::path::PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
-        .filter(|path| path.is_absolute() && path.is_file());
-    if libc_archive.is_none() {
+    if stead_tests::compiler_file("cc", "libc.a").is_none() {
         eprintln!("skipped: the C compiler has no libc.a (libc6-dev) to link against");
         return;
     }

@@ -554,14 +554,7 @@ fn the_agent_links_the_cpp_runtime_statically_where_the_compiler_has_the_archive
         || (std::env::var_os("ROCKSDB_LIB_DIR").is_some()
             && std::env::var_os("ROCKSDB_STATIC").is_none());
     let compiler = std::env::var("CXX").unwrap_or_else(|_| "c++".to_owned());
-    let archive = std::process::Command::new(&compiler)
-        .arg("-print-file-name=libstdc++.a")
-        .output()
-        .ok()
-        .filter(|output| output.status.success())
-        .map(|output| PathBuf::from(String::from_utf8_lossy(&output.stdout).trim()))
-        .filter(|path| path.is_absolute() && path.is_file());
-    match archive {
+    match stead_tests::compiler_file(&compiler, "libstdc++.a") {
         Some(archive) if !opted_out && !stead_controller::STATIC_CPP_RUNTIME => panic!(
             "{} is there, yet the shared C++ runtime is linked",
             archive.display()
