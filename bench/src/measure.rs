@@ -17,6 +17,15 @@ pub(crate) fn median<T: Copy + PartialOrd>(values: &[T]) -> T {
     sorted[sorted.len() / 2]
 }
 
+/// The CPU time this process has used so far, all its threads (ended ones too) counted.
+pub(crate) fn process_cpu() -> std::time::Duration {
+    let spent = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);
+    std::time::Duration::new(
+        u64::try_from(spent.tv_sec).unwrap_or(0),
+        u32::try_from(spent.tv_nsec).unwrap_or(0),
+    )
+}
+
 /// The fields of `/proc/<pid>/stat` after the command name (which is in parentheses and
 /// may contain spaces); `pid` may be `self`.
 fn stat_fields(pid: &str) -> Option<Vec<String>> {

@@ -5,7 +5,9 @@
 //!    the other two run steadily. Over a measured window: alloc state changes that reach
 //!    the store, batches written per second, and bytes written per state change, with
 //!    deduplication on and off, alternating in the same run.
-//! 2. The real `stead agent` (the release binary beside this one) with 100 running mock
+//! 2. Creating a new node's database: `RocksDbStore::open` on an empty directory, the
+//!    CPU it takes (all threads) and its wall time, which a new node's first start pays.
+//! 3. The real `stead agent` (the release binary beside this one) with 100 running mock
 //!    allocs: its RSS after an idle period, and the RocksDB writes it made while idle.
 
 use std::path::{Path, PathBuf};
@@ -21,7 +23,7 @@ use stead_controller::queue::Shutdown;
 use stead_controller::store::{RocksDbOptions, RocksDbStore, Store};
 use stead_schemas::ValidSpec;
 
-use crate::measure::{median, now};
+use crate::measure::{median, now, process_cpu};
 
 fn churn_spec(name: &str) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
@@ -83,6 +85,22 @@ async fn churn_round(
         writes as f64 / elapsed,
         bytes as f64 / puts.max(1) as f64,
     ))
+}
+
+/// Creates a new store `count` times, each in an empty directory: per creation, the CPU
+/// this process spent in the open (RocksDB's own threads included) and its wall time.
+fn creations(count: usize) -> anyhow::Result<Vec<(Duration, Duration)>> {
+    let root = tempfile_dir("stead-bench-create")?;
+    let mut taken = Vec::with_capacity(count);
+    for i in 0..count {
+        let dir = root.join(i.to_string());
+        let (cpu, began) = (process_cpu(), now());
+        let store = RocksDbStore::open(&dir, RocksDbOptions::default())?;
+        taken.push((process_cpu().saturating_sub(cpu), began.elapsed()));
+        drop(store);
+    }
+    std::fs::remove_dir_all(&root)?;
+    Ok(taken)
 }
 
 fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
@@ -230,6 +248,26 @@ pub(crate) fn run(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
         median(&off.0),
         median(&off.1),
         off_bytes / on_bytes.max(1.0)
+    );
+    let created = creations(40)?;
+    let cpu: Vec<f64> = created
+        .iter()
+        .map(|(cpu, _)| cpu.as_secs_f64() * 1e3)
+        .collect();
+    let wall: Vec<f64> = created
+        .iter()
+        .map(|(_, wall)| wall.as_secs_f64() * 1e3)
+        .collect();
+    let range = |values: &[f64]| {
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(0.0, f64::max);
+        format!("{:.2} ms ({min:.2}-{max:.2})", median(values))
+    };
+    println!(
+        "new store created in an empty dir, {} times: CPU {}, wall {}",
+        created.len(),
+        range(&cpu),
+        range(&wall)
     );
     let (rss, hwm, idle_writes) = agent_idle(100, Duration::from_secs(10))?;
     println!(
