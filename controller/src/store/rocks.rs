@@ -181,6 +181,11 @@ impl RocksDbStore {
         db_options.set_max_total_wal_size(4 << 20);
         db_options.set_max_open_files(64);
         db_options.set_max_background_jobs(2);
+        // RocksDB opens a database's table files on 16 threads by default, and starts them
+        // at every open whether there are files or not: 15 threads, each with its stack
+        // mapped and unmapped, on the cores a new node's first tasks start on. A store
+        // this small has a handful of files, which the opening thread reads itself.
+        db_options.set_max_file_opening_threads(1);
         // The manifest of a store this small stays in kilobytes; RocksDB's default 4 MiB
         // preallocation costs real pages on tmpfs at every open.
         db_options.set_manifest_preallocation_size(64 << 10);
@@ -584,6 +589,33 @@ mod tests {
         assert!(
             names.iter().any(|name| name.starts_with("OPTIONS-")),
             "the configuration is still on disk: {names:?}"
+        );
+    }
+
+    #[test]
+    fn rocksdb_opens_table_files_on_the_opening_thread_alone() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        drop(open(dir.path()));
+        let options = std::fs::read_dir(dir.path())
+            .expect("lists")
+            .map(|entry| entry.expect("entry").path())
+            .find(|path| {
+                path.file_name()
+                    .and_then(|name| name.to_str())
+                    .is_some_and(|name| name.starts_with("OPTIONS-"))
+            })
+            .expect("an OPTIONS file");
+        let text = std::fs::read_to_string(&options).expect("readable");
+        let setting: Vec<&str> = text
+            .lines()
+            .map(str::trim)
+            .filter(|line| line.starts_with("max_file_opening_threads="))
+            .collect();
+        assert_eq!(
+            setting,
+            ["max_file_opening_threads=1"],
+            "in {}",
+            options.display()
         );
     }
 
