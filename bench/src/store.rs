@@ -5,8 +5,9 @@
 //!    the other two run steadily. Over a measured window: alloc state changes that reach
 //!    the store, batches written per second, and bytes written per state change, with
 //!    deduplication on and off, alternating in the same run.
-//! 2. Creating a new node's database: `RocksDbStore::open` on an empty directory, the
-//!    CPU it takes (all threads) and its wall time, which a new node's first start pays.
+//! 2. Creating a new node's database (`RocksDbStore::open` on an empty directory), which
+//!    a new node's first start pays, and opening it again, which every later start pays:
+//!    the CPU each takes (all threads) and its wall time.
 //! 3. The real `stead agent` (the release binary beside this one) with 100 running mock
 //!    allocs: its RSS after an idle period, and the RocksDB writes it made while idle.
 
@@ -87,20 +88,59 @@ async fn churn_round(
     ))
 }
 
-/// Creates a new store `count` times, each in an empty directory: per creation, the CPU
-/// this process spent in the open (RocksDB's own threads included) and its wall time.
-fn creations(count: usize) -> anyhow::Result<Vec<(Duration, Duration)>> {
+/// What opening a store took: the CPU this process spent in the open (RocksDB's own
+/// threads included) and its wall time.
+#[derive(Debug, Clone, Copy)]
+struct Opening {
+    cpu: Duration,
+    wall: Duration,
+}
+
+/// Opens the store in `dir` (creating it when missing) and measures it.
+fn timed_open(dir: &Path) -> anyhow::Result<(RocksDbStore, Opening)> {
+    let (cpu, began) = (process_cpu(), now());
+    let store = RocksDbStore::open(dir, RocksDbOptions::default())?;
+    let taken = Opening {
+        cpu: process_cpu().saturating_sub(cpu),
+        wall: began.elapsed(),
+    };
+    Ok((store, taken))
+}
+
+/// Creates a new store `count` times, each in an empty directory, closes it and opens it
+/// again (as a restarted agent does): what each creation and each reopening took.
+fn openings(count: usize) -> anyhow::Result<(Vec<Opening>, Vec<Opening>)> {
     let root = tempfile_dir("stead-bench-create")?;
-    let mut taken = Vec::with_capacity(count);
-    for i in 0..count {
-        let dir = root.join(i.to_string());
-        let (cpu, began) = (process_cpu(), now());
-        let store = RocksDbStore::open(&dir, RocksDbOptions::default())?;
-        taken.push((process_cpu().saturating_sub(cpu), began.elapsed()));
-        drop(store);
-    }
-    std::fs::remove_dir_all(&root)?;
-    Ok(taken)
+    let measured = (|| {
+        let (mut created, mut reopened) = (Vec::new(), Vec::new());
+        for i in 0..count {
+            let dir = root.join(i.to_string());
+            let (store, taken) = timed_open(&dir)?;
+            created.push(taken);
+            drop(store);
+            let (store, taken) = timed_open(&dir)?;
+            reopened.push(taken);
+            drop(store);
+        }
+        Ok((created, reopened))
+    })();
+    let _ = std::fs::remove_dir_all(&root);
+    measured
+}
+
+/// `median (min-max)` of the CPU and of the wall times of `openings`, in milliseconds.
+fn opening_summary(openings: &[Opening]) -> String {
+    let range = |values: Vec<f64>| {
+        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+        let max = values.iter().copied().fold(0.0, f64::max);
+        format!("{:.2} ms ({min:.2}-{max:.2})", median(&values))
+    };
+    let cpu = openings.iter().map(|o| o.cpu.as_secs_f64() * 1e3).collect();
+    let wall = openings
+        .iter()
+        .map(|o| o.wall.as_secs_f64() * 1e3)
+        .collect();
+    format!("CPU {}, wall {}", range(cpu), range(wall))
 }
 
 fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
@@ -249,26 +289,13 @@ pub(crate) fn run(runtime: &tokio::runtime::Runtime) -> anyhow::Result<()> {
         median(&off.1),
         off_bytes / on_bytes.max(1.0)
     );
-    let created = creations(40)?;
-    let cpu: Vec<f64> = created
-        .iter()
-        .map(|(cpu, _)| cpu.as_secs_f64() * 1e3)
-        .collect();
-    let wall: Vec<f64> = created
-        .iter()
-        .map(|(_, wall)| wall.as_secs_f64() * 1e3)
-        .collect();
-    let range = |values: &[f64]| {
-        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-        let max = values.iter().copied().fold(0.0, f64::max);
-        format!("{:.2} ms ({min:.2}-{max:.2})", median(values))
-    };
+    let (created, reopened) = openings(40)?;
     println!(
-        "new store created in an empty dir, {} times: CPU {}, wall {}",
+        "new store created in an empty dir, {} times: {}",
         created.len(),
-        range(&cpu),
-        range(&wall)
+        opening_summary(&created)
     );
+    println!("the same stores reopened: {}", opening_summary(&reopened));
     let (rss, hwm, idle_writes) = agent_idle(100, Duration::from_secs(10))?;
     println!(
         "agent idle with 100 running allocs: RSS {:.1} MiB (peak {:.1} MiB), {idle_writes} store writes over 10 s",
