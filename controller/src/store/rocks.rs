@@ -181,10 +181,11 @@ impl RocksDbStore {
         db_options.set_max_total_wal_size(4 << 20);
         db_options.set_max_open_files(64);
         db_options.set_max_background_jobs(2);
-        // RocksDB opens a database's table files on 16 threads by default, and starts them
-        // at every open whether there are files or not: 15 threads, each with its stack
-        // mapped and unmapped, on the cores a new node's first tasks start on. A store
-        // this small has a handful of files, which the opening thread reads itself.
+        // RocksDB opens a database's table files on 16 threads by default, and starts 15
+        // of them for each column family it recovers, whether there are files or not:
+        // 15 when a new node's store is created (on the cores its first tasks start on),
+        // 90 at every later open, each with its stack mapped and unmapped. A store this
+        // small has a handful of files, which the opening thread reads itself.
         db_options.set_max_file_opening_threads(1);
         // The manifest of a store this small stays in kilobytes; RocksDB's default 4 MiB
         // preallocation costs real pages on tmpfs at every open.
