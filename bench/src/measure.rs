@@ -17,6 +17,16 @@ pub(crate) fn median<T: Copy + PartialOrd>(values: &[T]) -> T {
     sorted[sorted.len() / 2]
 }
 
+/// The median, the least and the greatest of `values` (all NaN for none).
+pub(crate) fn spread(values: &[f64]) -> (f64, f64, f64) {
+    if values.is_empty() {
+        return (f64::NAN, f64::NAN, f64::NAN);
+    }
+    let min = values.iter().copied().fold(f64::INFINITY, f64::min);
+    let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    (median(values), min, max)
+}
+
 /// The CPU time this process has used so far, all its threads (ended ones too) counted.
 pub(crate) fn process_cpu() -> std::time::Duration {
     let spent = rustix::time::clock_gettime(rustix::time::ClockId::ProcessCPUTime);

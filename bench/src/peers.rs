@@ -27,7 +27,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
-use crate::measure::{cpu_ticks, median, now, parent, smaps_kib};
+use crate::measure::{cpu_ticks, median, now, parent, smaps_kib, spread};
 use crate::procwatch::{Marked, Observer};
 
 /// How long any phase may take before the benchmark gives up.
@@ -868,9 +868,8 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
     println!("|---|---|---|---|---|---|---|");
     let cell = |values: Option<&Vec<f64>>| match values {
         Some(v) if !v.is_empty() => {
-            let min = v.iter().copied().fold(f64::INFINITY, f64::min);
-            let max = v.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-            format!("{} ({}-{})", fmt(median(v)), fmt(min), fmt(max))
+            let (median, min, max) = spread(v);
+            format!("{} ({}-{})", fmt(median), fmt(min), fmt(max))
         }
         _ => "-".to_owned(),
     };

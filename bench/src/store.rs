@@ -24,7 +24,7 @@ use stead_controller::queue::Shutdown;
 use stead_controller::store::{RocksDbOptions, RocksDbStore, Store};
 use stead_schemas::ValidSpec;
 
-use crate::measure::{median, now, process_cpu};
+use crate::measure::{median, now, process_cpu, spread};
 
 fn churn_spec(name: &str) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
@@ -131,9 +131,8 @@ fn openings(count: usize) -> anyhow::Result<(Vec<Opening>, Vec<Opening>)> {
 /// `median (min-max)` of the CPU and of the wall times of `openings`, in milliseconds.
 fn opening_summary(openings: &[Opening]) -> String {
     let range = |values: Vec<f64>| {
-        let min = values.iter().copied().fold(f64::INFINITY, f64::min);
-        let max = values.iter().copied().fold(0.0, f64::max);
-        format!("{:.2} ms ({min:.2}-{max:.2})", median(&values))
+        let (median, min, max) = spread(&values);
+        format!("{median:.2} ms ({min:.2}-{max:.2})")
     };
     let cpu = openings.iter().map(|o| o.cpu.as_secs_f64() * 1e3).collect();
     let wall = openings
