@@ -565,15 +565,9 @@ mod tests {
         RocksDbStore::open(dir, RocksDbOptions::default()).expect("opens")
     }
 
-    #[test]
-    fn rocksdb_writes_no_log_file_into_the_state_dir_and_keeps_its_options_file() {
-        let dir = tempfile::tempdir().expect("temp dir");
-        let store = open(dir.path());
-        store.put_alloc(&sample_record("web", 1)).expect("put");
-        drop(store);
-        // Reopened: RocksDB would roll a LOG file into LOG.old.* here.
-        drop(open(dir.path()));
-        let names: Vec<String> = std::fs::read_dir(dir.path())
+    /// The names of the files in `dir`.
+    fn file_names(dir: &Path) -> Vec<String> {
+        std::fs::read_dir(dir)
             .expect("lists")
             .map(|entry| {
                 entry
@@ -582,7 +576,18 @@ mod tests {
                     .to_string_lossy()
                     .into_owned()
             })
-            .collect();
+            .collect()
+    }
+
+    #[test]
+    fn rocksdb_writes_no_log_file_into_the_state_dir_and_keeps_its_options_file() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        store.put_alloc(&sample_record("web", 1)).expect("put");
+        drop(store);
+        // Reopened: RocksDB would roll a LOG file into LOG.old.* here.
+        drop(open(dir.path()));
+        let names = file_names(dir.path());
         assert!(
             !names.iter().any(|name| name.starts_with("LOG")),
             "no LOG file: {names:?}"
@@ -597,14 +602,10 @@ mod tests {
     fn rocksdb_opens_table_files_on_the_opening_thread_alone() {
         let dir = tempfile::tempdir().expect("temp dir");
         drop(open(dir.path()));
-        let options = std::fs::read_dir(dir.path())
-            .expect("lists")
-            .map(|entry| entry.expect("entry").path())
-            .find(|path| {
-                path.file_name()
-                    .and_then(|name| name.to_str())
-                    .is_some_and(|name| name.starts_with("OPTIONS-"))
-            })
+        let options = file_names(dir.path())
+            .into_iter()
+            .find(|name| name.starts_with("OPTIONS-"))
+            .map(|name| dir.path().join(name))
             .expect("an OPTIONS file");
         let text = std::fs::read_to_string(&options).expect("readable");
         let setting: Vec<&str> = text
