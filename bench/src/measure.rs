@@ -17,11 +17,9 @@ pub(crate) fn median<T: Copy + PartialOrd>(values: &[T]) -> T {
     sorted[sorted.len() / 2]
 }
 
-/// The median, the least and the greatest of `values` (all NaN for none).
+/// The median (as [`median`]), the least and the greatest of `values`, which are not
+/// empty.
 pub(crate) fn spread(values: &[f64]) -> (f64, f64, f64) {
-    if values.is_empty() {
-        return (f64::NAN, f64::NAN, f64::NAN);
-    }
     let min = values.iter().copied().fold(f64::INFINITY, f64::min);
     let max = values.iter().copied().fold(f64::NEG_INFINITY, f64::max);
     (median(values), min, max)
