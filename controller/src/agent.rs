@@ -138,12 +138,6 @@ pub enum AgentError {
     /// The API's runtime, thread or listeners could not be set up.
     #[error("cannot set up the api's runtime, thread or listeners")]
     Runtime(#[source] std::io::Error),
-    /// Installing the metrics recorder panicked.
-    #[error("installing the metrics recorder panicked")]
-    MetricsPanicked,
-    /// The metrics recorder could not be installed.
-    #[error("cannot install the metrics recorder")]
-    Metrics(#[source] crate::metrics::MetricsError),
     /// A token file could not be read.
     #[error("cannot read token file {}", path.display())]
     TokenFile {
@@ -307,13 +301,6 @@ fn lock_data_dir(data_dir: &Path) -> Result<std::fs::File, AgentError> {
 /// `stead agent`: resolves the settings, sets up logging and runs the agent until
 /// SIGINT or SIGTERM.
 pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
-    // The recorder calibrates a clock by spinning (about half a millisecond alone, longer
-    // when it competes for the cores), and the first task waits for it (no count may be
-    // lost): it starts now, on a thread of its own, while little else runs yet. `run`
-    // waits for this same install.
-    let _ = std::thread::Builder::new()
-        .name("stead-metrics".to_owned())
-        .spawn(|| drop(Metrics::install()));
     let settings = Settings::resolve(args)?;
     let format = match settings.log_format {
         Some(stead_schemas::config::LogFormat::Json) => LogFormat::Json,
@@ -460,9 +447,6 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
             (watcher, listing, cache)
         })
     };
-    // The recorder is process-wide and slow to build (it calibrates a clock): in parallel
-    // (`main` has started it already; this waits for that install).
-    let metrics = tokio::task::spawn_blocking(Metrics::install);
     // A data dir without a database has nothing to restore: the database is created while
     // the first tasks start (see `store::opening`). Otherwise it is opened, and restored,
     // first.
@@ -487,11 +471,9 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
         clock,
         AllocDirs::new(&data_dir),
     ));
-    // Installed before any task starts, so that no count is lost.
-    let metrics = installed(metrics).await?;
     let state = ApiState::new(node.clone(), drivers, data_dir.clone())
         .with_token(settings.token.clone())
-        .with_metrics(metrics);
+        .with_metrics(Metrics::new());
     let stop_api = state.shutdown_token();
     let serve = |state, listeners| {
         let api = start_api(state, listeners)?;
@@ -664,16 +646,6 @@ fn writable_dir(dir: &Path) -> bool {
     let created = std::fs::File::create(&probe).is_ok();
     let _ = std::fs::remove_file(&probe);
     created
-}
-
-/// The metrics recorder, once its installation (started at launch) is done.
-async fn installed(
-    installing: tokio::task::JoinHandle<Result<Metrics, crate::metrics::MetricsError>>,
-) -> Result<Metrics, AgentError> {
-    installing
-        .await
-        .map_err(|_| AgentError::MetricsPanicked)?
-        .map_err(AgentError::Metrics)
 }
 
 /// Whether `state_dir` holds a RocksDB database (its `CURRENT` file names the manifest).

@@ -1,20 +1,23 @@
 //! Metrics: the names, the recording helpers the worker and the queue call, and the
-//! Prometheus text rendering served at `GET /metrics`.
+//! OpenMetrics text rendering served at `GET /metrics`.
 //!
-//! Events (reconciles, task starts, restarts, failures, coalesced updates) are recorded
-//! where they happen through the `metrics` facade, which costs nothing until
-//! [`Metrics::install`] sets the process-wide recorder. Levels that the node already
-//! knows (queue depth, allocs by client status, the store's counters) are read from it
-//! when `/metrics` is rendered, so no hot path pays for them.
+//! Events (reconciles, task starts, restarts, failures, coalesced updates) are counted
+//! where they happen, in process-wide metrics that exist from their first use: nothing
+//! is installed, no count is lost before the API serves, and their size is fixed however
+//! long nobody scrapes (a histogram is its buckets, not its samples). Levels that the
+//! node already knows (queue depth, allocs by client status, the store's counters) are
+//! read from it when `/metrics` is rendered, so no hot path pays for them.
 
-use std::sync::OnceLock;
+use std::fmt;
+use std::sync::LazyLock;
 use std::time::Duration;
 
-use metrics::{
-    Unit, counter, describe_counter, describe_gauge, describe_histogram, gauge, histogram,
-};
-use metrics_exporter_prometheus::{Matcher, PrometheusBuilder, PrometheusHandle};
-use thiserror::Error;
+use prometheus_client::encoding::text::{encode_eof, encode_registry};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
+use prometheus_client::metrics::histogram::Histogram;
+use prometheus_client::registry::{Registry, Unit};
 
 use crate::node::Node;
 
@@ -53,49 +56,103 @@ const RECONCILE_BUCKETS: [f64; 12] = [
     0.25,
 ];
 
-/// Why the metrics recorder could not be installed.
-#[derive(Debug, Clone, Copy, Error)]
-pub enum MetricsError {
-    /// The exporter refused the histogram buckets.
-    #[error("the prometheus exporter refused the histogram buckets")]
-    InvalidBuckets,
-    /// Another recorder is already installed in this process.
-    #[error("another metrics recorder is already installed")]
-    AlreadyInstalled,
+/// The content type of [`Metrics::render`]'s text.
+pub const CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+
+/// A metric family's name: a counter's series carry `_total` after it, and a family with
+/// a unit ends with the unit.
+fn family<'a>(series: &'a str, suffix: &str) -> &'a str {
+    series.strip_suffix(suffix).unwrap_or(series)
 }
 
-/// The installed Prometheus recorder; cheap to clone.
-#[derive(Clone, Debug)]
+/// The events counted where they happen, and the registry that renders them.
+struct Events {
+    reconciles: Counter,
+    reconcile_duration: Histogram,
+    coalesced_updates: Counter,
+    task_starts: Counter,
+    task_restarts: Counter,
+    task_failures: Counter,
+    registry: Registry,
+}
+
+impl Events {
+    fn new() -> Events {
+        let events = Events {
+            reconciles: Counter::default(),
+            reconcile_duration: Histogram::new(RECONCILE_BUCKETS),
+            coalesced_updates: Counter::default(),
+            task_starts: Counter::default(),
+            task_restarts: Counter::default(),
+            task_failures: Counter::default(),
+            registry: Registry::default(),
+        };
+        let mut registry = Registry::default();
+        let counters = [
+            (
+                RECONCILES,
+                "Reconcile passes over all allocs",
+                &events.reconciles,
+            ),
+            (
+                COALESCED_UPDATES,
+                "Pending spec updates replaced by newer ones before being applied",
+                &events.coalesced_updates,
+            ),
+            (
+                TASK_STARTS,
+                "Tasks started by a driver",
+                &events.task_starts,
+            ),
+            (
+                TASK_RESTARTS,
+                "Task restarts, by policy or by a user",
+                &events.task_restarts,
+            ),
+            (
+                TASK_FAILURES,
+                "Tasks that ended failed",
+                &events.task_failures,
+            ),
+        ];
+        for (series, help, counter) in counters {
+            registry.register(family(series, "_total"), help, counter.clone());
+        }
+        registry.register_with_unit(
+            family(RECONCILE_DURATION, "_seconds"),
+            "How long one reconcile pass took, dispatching its effects included",
+            Unit::Seconds,
+            events.reconcile_duration.clone(),
+        );
+        Events { registry, ..events }
+    }
+}
+
+static EVENTS: LazyLock<Events> = LazyLock::new(Events::new);
+
+/// The `/metrics` renderer; cheap to copy. Every agent of a process shares the event
+/// counts, as they share the process.
+#[derive(Clone, Copy, Debug, Default)]
 pub struct Metrics {
-    handle: PrometheusHandle,
+    _private: (),
 }
-
-static INSTALLED: OnceLock<Result<PrometheusHandle, MetricsError>> = OnceLock::new();
 
 impl Metrics {
-    /// Installs the process-wide Prometheus recorder, or returns the one this function
-    /// installed earlier (tests create many agents in one process).
-    pub fn install() -> Result<Metrics, MetricsError> {
-        let installed = INSTALLED.get_or_init(|| {
-            let recorder = PrometheusBuilder::new()
-                .set_buckets_for_metric(
-                    Matcher::Full(RECONCILE_DURATION.to_owned()),
-                    &RECONCILE_BUCKETS,
-                )
-                .map_err(|_| MetricsError::InvalidBuckets)?
-                .build_recorder();
-            let handle = recorder.handle();
-            metrics::set_global_recorder(recorder).map_err(|_| MetricsError::AlreadyInstalled)?;
-            describe();
-            Ok(handle)
-        });
-        installed.clone().map(|handle| Metrics { handle })
+    /// The renderer of the process's metrics.
+    pub fn new() -> Metrics {
+        Metrics::default()
     }
 
-    /// The Prometheus text exposition of every metric, with the node's levels read now.
-    pub fn render(&self, node: &Node) -> String {
-        gauge!(QUEUE_DEPTH).set(node.queue_depth() as f64);
-        let mut by_status = [0u32; CLIENT_STATUSES.len()];
+    /// The OpenMetrics text exposition ([`CONTENT_TYPE`]) of every metric, with the
+    /// node's levels read now.
+    pub fn render(&self, node: &Node) -> Result<String, fmt::Error> {
+        let mut levels = Registry::default();
+        levels.register(
+            QUEUE_DEPTH,
+            "Inputs waiting in alloc mailboxes, over all allocs",
+            ConstGauge::new(i64::try_from(node.queue_depth()).unwrap_or(i64::MAX)),
+        );
+        let mut by_status = [0i64; CLIENT_STATUSES.len()];
         for status in node.statuses() {
             if let Some(i) = CLIENT_STATUSES
                 .iter()
@@ -104,83 +161,69 @@ impl Metrics {
                 by_status[i] += 1;
             }
         }
+        let allocs = Family::<[(&'static str, &'static str); 1], Gauge>::default();
         for (status, count) in CLIENT_STATUSES.iter().zip(by_status) {
-            gauge!(ALLOCS, "client_status" => *status).set(f64::from(count));
+            allocs
+                .get_or_create(&[("client_status", status)])
+                .set(count);
         }
+        levels.register(ALLOCS, "Allocs by client status", allocs);
         let store = node.store_metrics();
-        counter!(STORE_WRITES).absolute(store.writes);
-        counter!(STORE_SKIPPED_WRITES).absolute(store.skipped_writes);
-        counter!(STORE_BYTES_WRITTEN).absolute(store.bytes_written);
-        counter!(STORE_WRITE_ERRORS).absolute(node.store_errors());
-        self.handle.run_upkeep();
-        self.handle.render()
-    }
-}
-
-/// Help texts and units, and a zero for every counter so each series exists from the start.
-fn describe() {
-    describe_counter!(RECONCILES, "Reconcile passes over all allocs.");
-    describe_histogram!(
-        RECONCILE_DURATION,
-        Unit::Seconds,
-        "How long one reconcile pass took, dispatching its effects included."
-    );
-    describe_gauge!(
-        QUEUE_DEPTH,
-        "Inputs waiting in alloc mailboxes, over all allocs."
-    );
-    describe_counter!(
-        COALESCED_UPDATES,
-        "Pending spec updates replaced by newer ones before being applied."
-    );
-    describe_counter!(TASK_STARTS, "Tasks started by a driver.");
-    describe_counter!(TASK_RESTARTS, "Task restarts, by policy or by a user.");
-    describe_counter!(TASK_FAILURES, "Tasks that ended failed.");
-    describe_counter!(STORE_WRITES, "Alloc records written to the store.");
-    describe_counter!(
-        STORE_SKIPPED_WRITES,
-        "Store writes skipped because the record was unchanged."
-    );
-    describe_counter!(STORE_WRITE_ERRORS, "Store writes that failed.");
-    describe_counter!(
-        STORE_BYTES_WRITTEN,
-        Unit::Bytes,
-        "Bytes of keys and values the store's writes handed to storage."
-    );
-    describe_gauge!(ALLOCS, "Allocs by client status.");
-    for name in [
-        RECONCILES,
-        COALESCED_UPDATES,
-        TASK_STARTS,
-        TASK_RESTARTS,
-        TASK_FAILURES,
-    ] {
-        counter!(name).increment(0);
+        let store_counters = [
+            (
+                STORE_WRITES,
+                "Alloc records written to the store",
+                store.writes,
+            ),
+            (
+                STORE_SKIPPED_WRITES,
+                "Store writes skipped because the record was unchanged",
+                store.skipped_writes,
+            ),
+            (
+                STORE_BYTES_WRITTEN,
+                "Bytes of keys and values the store's writes handed to storage",
+                store.bytes_written,
+            ),
+            (
+                STORE_WRITE_ERRORS,
+                "Store writes that failed",
+                node.store_errors(),
+            ),
+        ];
+        for (series, help, value) in store_counters {
+            levels.register(family(series, "_total"), help, ConstCounter::new(value));
+        }
+        let mut text = String::new();
+        encode_registry(&mut text, &EVENTS.registry)?;
+        encode_registry(&mut text, &levels)?;
+        encode_eof(&mut text)?;
+        Ok(text)
     }
 }
 
 /// Records one reconcile pass that took `took`.
 pub(crate) fn reconciled(took: Duration) {
-    counter!(RECONCILES).increment(1);
-    histogram!(RECONCILE_DURATION).record(took.as_secs_f64());
+    EVENTS.reconciles.inc();
+    EVENTS.reconcile_duration.observe(took.as_secs_f64());
 }
 
 /// Records a pending spec update replaced by a newer one.
 pub(crate) fn coalesced_update() {
-    counter!(COALESCED_UPDATES).increment(1);
+    EVENTS.coalesced_updates.inc();
 }
 
 /// Records a task the driver started.
 pub(crate) fn task_started() {
-    counter!(TASK_STARTS).increment(1);
+    EVENTS.task_starts.inc();
 }
 
 /// Records `restarts` task restarts and `failures` tasks that ended failed.
 pub(crate) fn task_outcomes(restarts: u64, failures: u64) {
     if restarts > 0 {
-        counter!(TASK_RESTARTS).increment(restarts);
+        EVENTS.task_restarts.inc_by(restarts);
     }
     if failures > 0 {
-        counter!(TASK_FAILURES).increment(failures);
+        EVENTS.task_failures.inc_by(failures);
     }
 }

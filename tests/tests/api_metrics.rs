@@ -1,4 +1,4 @@
-//! `GET /metrics`: Prometheus text that a Prometheus parser accepts, with every series the
+//! `GET /metrics`: OpenMetrics text that a Prometheus parser accepts, with every series the
 //! agent promises, moved by what the node does.
 
 mod api_support;
@@ -31,13 +31,8 @@ fn value(scrape: &prometheus_parse::Scrape, name: &str, label: Option<(&str, &st
 
 #[tokio::test]
 async fn metrics_parse_as_prometheus_text_and_name_every_promised_series() {
-    let metrics = Metrics::install().expect("the recorder installs");
-    assert!(
-        Metrics::install().is_ok(),
-        "installing again returns the same recorder"
-    );
     let agent = agent();
-    let state = agent.state.clone().with_metrics(metrics);
+    let state = agent.state.clone().with_metrics(Metrics::new());
     agent.node.apply(alloc("web", &forever("main")));
     agent.node.apply(alloc(
         "crashy",
@@ -53,13 +48,13 @@ async fn metrics_parse_as_prometheus_text_and_name_every_promised_series() {
 
     let answer = Transport::InProcess(state).get("/metrics", None).await;
     assert_eq!(answer.status, StatusCode::OK);
-    assert!(
-        answer.headers["content-type"]
-            .to_str()
-            .expect("ascii")
-            .starts_with("text/plain; version=0.0.4")
+    assert_eq!(
+        answer.headers["content-type"].to_str().expect("ascii"),
+        "application/openmetrics-text; version=1.0.0; charset=utf-8"
     );
-    let scrape = parse(&answer.text());
+    let text = answer.text();
+    assert!(text.ends_with("# EOF\n"), "one complete exposition: {text}");
+    let scrape = parse(&text);
     let names: BTreeSet<&str> = scrape.samples.iter().map(|s| s.metric.as_str()).collect();
     for name in [
         metrics::RECONCILES,
@@ -105,7 +100,8 @@ async fn metrics_parse_as_prometheus_text_and_name_every_promised_series() {
         0.0
     );
     assert!(
-        scrape.docs.contains_key(metrics::RECONCILES),
-        "help texts are rendered"
+        scrape.docs.contains_key("stead_reconciles"),
+        "help texts are rendered, by family: {:?}",
+        scrape.docs
     );
 }

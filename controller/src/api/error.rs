@@ -96,6 +96,13 @@ pub enum ApiError {
     /// The agent was started without metrics.
     #[error("metrics are not enabled on this agent")]
     MetricsDisabled,
+    /// The metrics could not be rendered.
+    #[error("cannot render the metrics")]
+    Metrics {
+        /// What the encoder reported.
+        #[source]
+        source: std::fmt::Error,
+    },
     /// The alloc's worker is gone: the agent is shutting down.
     #[error("alloc {name:?} is shutting down")]
     ShuttingDown {
@@ -174,7 +181,9 @@ impl ApiError {
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::ShuttingDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
-            ApiError::Driver { .. } | ApiError::Logs { .. } => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Driver { .. } | ApiError::Logs { .. } | ApiError::Metrics { .. } => {
+                StatusCode::INTERNAL_SERVER_ERROR
+            }
         }
     }
 
@@ -195,7 +204,7 @@ impl ApiError {
             ApiError::MetricsDisabled => "metrics_disabled",
             ApiError::ShuttingDown { .. } => "shutting_down",
             ApiError::Driver { .. } => "driver_error",
-            ApiError::Logs { .. } => "internal",
+            ApiError::Logs { .. } | ApiError::Metrics { .. } => "internal",
         }
     }
 

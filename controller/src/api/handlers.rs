@@ -357,18 +357,20 @@ pub(super) async fn health(State(state): State<ApiState>) -> Response {
     json_response(StatusCode::OK, &body)
 }
 
-/// `GET /metrics`: Prometheus text format.
+/// `GET /metrics`: the OpenMetrics text format, which Prometheus asks for and reads.
 pub(super) async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
     let metrics = state
         .inner
         .metrics
         .as_ref()
         .ok_or(ApiError::MetricsDisabled)?;
-    let text = metrics.render(state.node());
+    let text = metrics
+        .render(state.node())
+        .map_err(|source| ApiError::Metrics { source })?;
     Ok((
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static("text/plain; version=0.0.4; charset=utf-8"),
+            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
         )],
         text,
     )
