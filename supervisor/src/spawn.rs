@@ -261,13 +261,6 @@ unsafe fn prepare_and_exec(child: &Child) -> libc::c_int {
         if libc::setsid() == -1 {
             return errno();
         }
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
-            return errno();
-        }
-        // The supervisor died before the prctl: nobody would reap or log the task.
-        if libc::getppid() != child.parent {
-            return libc::EPIPE;
-        }
         // Raw system calls: glibc's wrappers would signal the supervisor's other threads
         // to change their ids too, from a process that only shares their memory.
         if let Some(gid) = child.gid
@@ -285,6 +278,17 @@ unsafe fn prepare_and_exec(child: &Child) -> libc::c_int {
             if libc::syscall(libc::SYS_setuid, libc::c_long::from(uid)) == -1 {
                 return errno();
             }
+        }
+        // After the ids: the kernel clears the parent-death signal when the credentials
+        // change, so set before them it would be gone for every task that switches user.
+        // Any process may set its own.
+        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
+            return errno();
+        }
+        // The supervisor died before the prctl: nobody would reap or log the task, and
+        // no signal will come.
+        if libc::getppid() != child.parent {
+            return libc::EPIPE;
         }
         libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
         // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one

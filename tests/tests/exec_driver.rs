@@ -478,6 +478,36 @@ async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_running_as_another_user_dies_with_its_supervisor_too() {
+    if !running_as_root() {
+        eprintln!("skipped: only root can start a task as another user");
+        return;
+    }
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), false);
+    let handle = driver
+        .start(request("orphan", "/bin/sleep", &["1000"], Some("nobody")))
+        .await
+        .expect("started");
+    let pid = handle.pid.expect("a pid");
+    let uid = status_field(pid, "Uid").expect("a uid line");
+    assert!(uid.starts_with("65534\t"), "the task runs as nobody: {uid}");
+    let supervisor: u32 = stat_field(pid, 4)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent");
+    std::process::Command::new("kill")
+        .args(["-9", &supervisor.to_string()])
+        .status()
+        .expect("kill runs");
+    let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
+        .await
+        .expect("the wait ends");
+    assert!(exit.error.is_some(), "{exit:?}");
+    eventually("the task died with its supervisor", || !alive(pid)).await;
+    driver.destroy(&handle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_no_agent_learnt_of_is_stopped_when_its_task_starts_again() {
     let data = DataDir::new();
     // An agent starts the task and dies before it records the handle.
