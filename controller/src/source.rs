@@ -9,7 +9,12 @@
 //! - two files declaring one alloc name: both are reported, the one whose path sorts
 //!   first wins (a stable rule that does not depend on listing order);
 //! - when any file could not be read, nothing is removed in that pass, since its allocs
-//!   are unknown rather than gone.
+//!   are unknown rather than gone;
+//! - a file that cannot be split into named documents (not YAML, empty, not UTF-8, too
+//!   large, or a document whose name cannot be read) keeps running the allocs it declared
+//!   before, with its diagnostics as their `specError`: they too are unknown rather than
+//!   gone. An alloc restored from the store, whose file no listing has named yet, is kept
+//!   while any such file exists.
 //!
 //! A [`ListingCache`] keeps each file's parse keyed by its stat (device, inode, size,
 //! mtime, ctime), so a pass over 2,000 unchanged specs only stats them. A file changed
@@ -46,6 +51,10 @@ pub struct Listing {
     pub diagnostics: Vec<Diagnostic>,
     /// Whether some file or directory could not be read.
     pub incomplete: bool,
+    /// Files with a declaration that names no alloc (the file is not YAML, is empty, is
+    /// not UTF-8 or too large, or a document's name cannot be read), with their
+    /// diagnostics.
+    pub unnamed: BTreeMap<PathBuf, Vec<Diagnostic>>,
 }
 
 /// How much older than a pass a file's times must be for its parse to be reused.
@@ -155,6 +164,9 @@ pub fn list_specs_streaming(
             seen.insert(path.clone(), (stamp, file.clone()));
         }
         listing.diagnostics.extend(file.all_diagnostics());
+        if file.documents.is_empty() || file.documents.iter().any(|d| d.name.is_none()) {
+            listing.unnamed.insert(path.clone(), file.all_diagnostics());
+        }
         for document in file.documents.iter().cloned() {
             let Some(name) = document.name else { continue };
             match document.spec {
@@ -222,6 +234,8 @@ pub struct Syncer {
     applied: BTreeMap<Name, (Option<Revision>, Option<DesiredStatus>)>,
     /// The spec errors the node shows now, by alloc.
     errors: BTreeMap<Name, String>,
+    /// The file each applied alloc was last declared in, once a listing named it.
+    sources: BTreeMap<Name, PathBuf>,
 }
 
 /// What one pass changed.
@@ -243,32 +257,63 @@ impl Syncer {
                 .map(|(name, revision)| (name, (revision, None)))
                 .collect(),
             errors: BTreeMap::new(),
+            sources: BTreeMap::new(),
         }
     }
 
     /// Tells `node` what changed since the last pass.
     pub fn sync(&mut self, node: &Node, listing: &Listing) -> SyncReport {
         let mut report = SyncReport::default();
-        for spec in listing.specs.values().map(|(_, spec)| spec) {
+        for (path, spec) in listing.specs.values() {
             if self.apply(node, spec) {
                 report.applied.push(spec.spec.metadata.name.clone());
             }
+            self.sources
+                .insert(spec.spec.metadata.name.clone(), path.clone());
         }
+        let held = self.held(listing);
         if !listing.incomplete {
             let gone: BTreeSet<Name> = self
                 .applied
                 .keys()
-                .filter(|n| !listing.specs.contains_key(*n) && !listing.broken.contains_key(*n))
+                .filter(|n| {
+                    !listing.specs.contains_key(*n)
+                        && !listing.broken.contains_key(*n)
+                        && !held.contains_key(*n)
+                })
                 .cloned()
                 .collect();
             for name in gone {
                 node.remove(&name);
                 self.applied.remove(&name);
+                self.sources.remove(&name);
                 report.removed.push(name);
             }
         }
-        self.sync_errors(node, listing);
+        self.sync_errors(node, listing, &held);
         report
+    }
+
+    /// The applied allocs that no declaration of `listing` names but a file that names no
+    /// alloc may still declare, with the diagnostics to show on them: those of their own
+    /// file, or none for an alloc whose file is not known yet.
+    fn held<'a>(&self, listing: &'a Listing) -> BTreeMap<Name, &'a [Diagnostic]> {
+        if listing.unnamed.is_empty() {
+            return BTreeMap::new();
+        }
+        self.applied
+            .keys()
+            .filter(|name| {
+                !listing.specs.contains_key(*name) && !listing.broken.contains_key(*name)
+            })
+            .filter_map(|name| match self.sources.get(name) {
+                Some(path) => listing
+                    .unnamed
+                    .get(path)
+                    .map(|diagnostics| (name.clone(), diagnostics.as_slice())),
+                None => Some((name.clone(), &[][..])),
+            })
+            .collect()
     }
 
     /// Applies `spec` unless the node runs it already (same revision and desired status);
@@ -288,8 +333,20 @@ impl Syncer {
     /// Shows each broken or conflicting declaration's diagnostics on its alloc (when one
     /// runs), and clears them once the spec is valid and declared once again, or the alloc
     /// is gone.
-    fn sync_errors(&mut self, node: &Node, listing: &Listing) {
-        for (name, diagnostics) in listing.broken.iter().chain(&listing.conflicts) {
+    fn sync_errors(
+        &mut self,
+        node: &Node,
+        listing: &Listing,
+        held: &BTreeMap<Name, &[Diagnostic]>,
+    ) {
+        let shown = listing
+            .broken
+            .iter()
+            .chain(&listing.conflicts)
+            .map(|(name, diagnostics)| (name, diagnostics.as_slice()))
+            .chain(held.iter().map(|(name, diagnostics)| (name, *diagnostics)))
+            .filter(|(_, diagnostics)| !diagnostics.is_empty());
+        for (name, diagnostics) in shown {
             if !self.applied.contains_key(name) {
                 continue; // no alloc to show it on: the agent's log has it
             }
@@ -309,6 +366,7 @@ impl Syncer {
             .filter(|name| {
                 !listing.broken.contains_key(*name)
                     && !listing.conflicts.contains_key(*name)
+                    && !held.get(*name).is_some_and(|d| !d.is_empty())
                     && (listing.specs.contains_key(*name) || !self.applied.contains_key(*name))
             })
             .cloned()

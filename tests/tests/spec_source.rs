@@ -7,7 +7,7 @@ use stead_controller::clock::Clock;
 use stead_controller::driver::mock::MockDriver;
 use stead_controller::driver::{Driver, Drivers};
 use stead_controller::node::{Node, NodeConfig};
-use stead_controller::source::{Syncer, list_specs};
+use stead_controller::source::{SyncReport, Syncer, list_specs};
 use stead_controller::store::MemoryStore;
 use stead_schemas::Timestamp;
 
@@ -137,6 +137,135 @@ async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_
             && c.collectable))
             .await
     );
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_file_that_names_no_alloc_keeps_the_allocs_it_declared_running_with_its_error() {
+    // Each way a file can stop naming its allocs: its other allocs are unknown, not gone.
+    let oversized = format!(
+        "{}# {}\n",
+        spec("web", "a"),
+        "x".repeat(stead_schemas::MAX_SPEC_FILE_BYTES)
+    );
+    let breakages: [(&str, Vec<u8>); 5] = [
+        (
+            "not yaml",
+            b"apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web\n".to_vec(),
+        ),
+        ("empty", Vec::new()),
+        ("not utf-8", b"apiVersion: stead/v1\n\xff\xfe\n".to_vec()),
+        ("too large", oversized.into_bytes()),
+        (
+            "a document without a name",
+            format!(
+                "{}---\napiVersion: stead/v1\nkind: Alloc\nmetadata: {{}}\n",
+                spec("api", "b")
+            )
+            .into_bytes(),
+        ),
+    ];
+    for (what, content) in breakages {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("web.yaml");
+        std::fs::write(
+            &path,
+            format!("{}---\n{}", spec("web", "a"), spec("api", "b")),
+        )
+        .expect("write");
+        let node = node();
+        let mut syncer = Syncer::new([]);
+        syncer.sync(&node, &list_specs(dir.path()));
+        assert!(
+            node.wait_until(DEADLINE, |n| running(n, "web") && running(n, "api"))
+                .await
+        );
+        let id = node.status("web").expect("published").id.clone();
+
+        std::fs::write(&path, content).expect("write");
+        let report = syncer.sync(&node, &list_specs(dir.path()));
+        assert!(report.removed.is_empty(), "{what}: {report:?}");
+        tokio::time::sleep(Duration::from_secs(30)).await;
+        let status = node.status("web").expect("still there");
+        assert_eq!(status.id, id, "{what}: the same revision runs");
+        assert!(running(&node, "web") && running(&node, "api"), "{what}");
+        let error = status.spec_error.as_deref().unwrap_or_default();
+        assert!(error.contains("web.yaml:"), "{what}: {error:?}");
+
+        // Fixed: the errors clear and nothing restarted.
+        std::fs::write(
+            &path,
+            format!("{}---\n{}", spec("web", "a"), spec("api", "b")),
+        )
+        .expect("write");
+        let report = syncer.sync(&node, &list_specs(dir.path()));
+        assert_eq!(report, SyncReport::default(), "{what}");
+        let status = node.status("web").expect("still there");
+        assert_eq!(
+            (status.id.as_str(), status.spec_error.as_deref()),
+            (id.as_str(), None),
+            "{what}"
+        );
+        assert_eq!(events(&node, "web", "Started"), 1, "{what}");
+    }
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_file_that_names_no_alloc_does_not_keep_the_allocs_of_a_deleted_file() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
+    std::fs::write(dir.path().join("api.yaml"), spec("api", "b")).expect("write");
+    let node = node();
+    let mut syncer = Syncer::new([]);
+    syncer.sync(&node, &list_specs(dir.path()));
+    assert!(
+        node.wait_until(DEADLINE, |n| running(n, "web") && running(n, "api"))
+            .await
+    );
+
+    std::fs::write(dir.path().join("web.yaml"), "kind: [").expect("write");
+    std::fs::remove_file(dir.path().join("api.yaml")).expect("remove");
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    assert_eq!(
+        report
+            .removed
+            .iter()
+            .map(|n| n.as_str())
+            .collect::<Vec<_>>(),
+        ["api"],
+        "api's file is gone; web's file is broken"
+    );
+    assert!(running(&node, "web"));
+}
+
+#[tokio::test(start_paused = true)]
+async fn after_a_restart_an_alloc_of_a_file_that_names_no_alloc_keeps_running() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
+    let (clock, store) = (clock(), MemoryStore::default());
+    let mock = MockDriver::new(clock);
+    let first = node_over(store.clone(), mock.clone(), clock);
+    Syncer::new([]).sync(&first, &list_specs(dir.path()));
+    assert!(first.wait_until(DEADLINE, |n| running(n, "web")).await);
+    first
+        .shutdown(stead_controller::queue::Shutdown::Detach)
+        .await;
+
+    // While the agent is away, the file is half-written.
+    std::fs::write(dir.path().join("web.yaml"), "apiVersion: stead/v1\nkind: [").expect("write");
+    let second = node_over(store, mock, clock);
+    let restored = second.restore().expect("restored");
+    let mut syncer = Syncer::new(restored.allocs);
+    let report = syncer.sync(&second, &list_specs(dir.path()));
+    assert!(report.removed.is_empty(), "{report:?}");
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(running(&second, "web"));
+    assert_eq!(events(&second, "web", "Killing"), 0);
+
+    // Fixed: the file names the alloc again, and it is the same revision.
+    std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
+    let report = syncer.sync(&second, &list_specs(dir.path()));
+    assert_eq!(report, SyncReport::default());
+    assert_eq!(events(&second, "web", "Started"), 1);
 }
 
 #[tokio::test(start_paused = true)]
