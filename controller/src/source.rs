@@ -366,7 +366,7 @@ impl Syncer {
             .filter(|name| {
                 !listing.broken.contains_key(*name)
                     && !listing.conflicts.contains_key(*name)
-                    && !held.get(*name).is_some_and(|d| !d.is_empty())
+                    && held.get(*name).is_none_or(|d| d.is_empty())
                     && (listing.specs.contains_key(*name) || !self.applied.contains_key(*name))
             })
             .cloned()
