@@ -291,6 +291,17 @@ unsafe fn prepare_and_exec(child: &Child) -> libc::c_int {
             return libc::EPIPE;
         }
         libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
+        // Only stdin, stdout and stderr reach the task: whatever else is open here
+        // without close-on-exec (the supervisor's own descriptors have it) is marked so.
+        // `CLOSE_RANGE_CLOEXEC` came with Linux 5.11; an older kernel refuses it
+        // (`ENOSYS` or `EINVAL`), and listing `/proc/self/fd` instead would allocate, so
+        // there the task inherits them as before.
+        libc::syscall(
+            libc::SYS_close_range,
+            libc::c_uint::from(3u8),
+            libc::c_uint::MAX,
+            libc::CLOSE_RANGE_CLOEXEC,
+        );
         // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one
         // is remembered, so it is the error when nothing else is found.
         let mut denied = false;
@@ -394,6 +405,47 @@ mod tests {
         assert_eq!(fields[0], "hi", "{out}");
         assert!(fields[1].parse::<u32>().expect("a count") <= 5, "{out}");
         assert_eq!(fields[2], pid.as_raw_nonzero().to_string(), "{out}");
+    }
+
+    /// The descriptors `pid` holds: number and target.
+    fn descriptors(pid: Pid) -> Vec<(u32, std::path::PathBuf)> {
+        let mut open: Vec<(u32, std::path::PathBuf)> =
+            std::fs::read_dir(format!("/proc/{}/fd", pid.as_raw_nonzero()))
+                .expect("the task's descriptors")
+                .map(|entry| {
+                    let entry = entry.expect("an entry");
+                    let fd = entry
+                        .file_name()
+                        .to_string_lossy()
+                        .parse()
+                        .expect("a number");
+                    (fd, std::fs::read_link(entry.path()).unwrap_or_default())
+                })
+                .collect();
+        open.sort();
+        open
+    }
+
+    #[test]
+    fn a_descriptor_open_without_close_on_exec_in_the_supervisor_does_not_reach_the_task() {
+        let leaked = tempfile::NamedTempFile::new().expect("a temporary file");
+        rustix::io::fcntl_setfd(leaked.as_file(), rustix::io::FdFlags::empty())
+            .expect("close-on-exec cleared");
+        let (spawned, _stdout) = spawn_with("sleep", &["1000"], &[("PATH", "/usr/bin:/bin")]);
+        let pid = spawned.expect("spawned");
+        // The kernel lets the spawn return before `exec` closes the close-on-exec
+        // descriptors, and the new program's loader opens its own for a moment: wait
+        // until only stdin, stdout and stderr are left.
+        let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+        let mut open = descriptors(pid);
+        while open.iter().any(|(fd, _)| *fd > 2) && std::time::Instant::now() < deadline {
+            std::thread::sleep(std::time::Duration::from_millis(5));
+            open = descriptors(pid);
+        }
+        rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("killed");
+        wait(pid);
+        let fds: Vec<u32> = open.iter().map(|(fd, _)| *fd).collect();
+        assert_eq!(fds, [0, 1, 2], "{open:?}");
     }
 
     #[test]

@@ -160,9 +160,31 @@ pub(crate) fn default_signal_dispositions() {
     }
 }
 
+/// Closes every descriptor above stderr that the process inherited. The agent starts
+/// the fork server with stdin, stdout and stderr only, but a descriptor the agent itself
+/// inherited without close-on-exec (from a shell, a service manager, a test harness)
+/// reaches the server too, and every supervisor it forks would hold it for as long as
+/// its task runs. Called first thing, before this process opens anything.
+/// `close_range` came with Linux 5.9; on an older kernel they stay open.
+#[allow(unsafe_code)]
+fn close_inherited_descriptors() {
+    let no_flags: libc::c_uint = 0;
+    // SAFETY: nothing in this process uses a descriptor above 2 yet: this runs before
+    // anything is opened, and the standard library opens nothing at start.
+    unsafe {
+        libc::syscall(
+            libc::SYS_close_range,
+            libc::c_uint::from(3u8),
+            libc::c_uint::MAX,
+            no_flags,
+        );
+    }
+}
+
 /// The supervisor's entry point: `--zygote` serves start requests as a fork server;
 /// anything else is one supervisor's command line, with the environment on stdin.
 pub fn main() -> ExitCode {
+    close_inherited_descriptors();
     let mut argv = std::env::args_os().skip(1).peekable();
     if argv.peek().is_some_and(|first| first == "--zygote") {
         return crate::zygote::serve();

@@ -507,6 +507,62 @@ async fn a_task_running_as_another_user_dies_with_its_supervisor_too() {
     driver.destroy(&handle).await;
 }
 
+/// The descriptors `pid` holds: number and target, by number.
+fn descriptors(pid: u32) -> Vec<(u32, std::path::PathBuf)> {
+    let Ok(entries) = std::fs::read_dir(format!("/proc/{pid}/fd")) else {
+        return Vec::new();
+    };
+    let mut open: Vec<(u32, std::path::PathBuf)> = entries
+        .filter_map(Result::ok)
+        .filter_map(|entry| {
+            let fd = entry.file_name().to_str()?.parse().ok()?;
+            Some((fd, std::fs::read_link(entry.path()).unwrap_or_default()))
+        })
+        .collect();
+    open.sort();
+    open
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_descriptor_the_agent_leaks_reaches_neither_the_fork_server_nor_a_supervisor_nor_a_task()
+{
+    let data = DataDir::new();
+    let leaked_path = data
+        .path()
+        .canonicalize()
+        .expect("the data dir")
+        .join("leaked");
+    let leaked = std::fs::File::create(&leaked_path).expect("created");
+    // As a descriptor the agent inherited from whoever started it would be.
+    rustix::io::fcntl_setfd(&leaked, rustix::io::FdFlags::empty()).expect("close-on-exec cleared");
+    let driver = exec_driver(data.path(), true);
+    let handle = driver
+        .start(request("leak", "/bin/sleep", &["1000"], None))
+        .await
+        .expect("started");
+    let pid = handle.pid.expect("a pid");
+    let supervisor: u32 = stat_field(pid, 4)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent");
+    let server = driver.fork_server_pid().expect("the fork server runs");
+    for (who, holder) in [("fork server", server), ("supervisor", supervisor)] {
+        let open = descriptors(holder);
+        assert!(
+            !open.iter().any(|(_, target)| *target == leaked_path),
+            "the {who} holds the leaked file: {open:?}"
+        );
+    }
+    // The kernel lets the supervisor go on before `exec` has closed the close-on-exec
+    // descriptors, and the program's loader opens files of its own for a moment: wait
+    // until only stdin, stdout and stderr are left.
+    eventually("the task holds only stdin, stdout and stderr", || {
+        descriptors(pid).iter().map(|(fd, _)| *fd).eq([0, 1, 2])
+    })
+    .await;
+    stop(&driver, &handle).await;
+    drop(leaked);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_no_agent_learnt_of_is_stopped_when_its_task_starts_again() {
     let data = DataDir::new();
