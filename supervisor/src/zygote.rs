@@ -90,24 +90,34 @@ pub(crate) fn serve() -> ExitCode {
             continue; // a request without a pipe has no one to answer
         };
         if message.flags.contains(ReturnFlags::TRUNC) {
-            answer(&report, "the start request is too large".to_owned());
+            answer(&report, false, "the start request is too large".to_owned());
             continue;
         }
         match protocol::decode_request(&buffer[..message.bytes]) {
             Ok((args, environment)) => fork_supervisor(&args, environment, report, &children),
-            Err(error) => answer(&report, error.to_string()),
+            Err(error) => answer(&report, false, error.to_string()),
         }
     }
 }
 
-/// Reports on `report` that the run failed before it started.
-fn answer(report: &OwnedFd, message: String) {
+/// Reports on `report` that the run failed before it started; `recoverable` when the
+/// same request may succeed later.
+fn answer(report: &OwnedFd, recoverable: bool, message: String) {
     let line = Report::Failed {
-        recoverable: false,
+        recoverable,
         message,
     }
     .to_line();
     let _ = rustix::io::write(report, line.as_bytes());
+}
+
+/// Whether a `fork()` that failed may succeed later: the node, or the agent's pids
+/// cgroup (`pids.max`) or user (`RLIMIT_NPROC`), had no process to spare (`EAGAIN`), or
+/// there was no memory for one (`ENOMEM`). Nothing in the request makes a fork fail, so
+/// these are worth the restart policy's retry, as a failed task spawn is
+/// ([`crate::supervise`]).
+fn fork_failure_is_recoverable(error: &io::Error) -> bool {
+    matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM))
 }
 
 /// `fork()`: `None` in the child, the child's pid in the parent.
@@ -132,7 +142,11 @@ fn fork_supervisor(
     children: &ChildSignals,
 ) {
     match fork() {
-        Err(error) => answer(&report, format!("forking the supervisor: {error}")),
+        Err(error) => answer(
+            &report,
+            fork_failure_is_recoverable(&error),
+            format!("forking the supervisor: {error}"),
+        ),
         Ok(Some(_)) => {}
         Ok(None) => {
             children.leave();
@@ -159,4 +173,43 @@ fn become_supervisor(
     }
     drop(report);
     std::process::exit(i32::from(supervise::run(args, environment)))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_fork_that_failed_for_want_of_processes_or_memory_is_recoverable_and_others_are_not() {
+        let failed = |errno| fork_failure_is_recoverable(&io::Error::from_raw_os_error(errno));
+        assert!(
+            failed(libc::EAGAIN),
+            "out of processes: pids.max or RLIMIT_NPROC"
+        );
+        assert!(failed(libc::ENOMEM), "out of memory");
+        assert!(!failed(libc::ENOSYS));
+        assert!(!fork_failure_is_recoverable(&io::Error::other("no errno")));
+    }
+
+    #[test]
+    fn the_answer_to_a_failed_start_reads_back_as_a_failure_with_its_recoverability() {
+        for recoverable in [true, false] {
+            let (read, write) = rustix::pipe::pipe().expect("pipe");
+            answer(
+                &write,
+                recoverable,
+                "forking the supervisor: busy".to_owned(),
+            );
+            drop(write);
+            let mut line = String::new();
+            io::Read::read_to_string(&mut std::fs::File::from(read), &mut line).expect("read");
+            assert_eq!(
+                Report::parse(&line).expect("a report line"),
+                Report::Failed {
+                    recoverable,
+                    message: "forking the supervisor: busy".to_owned(),
+                }
+            );
+        }
+    }
 }

@@ -564,6 +564,69 @@ async fn a_descriptor_the_agent_leaks_reaches_neither_the_fork_server_nor_a_supe
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_the_fork_server_has_no_process_to_fork_for_fails_recoverably() {
+    if !running_as_root() {
+        eprintln!("skipped: only root can start the fork server as another user");
+        return;
+    }
+    let tool = |name: &str| {
+        ["/usr/bin", "/bin", "/usr/sbin", "/sbin"]
+            .iter()
+            .map(|dir| std::path::Path::new(dir).join(name))
+            .find(|path| path.exists())
+    };
+    let (Some(prlimit), Some(setpriv)) = (tool("prlimit"), tool("setpriv")) else {
+        eprintln!("skipped: prlimit and setpriv (util-linux) are not both installed");
+        return;
+    };
+    let data = DataDir::new();
+    // The fork server runs as a user of its own with `RLIMIT_NPROC` 1: it runs, and
+    // its first fork fails with EAGAIN, as in a full pids cgroup. Its ids are set
+    // before the limit counts (a process over it may not `exec`), and the uid is
+    // one no other process has.
+    let uid = 3_735_928_559_u32;
+    let wrapper = data.path().join("supervisor");
+    std::fs::write(
+        &wrapper,
+        format!(
+            "#!/bin/sh\nexec {} --nproc=1:1 {} --reuid={uid} --regid={uid} --clear-groups {} \"$@\"\n",
+            prlimit.display(),
+            setpriv.display(),
+            exec_support::supervisor().display(),
+        ),
+    )
+    .expect("written");
+    std::fs::set_permissions(
+        &wrapper,
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .expect("made executable");
+    let driver = ExecDriver::new(
+        stead_controller::driver::exec::ExecDriverConfig {
+            data_dir: data.path().to_owned(),
+            allow_root: true,
+            supervisor: wrapper,
+        },
+        stead_controller::clock::Clock::system(),
+    );
+    let failed = driver
+        .start(request("busy", "/bin/sleep", &["1000"], None))
+        .await
+        .expect_err("no process to fork");
+    match &failed {
+        DriverError::Start {
+            message,
+            recoverable,
+            ..
+        } => {
+            assert!(message.contains("forking the supervisor"), "{message}");
+            assert!(recoverable, "a retry may find a process free: {message}");
+        }
+        other => panic!("unexpected {other:?}"),
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_run_no_agent_learnt_of_is_stopped_when_its_task_starts_again() {
     let data = DataDir::new();
     // An agent starts the task and dies before it records the handle.
