@@ -147,6 +147,12 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// A token file holds no token: the API would require none.
+    #[error("token file {} is empty; an agent configured with a token never runs without one", path.display())]
+    EmptyTokenFile {
+        /// The file.
+        path: PathBuf,
+    },
 }
 
 impl Settings {
@@ -168,15 +174,18 @@ impl Settings {
         let drain = args.drain || config.shutdown == Some(ShutdownMode::Drain);
         let token = match (&config.token, &config.token_file) {
             (Some(token), _) => Some(token.clone()),
-            (None, Some(path)) => Some(
-                std::fs::read_to_string(path)
-                    .map_err(|source| AgentError::TokenFile {
+            (None, Some(path)) => {
+                let token =
+                    std::fs::read_to_string(path).map_err(|source| AgentError::TokenFile {
                         path: path.clone(),
                         source,
-                    })?
-                    .trim()
-                    .to_owned(),
-            ),
+                    })?;
+                let token = token.trim();
+                if token.is_empty() {
+                    return Err(AgentError::EmptyTokenFile { path: path.clone() });
+                }
+                Some(token.to_owned())
+            }
             (None, None) => None,
         };
         let enabled = |toggle: Option<&stead_schemas::config::DriverToggle>| {
@@ -714,6 +723,25 @@ mod tests {
         .expect("flags");
         assert_eq!(flagged.listen, "127.0.0.1:1");
         std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn an_empty_token_file_refuses_to_start_rather_than_serve_without_a_token() {
+        let dir = tempfile::tempdir().expect("dir");
+        let (config, token) = (dir.path().join("agent.yaml"), dir.path().join("token"));
+        std::fs::write(&config, format!("tokenFile: {}\n", token.display())).expect("write");
+        std::fs::write(&token, " \n").expect("write");
+        let error = Settings::resolve(&args(Some(config.clone()))).expect_err("refused");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "token file {} is empty; an agent configured with a token never runs without one",
+                token.display()
+            )
+        );
+        std::fs::write(&token, "s3cret\n").expect("write");
+        let settings = Settings::resolve(&args(Some(config))).expect("a token");
+        assert_eq!(settings.token.as_deref(), Some("s3cret"));
     }
 
     #[test]

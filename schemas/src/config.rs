@@ -3,7 +3,7 @@
 
 use std::path::{Path, PathBuf};
 
-use serde::{Deserialize, Serialize};
+use serde::{Deserialize, Deserializer, Serialize};
 
 use crate::duration::Duration;
 
@@ -19,13 +19,16 @@ pub struct AgentConfig {
     pub listen: Option<String>,
     /// Also serve the API on this unix socket, created mode 0600.
     pub socket: Option<PathBuf>,
-    /// A bearer token the API requires.
+    /// A bearer token the API requires (not empty: an empty one would require nothing).
+    #[serde(default, deserialize_with = "non_blank")]
     pub token: Option<String>,
     /// A file holding the bearer token (its surrounding whitespace is ignored).
     pub token_file: Option<PathBuf>,
     /// The level re-check period (default 1s).
+    #[serde(default, deserialize_with = "tick")]
     pub tick: Option<Duration>,
     /// The full re-listing period of the specs directory (default 20s).
+    #[serde(default, deserialize_with = "resync")]
     pub resync: Option<Duration>,
     /// Watch the specs directory for changes (default true); false relies on resync.
     pub watch: Option<bool>,
@@ -74,6 +77,7 @@ pub enum LogFormat {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct GcConfig {
     /// How often GC runs (default 1m).
+    #[serde(default, deserialize_with = "gc_interval")]
     pub interval: Option<Duration>,
     /// Terminal allocs kept at most (default 50).
     pub max_allocs: Option<u32>,
@@ -121,6 +125,7 @@ pub struct DevicesConfig {
     #[serde(rename = "static")]
     pub static_devices: Option<Vec<StaticDeviceGroup>>,
     /// How often the static plugin reads its health files (default 5s).
+    #[serde(default, deserialize_with = "health_interval")]
     pub health_interval: Option<Duration>,
 }
 
@@ -151,6 +156,50 @@ pub struct StaticDeviceGroup {
 pub struct StaticDeviceInstance {
     /// Its id, unique in its group.
     pub id: String,
+}
+
+/// The period of a loop, `key`: longer than zero, which would make the loop spin (or,
+/// for a timer, not start at all).
+fn period<'de, D: Deserializer<'de>>(
+    deserializer: D,
+    key: &str,
+) -> Result<Option<Duration>, D::Error> {
+    let period = Option::<Duration>::deserialize(deserializer)?;
+    if period.is_some_and(|p| p.get().is_zero()) {
+        return Err(serde::de::Error::custom(format!(
+            "{key}: a period must be longer than 0s"
+        )));
+    }
+    Ok(period)
+}
+
+fn tick<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    period(deserializer, "tick")
+}
+
+fn resync<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    period(deserializer, "resync")
+}
+
+fn gc_interval<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
+    period(deserializer, "gc.interval")
+}
+
+fn health_interval<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Duration>, D::Error> {
+    period(deserializer, "devices.healthInterval")
+}
+
+/// A secret that is not empty or blank.
+fn non_blank<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
+    let secret = Option::<String>::deserialize(deserializer)?;
+    if secret.as_deref().is_some_and(|s| s.trim().is_empty()) {
+        return Err(serde::de::Error::custom(
+            "token: empty; remove the key to require no token",
+        ));
+    }
+    Ok(secret)
 }
 
 /// A config file that could not be read.
@@ -197,10 +246,12 @@ impl AgentConfig {
         serde_saphyr::from_str::<AgentConfig>(text).map_err(|error| {
             let (line, column) = error.location().map_or((1, 1), |l| (l.line(), l.column()));
             let message = error.without_snippet().to_string();
+            let message = message.lines().next().unwrap_or("invalid config");
+            // The location leads the message already.
             let message = message
-                .lines()
-                .next()
-                .unwrap_or("invalid config")
+                .rsplit_once(" at line ")
+                .filter(|(_, at)| at.contains(", column "))
+                .map_or(message, |(message, _)| message)
                 .to_owned();
             ConfigError::Invalid {
                 path: path.to_owned(),
@@ -255,6 +306,43 @@ logFormat: json
                 .len(),
             2
         );
+    }
+
+    #[test]
+    fn a_zero_period_or_a_blank_token_is_an_error_naming_its_key_and_location() {
+        let table = [
+            (
+                "listen: x\ntick: 0s\n",
+                "agent.yaml:2:7: tick: a period must be longer than 0s",
+            ),
+            (
+                "resync: 0\n",
+                "agent.yaml:1:9: resync: a period must be longer than 0s",
+            ),
+            (
+                "gc:\n  interval: 0ms\n",
+                "agent.yaml:2:13: gc.interval: a period must be longer than 0s",
+            ),
+            (
+                "devices: {healthInterval: 0s}\n",
+                "agent.yaml:1:27: devices.healthInterval: a period must be longer than 0s",
+            ),
+            (
+                "token: \"\"\n",
+                "agent.yaml:1:8: token: empty; remove the key to require no token",
+            ),
+            (
+                "token: \"  \"\n",
+                "agent.yaml:1:8: token: empty; remove the key to require no token",
+            ),
+        ];
+        for (text, expected) in table {
+            let error = AgentConfig::parse(Path::new("agent.yaml"), text).expect_err(text);
+            assert_eq!(error.to_string(), expected, "{text:?}");
+        }
+        let config = AgentConfig::parse(Path::new("agent.yaml"), "tick: 1ms\nmaxKillTimeout: 0s\n")
+            .expect("a short period, and a kill timeout of zero, are fine");
+        assert_eq!(config.tick, Some(Duration::from_millis(1)));
     }
 
     #[test]
