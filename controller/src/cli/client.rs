@@ -84,7 +84,10 @@ impl Client {
     /// A client of the agent at `address` (see [`DEFAULT_ADDRESS`]).
     pub(crate) fn new(address: &str, token: Option<String>) -> anyhow::Result<Client> {
         let endpoint = Endpoint::parse(address)?;
+        // The agent is on this host (loopback or a unix socket) or addressed directly:
+        // never through a proxy from the environment, which would see the token.
         let builder = reqwest::Client::builder()
+            .no_proxy()
             .connect_timeout(CONNECT_TIMEOUT)
             .user_agent(concat!("stead/", env!("CARGO_PKG_VERSION")));
         let (builder, base) = match endpoint {
