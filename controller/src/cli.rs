@@ -131,6 +131,17 @@ fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Re
             )
         })
         .collect();
+    // Nothing to check is a mistake (a mistyped path or extension), not a success.
+    if files.is_empty() && unreadable.is_empty() {
+        for path in paths {
+            diagnostics.push(Diagnostic::new(
+                path,
+                Location::START,
+                "",
+                "no spec files here: a spec file ends in .yaml or .yml",
+            ));
+        }
+    }
     let mut parsed: Vec<SpecFile> = Vec::new();
     for path in &files {
         match read_spec(path) {

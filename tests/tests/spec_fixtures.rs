@@ -79,6 +79,22 @@ fn a_ten_megabyte_file_is_refused_without_being_parsed() {
 }
 
 #[test]
+fn validating_a_directory_without_spec_files_fails_naming_it() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("web.YAML"), "").expect("write");
+    std::fs::write(dir.path().join("notes.txt"), "").expect("write");
+    let path = dir.path().to_str().expect("utf-8 path");
+    let (code, out, _) = stead(&["validate", path]);
+    assert_eq!(code, 1, "{out}");
+    assert_eq!(
+        out,
+        format!(
+            "{path}:1:1: no spec files here: a spec file ends in .yaml or .yml\n0 files checked, 0 allocs valid, 1 problem\n"
+        )
+    );
+}
+
+#[test]
 fn every_example_in_deploy_is_valid() {
     let examples = workspace_dir().join("deploy/examples");
     let (code, out, err) = stead(&["validate", examples.to_str().expect("utf-8 path")]);
