@@ -2,7 +2,8 @@
 //!
 //! ```text
 //! stead-supervisor --dir DIR --control DIR --run ID --logs DIR --name TASK --max-files N
-//!                  --max-file-size BYTES [--uid UID --gid GID] -- COMMAND [ARG]...
+//!                  --max-file-size BYTES [--uid UID --gid GID [--groups GID,GID...]]
+//!                  -- COMMAND [ARG]...
 //! ```
 //!
 //! The task's environment is not on the command line: it comes on stdin, as
@@ -33,6 +34,10 @@ pub struct SupervisorArgs {
     pub uid: Option<u32>,
     /// The group id to run the task as; `None` keeps the supervisor's.
     pub gid: Option<u32>,
+    /// The supplementary groups the task runs with when it switches user (`uid` set and
+    /// the supervisor root), the primary group first as `getgrouplist(3)` lists them;
+    /// empty: none. Resolved by the agent: the supervisor looks nothing up.
+    pub groups: Vec<u32>,
     /// The program: a path (relative to the task dir) or a name looked up in the task's `PATH`.
     pub command: OsString,
     /// The program's arguments.
@@ -94,6 +99,10 @@ impl SupervisorArgs {
         if let Some(gid) = self.gid {
             flag("--gid", gid.to_string().into());
         }
+        if !self.groups.is_empty() {
+            let groups: Vec<String> = self.groups.iter().map(u32::to_string).collect();
+            flag("--groups", groups.join(",").into());
+        }
         out.push("--".into());
         out.push(self.command.clone());
         out.extend(self.args.iter().cloned());
@@ -112,6 +121,7 @@ impl SupervisorArgs {
         let mut max_file_size = None;
         let mut uid = None;
         let mut gid = None;
+        let mut groups = Vec::new();
         loop {
             let Some(flag) = args.next() else {
                 return Err(ArgsError::NoCommand);
@@ -133,6 +143,7 @@ impl SupervisorArgs {
                 "--max-file-size" => max_file_size = Some(number::<u64>(&flag, &value)?),
                 "--uid" => uid = Some(number::<u32>(&flag, &value)?),
                 "--gid" => gid = Some(number::<u32>(&flag, &value)?),
+                "--groups" => groups = group_list(&flag, &value)?,
                 _ => return Err(ArgsError::UnknownFlag { flag }),
             }
         }
@@ -165,6 +176,7 @@ impl SupervisorArgs {
             max_file_size,
             uid,
             gid,
+            groups,
             command,
             args: args.collect(),
         })
@@ -195,6 +207,29 @@ fn text(flag: &str, value: &OsStr, valid: fn(&str) -> bool) -> Result<String, Ar
     }
 }
 
+/// At most this many supplementary groups: Linux's `NGROUPS_MAX`.
+const MAX_GROUPS: usize = 65_536;
+
+/// A comma-separated list of group ids; empty for an empty value.
+fn group_list(flag: &str, value: &OsStr) -> Result<Vec<u32>, ArgsError> {
+    let invalid = || ArgsError::InvalidValue {
+        flag: flag.to_owned(),
+        value: value.to_string_lossy().into_owned(),
+    };
+    let text = value.to_str().ok_or_else(invalid)?;
+    if text.is_empty() {
+        return Ok(Vec::new());
+    }
+    let groups = text
+        .split(',')
+        .map(|id| id.parse::<u32>().map_err(|_| invalid()))
+        .collect::<Result<Vec<u32>, ArgsError>>()?;
+    if groups.len() > MAX_GROUPS {
+        return Err(invalid());
+    }
+    Ok(groups)
+}
+
 fn number<T: std::str::FromStr>(flag: &str, value: &OsStr) -> Result<T, ArgsError> {
     value
         .to_str()
@@ -220,6 +255,7 @@ mod tests {
             max_file_size: 1 << 20,
             uid: Some(65534),
             gid: Some(65534),
+            groups: vec![65534, 44, 109],
             command: "/bin/sh".into(),
             args: vec!["-c".into(), "echo --run".into()],
         }
@@ -232,12 +268,57 @@ mod tests {
         let without_user = SupervisorArgs {
             uid: None,
             gid: None,
+            groups: Vec::new(),
             ..args
         };
         assert_eq!(
             SupervisorArgs::parse(without_user.to_args()),
             Ok(without_user)
         );
+    }
+
+    #[test]
+    fn supplementary_groups_are_a_comma_separated_list_of_ids() {
+        let line = sample().to_args();
+        let at = line
+            .iter()
+            .position(|arg| arg == "--groups")
+            .expect("a --groups flag");
+        assert_eq!(line[at + 1], "65534,44,109");
+        let parse = |groups: &str| {
+            SupervisorArgs::parse(
+                [
+                    "--groups",
+                    groups,
+                    "--max-files",
+                    "1",
+                    "--max-file-size",
+                    "1",
+                ]
+                .into_iter()
+                .chain(["--dir", "/t", "--control", "/t/.stead", "--run", "ab"])
+                .chain(["--logs", "/l", "--name", "t", "--", "true"])
+                .map(OsString::from),
+            )
+            .map(|args| args.groups)
+        };
+        assert_eq!(parse("7"), Ok(vec![7]));
+        assert_eq!(parse(""), Ok(vec![]));
+        for bad in ["1,,2", "1,", "x", "-1", "1 2", "4294967296"] {
+            assert_eq!(
+                parse(bad),
+                Err(ArgsError::InvalidValue {
+                    flag: "--groups".into(),
+                    value: bad.into()
+                }),
+                "{bad}"
+            );
+        }
+        let too_many = vec!["0"; MAX_GROUPS + 1].join(",");
+        assert!(matches!(
+            parse(&too_many),
+            Err(ArgsError::InvalidValue { .. })
+        ));
     }
 
     #[test]

@@ -12,7 +12,7 @@
 //! 2. reads the task's environment from its stdin (never from its own environment: the
 //!    task's `LD_PRELOAD` must not load into a process that may run as root);
 //! 3. starts the task in its own session and process group, in its cwd (the task dir), as
-//!    the given uid/gid, with `PR_SET_PDEATHSIG` so the task dies with the supervisor;
+//!    the given uid/gid and supplementary groups, with `PR_SET_PDEATHSIG` so the task dies with the supervisor;
 //! 4. reports `started` (or `failed`) on its stdout, a pipe to the agent ([`protocol`]);
 //! 5. copies the task's stdout and stderr into rotating files ([`logs`]);
 //! 6. when the task exits, kills whatever the task left behind, drains the logs, reports

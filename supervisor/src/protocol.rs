@@ -466,7 +466,7 @@ mod tests {
     }
 
     #[test]
-    fn start_requests_round_trip_with_empty_arguments_and_environment_values() {
+    fn start_requests_round_trip_with_ids_groups_empty_arguments_and_environment_values() {
         let args = SupervisorArgs {
             task_dir: "/d/t".into(),
             control_dir: "/d/t/.stead".into(),
@@ -475,8 +475,9 @@ mod tests {
             name: "t".to_owned(),
             max_files: 2,
             max_file_size: 10,
-            uid: None,
-            gid: None,
+            uid: Some(1000),
+            gid: Some(100),
+            groups: vec![100, 27, 4_000_000_000],
             command: "echo".into(),
             args: vec!["".into(), "x=y".into()],
         };

@@ -29,6 +29,9 @@ pub(crate) struct TaskCommand<'a> {
     pub environment: &'a [(OsString, OsString)],
     pub uid: Option<u32>,
     pub gid: Option<u32>,
+    /// The supplementary groups set when the task switches user (`uid` set) and the
+    /// supervisor is root; empty: none.
+    pub groups: &'a [u32],
     /// The write ends of the output pipes, consumed: the supervisor's copies close once
     /// the task has its own, so the pipes reach EOF when the task's are gone.
     pub stdout: OwnedFd,
@@ -45,6 +48,8 @@ struct Child {
     stderr: RawFd,
     uid: Option<u32>,
     gid: Option<u32>,
+    /// The supplementary groups, as the kernel takes them (built before the clone).
+    groups: Vec<libc::gid_t>,
     parent: libc::pid_t,
     /// The signal mask the task starts with: the supervisor's, `SIGCHLD` unblocked.
     mask: libc::sigset_t,
@@ -129,7 +134,8 @@ impl Drop for Stack {
     }
 }
 
-/// Starts the task in its own session, dying with the supervisor, as `uid`/`gid`, with
+/// Starts the task in its own session, dying with the supervisor, as `uid`/`gid` with
+/// `groups`, with
 /// `/dev/null` as stdin; returns its pid once it has `exec`ed.
 #[allow(unsafe_code)]
 pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
@@ -167,6 +173,11 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
         stderr: command.stderr.as_raw_fd(),
         uid: command.uid,
         gid: command.gid,
+        groups: command
+            .groups
+            .iter()
+            .map(|&gid| libc::gid_t::from(gid))
+            .collect(),
         parent: std::process::id().try_into().unwrap_or(0),
         // SAFETY: an all-zero `sigset_t` is a valid (empty) set; it is overwritten below.
         mask: unsafe { std::mem::zeroed() },
@@ -262,22 +273,31 @@ unsafe fn prepare_and_exec(child: &Child) -> libc::c_int {
             return errno();
         }
         // Raw system calls: glibc's wrappers would signal the supervisor's other threads
-        // to change their ids too, from a process that only shares their memory.
+        // to change their ids too, from a process that only shares their memory. The
+        // groups first, while the child may still set them; then the group, then the
+        // user, which gives up the right to change either.
+        // Switching user from root replaces root's supplementary groups with the user's
+        // (`initgroups` does the same); a supervisor that is not root cannot set them,
+        // and only runs tasks as its own user.
+        if child.uid.is_some()
+            && libc::getuid() == 0
+            && libc::syscall(
+                libc::SYS_setgroups,
+                child.groups.len(),
+                child.groups.as_ptr(),
+            ) == -1
+        {
+            return errno();
+        }
         if let Some(gid) = child.gid
             && libc::syscall(libc::SYS_setgid, libc::c_long::from(gid)) == -1
         {
             return errno();
         }
-        if let Some(uid) = child.uid {
-            // Dropping root also drops its supplementary groups.
-            if libc::getuid() == 0
-                && libc::syscall(libc::SYS_setgroups, 0, ptr::null::<libc::gid_t>()) == -1
-            {
-                return errno();
-            }
-            if libc::syscall(libc::SYS_setuid, libc::c_long::from(uid)) == -1 {
-                return errno();
-            }
+        if let Some(uid) = child.uid
+            && libc::syscall(libc::SYS_setuid, libc::c_long::from(uid)) == -1
+        {
+            return errno();
         }
         // After the ids: the kernel clears the parent-death signal when the credentials
         // change, so set before them it would be gone for every task that switches user.
@@ -380,6 +400,7 @@ mod tests {
             environment: &env(environment),
             uid: None,
             gid: None,
+            groups: &[],
             stdout: write,
             stderr: err_write,
         });
@@ -449,6 +470,37 @@ mod tests {
         wait(pid);
         let fds: Vec<u32> = open.iter().map(|(fd, _)| *fd).collect();
         assert_eq!(fds, [0, 1, 2], "{open:?}");
+    }
+
+    #[test]
+    fn a_task_switching_user_from_root_runs_with_exactly_the_supplementary_groups_given() {
+        if !rustix::process::getuid().is_root() {
+            eprintln!("skipped: only root can switch a task's user and groups");
+            return;
+        }
+        let (read, write) = pipe();
+        let (_err_read, err_write) = pipe();
+        let args = ["-c".into(), "grep '^Groups:' /proc/self/status".into()];
+        let pid = spawn(TaskCommand {
+            program: OsStr::new("/bin/sh"),
+            args: &args,
+            environment: &env(&[("PATH", "/usr/bin:/bin")]),
+            uid: Some(65534),
+            gid: Some(65534),
+            groups: &[65534, 4_000_000_001, 4242],
+            stdout: write,
+            stderr: err_write,
+        })
+        .expect("spawned");
+        assert!(wait(pid).exit_status() == Some(0));
+        let mut out = String::new();
+        std::io::Read::read_to_string(&mut std::fs::File::from(read), &mut out).expect("read");
+        // The kernel lists them sorted.
+        assert_eq!(
+            out.split_whitespace().collect::<Vec<_>>(),
+            ["Groups:", "4242", "65534", "4000000001"],
+            "{out}"
+        );
     }
 
     #[test]

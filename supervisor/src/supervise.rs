@@ -334,6 +334,7 @@ fn start(
         environment: &environment,
         uid: args.uid,
         gid: args.gid,
+        groups: &args.groups,
         stdout: stdout_write,
         stderr: stderr_write,
     })

@@ -1,6 +1,6 @@
-//! The exec driver on its own, with real processes: the task's environment, session and
-//! user; reattach that refuses a reused pid; signals; stats; the fingerprint and its
-//! health hook.
+//! The exec driver on its own, with real processes: the task's environment, session,
+//! user and groups; reattach that refuses a reused pid; signals; stats; the fingerprint
+//! and its health hook.
 
 mod exec_support;
 
@@ -505,6 +505,66 @@ async fn a_task_running_as_another_user_dies_with_its_supervisor_too() {
     assert!(exit.error.is_some(), "{exit:?}");
     eventually("the task died with its supervisor", || !alive(pid)).await;
     driver.destroy(&handle).await;
+}
+
+/// A user of `/etc/passwd` other than root that `/etc/group` lists as a member of a group
+/// other than its primary one: the user's name, its primary gid and that group's gid.
+fn member_of_a_supplementary_group() -> Option<(String, u32, u32)> {
+    let passwd = std::fs::read_to_string("/etc/passwd").ok()?;
+    let group = std::fs::read_to_string("/etc/group").ok()?;
+    let primary = |user: &str| {
+        passwd.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split(':').collect();
+            let (uid, gid) = (
+                fields.get(2)?.parse::<u32>().ok()?,
+                fields.get(3)?.parse().ok()?,
+            );
+            (fields[0] == user && uid != 0).then_some(gid)
+        })
+    };
+    group.lines().find_map(|line| {
+        let fields: Vec<&str> = line.split(':').collect();
+        let gid: u32 = fields.get(2)?.parse().ok()?;
+        fields.get(3)?.split(',').find_map(|user| {
+            let primary = primary(user).filter(|primary| *primary != gid)?;
+            Some((user.to_owned(), primary, gid))
+        })
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_running_as_another_user_has_that_users_supplementary_groups_and_not_roots() {
+    if !running_as_root() {
+        eprintln!("skipped: only root can start a task as another user");
+        return;
+    }
+    let Some((user, primary, member_of)) = member_of_a_supplementary_group() else {
+        eprintln!(
+            "skipped: /etc/group names no user of /etc/passwd but root as a member of a group other than its primary one"
+        );
+        return;
+    };
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), false);
+    let handle = driver
+        .start(request("grouped", "/bin/sleep", &["1000"], Some(&user)))
+        .await
+        .expect("started");
+    let pid = handle.pid.expect("a pid");
+    let groups = status_field(pid, "Groups").expect("a groups line");
+    let groups: Vec<u32> = groups
+        .split_whitespace()
+        .map(|gid| gid.parse().expect("a gid"))
+        .collect();
+    assert!(
+        groups.contains(&member_of) && groups.contains(&primary),
+        "{user} is in groups {primary} and {member_of}, the task in {groups:?}"
+    );
+    assert!(
+        !groups.contains(&0),
+        "root's group stays behind: {groups:?}"
+    );
+    stop(&driver, &handle).await;
 }
 
 /// The descriptors `pid` holds: number and target, by number.

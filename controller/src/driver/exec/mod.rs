@@ -119,11 +119,11 @@ enum ExecError {
     WrongDriver,
     #[error("the {what} holds a NUL byte")]
     NulByte { what: String },
-    #[error("looking up user {user:?} in /etc/passwd")]
+    #[error("looking up user {user:?}")]
     Passwd {
         user: String,
         #[source]
-        source: io::Error,
+        source: user::AccountFileError,
     },
     #[error("user {user:?} does not exist")]
     UnknownUser { user: String },
@@ -279,6 +279,8 @@ impl ExecDriver {
                 agent: Account {
                     uid: rustix::process::geteuid().as_raw(),
                     gid: rustix::process::getegid().as_raw(),
+                    // Never set: a task that runs as the agent keeps the agent's groups.
+                    groups: Vec::new(),
                 },
                 zygote: zygote::Zygote::default(),
             }),
@@ -340,7 +342,7 @@ impl Inner {
         let account = match user {
             None => None,
             Some(user) => Some(
-                user::lookup(Path::new("/etc/passwd"), user)
+                user::lookup(Path::new("/etc/passwd"), Path::new("/etc/group"), user)
                     .map_err(|source| ExecError::Passwd {
                         user: user.to_owned(),
                         source,
@@ -350,7 +352,7 @@ impl Inner {
                     })?,
             ),
         };
-        let effective = account.unwrap_or(self.agent);
+        let effective = account.as_ref().unwrap_or(&self.agent);
         if effective.uid == 0 && !self.config.allow_root {
             return Err(ExecError::RootRefused);
         }
@@ -416,7 +418,7 @@ impl Inner {
         let account = self.account_for(request.user.as_deref())?;
         let alloc_dir = self.dirs.alloc(&request.alloc_id);
         let task_dir = alloc_dir
-            .build_task(&request.task, account.map(|a| (a.uid, a.gid)))
+            .build_task(&request.task, account.as_ref().map(|a| (a.uid, a.gid)))
             .map_err(ExecError::TaskDir)?;
         let env = Self::environment(&request, &alloc_dir, &task_dir);
         let args = config.args.clone().unwrap_or_default();
@@ -443,8 +445,9 @@ impl Inner {
             name: request.task.to_string(),
             max_files: request.logs.max_files,
             max_file_size: u64::from(request.logs.max_file_size_mb) * 1024 * 1024,
-            uid: account.map(|a| a.uid),
-            gid: account.map(|a| a.gid),
+            uid: account.as_ref().map(|a| a.uid),
+            gid: account.as_ref().map(|a| a.gid),
+            groups: account.map(|a| a.groups).unwrap_or_default(),
             command: OsString::from(&config.command),
             args: args.iter().map(OsString::from).collect(),
         };
