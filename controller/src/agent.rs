@@ -525,9 +525,19 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     }
     let mut failure = None;
     loop {
-        // (Re)start the watcher before listing, so no change falls between the two; a
-        // directory that cannot be watched yet is tried again at the next resync.
-        if settings.watch && watcher.is_none() {
+        // (Re)start the watcher before listing, so no change falls between the two: when
+        // there is none (a directory that cannot be watched yet is tried again at the next
+        // resync), and when the directory at the path is not the one watched (replaced).
+        if settings.watch
+            && watcher
+                .as_ref()
+                .is_none_or(|w| !w.watches(&settings.specs_dir))
+        {
+            // A replaced directory's files may have come after the last listing: list
+            // once more, under the new watcher.
+            if watcher.take().is_some() {
+                changed.notify_one();
+            }
             watcher = start_watcher(&settings.specs_dir, &changed);
         }
         let trigger = tokio::select! {

@@ -7,12 +7,18 @@
 //! exist yet). The directory is watched recursively, as the listing walks it, so an
 //! editor's save by rename (`web.yaml.tmp` → `web.yaml`) is seen as the rename it is.
 //!
+//! The directory itself may be replaced (renamed away and made again, or a symlink to it
+//! swapped, as deploy tools do): its parent is watched too, for events naming it, and
+//! [`SpecsWatcher::watches`] tells the loop when the directory it watches is no longer
+//! the one at the path, so that it starts a new watcher.
+//!
 //! The watcher hands over raw events; the loop does the debouncing (it waits
 //! [`DEBOUNCE`] after a wake-up, then lists once). A debouncer that interprets events
 //! would be wrong here: one that drops a file's creation and removal when both fall in
 //! its window never wakes the loop for the removal, yet a resync between the two may
 //! already have started the file's alloc.
 
+use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
@@ -43,6 +49,16 @@ pub struct WatchError {
 /// A running watcher; dropping it stops watching.
 pub struct SpecsWatcher {
     _watcher: RecommendedWatcher,
+    /// The watched directory's device and inode, or `None` when it did not exist.
+    identity: Option<(u64, u64)>,
+}
+
+/// The device and inode of the directory at `dir` (through symlinks), if there is one.
+fn identity(dir: &Path) -> Option<(u64, u64)> {
+    std::fs::metadata(dir)
+        .ok()
+        .filter(std::fs::Metadata::is_dir)
+        .map(|meta| (meta.dev(), meta.ino()))
 }
 
 impl std::fmt::Debug for SpecsWatcher {
@@ -55,15 +71,29 @@ impl SpecsWatcher {
     /// Watches `dir` (recursively) and calls `wake.notify_one()` for every event that may
     /// change the listing. A wake-up that arrives while the loop is busy is kept (one
     /// permit), so the loop lists once more after its current pass.
+    ///
+    /// A missing `dir` is watched for through its parent alone (an error when the parent
+    /// is missing too); the loop starts a new watcher once [`Self::watches`] says so.
     pub fn start(dir: &Path, wake: Arc<Notify>) -> Result<Self, WatchError> {
         let error = |source| WatchError {
             path: dir.to_owned(),
             source,
         };
+        let absolute = std::path::absolute(dir).map_err(|e| error(notify::Error::io(e)))?;
+        let parent = absolute.parent().map(Path::to_owned);
+        let name = absolute.file_name().map(ToOwned::to_owned);
+        let (filter_parent, filter_name) = (parent.clone(), name.clone());
         let mut watcher =
             notify::recommended_watcher(move |result: notify::Result<notify::Event>| {
                 let relevant = match result {
-                    Ok(event) => may_change_listing(&event),
+                    // An event in the parent about anything but the directory is not ours.
+                    Ok(event) => {
+                        may_change_listing(&event)
+                            && !event.paths.iter().all(|path| {
+                                path.parent() == filter_parent.as_deref()
+                                    && path.file_name() != filter_name.as_deref()
+                            })
+                    }
                     // Errors (an overflowed queue among them) mean events were lost: look again.
                     Err(_) => true,
                 };
@@ -72,10 +102,29 @@ impl SpecsWatcher {
                 }
             })
             .map_err(error)?;
-        watcher
-            .watch(dir, RecursiveMode::Recursive)
-            .map_err(error)?;
-        Ok(SpecsWatcher { _watcher: watcher })
+        let identity = identity(&absolute);
+        if let Some(parent) = parent.as_deref().filter(|_| name.is_some()) {
+            watcher
+                .watch(parent, RecursiveMode::NonRecursive)
+                .map_err(error)?;
+        }
+        if identity.is_some() {
+            watcher
+                .watch(&absolute, RecursiveMode::Recursive)
+                .map_err(error)?;
+        } else if parent.is_none() || name.is_none() {
+            return Err(error(notify::Error::path_not_found()));
+        }
+        Ok(SpecsWatcher {
+            _watcher: watcher,
+            identity,
+        })
+    }
+
+    /// Whether the directory at `dir` is still the one this watcher watches (or, when
+    /// there was none, there still is none).
+    pub fn watches(&self, dir: &Path) -> bool {
+        identity(dir) == self.identity
     }
 }
 
@@ -165,6 +214,48 @@ mod watching {
         let file = dir.path().join("web.yaml");
         std::fs::write(&file, "x").expect("written");
         std::fs::remove_file(&file).expect("removed");
+        woken(&wake).await;
+    }
+
+    #[tokio::test]
+    async fn a_replaced_directory_wakes_the_loop_and_is_no_longer_the_one_watched() {
+        let parent = tempfile::tempdir().expect("temp dir");
+        let dir = parent.path().join("specs");
+        std::fs::create_dir(&dir).expect("made");
+        let wake = Arc::new(Notify::new());
+        let watcher = SpecsWatcher::start(&dir, wake.clone()).expect("watching");
+        assert!(watcher.watches(&dir));
+        std::fs::rename(&dir, parent.path().join("specs.old")).expect("renamed away");
+        woken(&wake).await;
+        std::fs::create_dir(&dir).expect("made again");
+        woken(&wake).await;
+        assert!(!watcher.watches(&dir), "a new directory is at the path");
+
+        // A missing directory is watched for through its parent.
+        std::fs::remove_dir(&dir).expect("removed");
+        let watcher = SpecsWatcher::start(&dir, wake.clone()).expect("watching the parent");
+        let _ = tokio::time::timeout(Duration::from_millis(50), wake.notified()).await;
+        std::fs::create_dir(&dir).expect("made");
+        woken(&wake).await;
+        assert!(!watcher.watches(&dir));
+    }
+
+    #[tokio::test]
+    async fn files_beside_the_directory_do_not_wake_the_loop() {
+        let parent = tempfile::tempdir().expect("temp dir");
+        let dir = parent.path().join("specs");
+        std::fs::create_dir(&dir).expect("made");
+        let wake = Arc::new(Notify::new());
+        let _watcher = SpecsWatcher::start(&dir, wake.clone()).expect("watching");
+        std::fs::write(parent.path().join("agent.yaml"), "x").expect("written");
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), wake.notified())
+                .await
+                .is_err(),
+            "a file beside the specs dir woke the loop"
+        );
+        // The watcher does watch: a spec wakes it.
+        std::fs::write(dir.join("web.yaml"), "x").expect("written");
         woken(&wake).await;
     }
 

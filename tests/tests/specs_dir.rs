@@ -188,6 +188,35 @@ fn a_new_spec_file_runs_within_100ms_of_the_write_with_the_watcher() {
 }
 
 #[test]
+fn a_replaced_specs_directory_is_watched_again_and_its_new_files_run_without_a_resync() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    // A resync of an hour: only file events can start the new files.
+    let agent = Agent::start("watch: true\nresync: 1h\n", &[]);
+    let web = mock_spec("web", "w");
+    agent.write("web.yaml", &web);
+    agent.until_running("web", &revision_of(&web), DEADLINE);
+
+    // As a deploy tool does: the old directory moved aside, a new one in its place.
+    let old = agent.specs.with_extension("old");
+    std::fs::rename(&agent.specs, &old).expect("moved aside");
+    std::fs::create_dir(&agent.specs).expect("made again");
+    std::fs::copy(old.join("web.yaml"), agent.specs.join("web.yaml")).expect("copied");
+    let api = mock_spec("api", "a");
+    agent.write("api.yaml", &api);
+    agent.until_running("api", &revision_of(&api), DEADLINE);
+
+    // And the new directory is the one watched from then on.
+    let worker = mock_spec("worker", "k");
+    agent.write("worker.yaml", &worker);
+    agent.until_running("worker", &revision_of(&worker), DEADLINE);
+    assert!(
+        agent
+            .status("web")
+            .is_some_and(|s| s.client_status == "running")
+    );
+}
+
+#[test]
 fn without_the_watcher_a_new_spec_file_runs_within_one_resync_period() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let agent = Agent::start("watch: false\nresync: 1s\n", &[]);
