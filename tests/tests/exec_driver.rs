@@ -453,14 +453,9 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
     stop(&driver, &handle).await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
-    let data = DataDir::new();
-    let driver = exec_driver(data.path(), true);
-    let handle = driver
-        .start(shell("orphan", "exec sleep 1000"))
-        .await
-        .expect("started");
+/// Kills the supervisor of the task `handle` with SIGKILL: the wait reports an exit it
+/// could not learn, and the task dies with its supervisor.
+async fn kill_its_supervisor_and_see_it_die(driver: &ExecDriver, handle: TaskHandle) {
     let pid = handle.pid.expect("a pid");
     let supervisor: u32 = stat_field(pid, 4)
         .and_then(|ppid| ppid.parse().ok())
@@ -478,6 +473,17 @@ async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_dies_with_its_supervisor_and_the_wait_reports_the_lost_exit() {
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    let handle = driver
+        .start(shell("orphan", "exec sleep 1000"))
+        .await
+        .expect("started");
+    kill_its_supervisor_and_see_it_die(&driver, handle).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_task_running_as_another_user_dies_with_its_supervisor_too() {
     if !running_as_root() {
         eprintln!("skipped: only root can start a task as another user");
@@ -492,19 +498,7 @@ async fn a_task_running_as_another_user_dies_with_its_supervisor_too() {
     let pid = handle.pid.expect("a pid");
     let uid = status_field(pid, "Uid").expect("a uid line");
     assert!(uid.starts_with("65534\t"), "the task runs as nobody: {uid}");
-    let supervisor: u32 = stat_field(pid, 4)
-        .and_then(|ppid| ppid.parse().ok())
-        .expect("a parent");
-    std::process::Command::new("kill")
-        .args(["-9", &supervisor.to_string()])
-        .status()
-        .expect("kill runs");
-    let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
-        .await
-        .expect("the wait ends");
-    assert!(exit.error.is_some(), "{exit:?}");
-    eventually("the task died with its supervisor", || !alive(pid)).await;
-    driver.destroy(&handle).await;
+    kill_its_supervisor_and_see_it_die(&driver, handle).await;
 }
 
 /// A user of `/etc/passwd` other than root that `/etc/group` lists as a member of a group

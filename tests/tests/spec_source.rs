@@ -53,6 +53,11 @@ fn events(node: &Node, name: &str, event_type: &str) -> usize {
     })
 }
 
+/// The names a pass removed.
+fn removed(report: &SyncReport) -> Vec<&str> {
+    report.removed.iter().map(|n| n.as_str()).collect()
+}
+
 fn running(node: &Node, name: &str) -> bool {
     node.status(name)
         .is_some_and(|s| s.tasks.values().all(|t| t.state == "running"))
@@ -226,11 +231,7 @@ async fn a_file_that_names_no_alloc_does_not_keep_the_allocs_of_a_deleted_file()
     std::fs::remove_file(dir.path().join("api.yaml")).expect("remove");
     let report = syncer.sync(&node, &list_specs(dir.path()));
     assert_eq!(
-        report
-            .removed
-            .iter()
-            .map(|n| n.as_str())
-            .collect::<Vec<_>>(),
+        removed(&report),
         ["api"],
         "api's file is gone; web's file is broken"
     );
@@ -296,14 +297,7 @@ async fn an_alloc_known_before_the_first_listing_is_removed_only_by_a_listing_wi
         .collect::<Vec<_>>();
     let mut syncer = Syncer::new(known);
     let report = syncer.sync(&node, &list_specs(dir.path()));
-    assert_eq!(
-        report
-            .removed
-            .iter()
-            .map(|n| n.as_str())
-            .collect::<Vec<_>>(),
-        ["orphan"]
-    );
+    assert_eq!(removed(&report), ["orphan"]);
     assert!(
         report.applied.is_empty(),
         "the kept alloc is untouched: {report:?}"
