@@ -18,6 +18,7 @@
 //! its window never wakes the loop for the removal, yet a resync between the two may
 //! already have started the file's alloc.
 
+use std::ffi::OsStr;
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -86,13 +87,8 @@ impl SpecsWatcher {
         let mut watcher =
             notify::recommended_watcher(move |result: notify::Result<notify::Event>| {
                 let relevant = match result {
-                    // An event in the parent about anything but the directory is not ours.
                     Ok(event) => {
-                        may_change_listing(&event)
-                            && !event.paths.iter().all(|path| {
-                                path.parent() == filter_parent.as_deref()
-                                    && path.file_name() != filter_name.as_deref()
-                            })
+                        wakes_the_loop(&event, filter_parent.as_deref(), filter_name.as_deref())
                     }
                     // Errors (an overflowed queue among them) mean events were lost: look again.
                     Err(_) => true,
@@ -102,12 +98,13 @@ impl SpecsWatcher {
                 }
             })
             .map_err(error)?;
-        let identity = identity(&absolute);
+        // The parent first: a directory made after this is seen being made.
         if let Some(parent) = parent.as_deref().filter(|_| name.is_some()) {
             watcher
                 .watch(parent, RecursiveMode::NonRecursive)
                 .map_err(error)?;
         }
+        let identity = identity(&absolute);
         if identity.is_some() {
             watcher
                 .watch(&absolute, RecursiveMode::Recursive)
@@ -126,6 +123,21 @@ impl SpecsWatcher {
     pub fn watches(&self, dir: &Path) -> bool {
         identity(dir) == self.identity
     }
+}
+
+/// Whether `event`, from the watch on the specs directory (named `name` in `parent`) or
+/// the one on its parent, should wake the loop: in the parent, only a change to the
+/// directory itself does (not reading it, and not its neighbours); inside it, whatever
+/// [`may_change_listing`] says; an event that lost others (an overflowed queue) always.
+pub fn wakes_the_loop(event: &notify::Event, parent: Option<&Path>, name: Option<&OsStr>) -> bool {
+    if event.need_rescan() || event.paths.is_empty() {
+        return true;
+    }
+    let (in_parent, inside): (Vec<&PathBuf>, Vec<&PathBuf>) =
+        event.paths.iter().partition(|path| path.parent() == parent);
+    let itself = in_parent.iter().any(|path| path.file_name() == name)
+        && !matches!(event.kind, EventKind::Access(_));
+    itself || (!inside.is_empty() && may_change_listing(event))
 }
 
 /// Whether `event` may change what a listing finds. Opening and reading files (the
@@ -179,6 +191,29 @@ mod tests {
     }
 
     #[test]
+    fn in_the_parent_only_a_change_to_the_directory_itself_wakes_the_loop_and_lost_events_always_do()
+     {
+        let wakes = |event: &notify::Event| {
+            wakes_the_loop(event, Some(Path::new("/etc")), Some(OsStr::new(".specs")))
+        };
+        let rename = EventKind::Modify(ModifyKind::Name(RenameMode::From));
+        assert!(wakes(&event(rename, &["/etc/.specs"])), "moved away");
+        let made = EventKind::Create(CreateKind::Folder);
+        assert!(wakes(&event(made, &["/etc/.specs"])), "made again");
+        let opened = EventKind::Access(AccessKind::Open(AccessMode::Any));
+        assert!(
+            !wakes(&event(opened, &["/etc/.specs"])),
+            "read by a listing"
+        );
+        let written = EventKind::Access(AccessKind::Close(AccessMode::Write));
+        assert!(!wakes(&event(written, &["/etc/agent.yaml"])), "a neighbour");
+        assert!(wakes(&event(written, &["/etc/.specs/web.yaml"])), "a spec");
+        assert!(!wakes(&event(written, &["/etc/.specs/.web.yaml.swp"])));
+        let overflow = notify::Event::new(EventKind::Other).set_flag(notify::event::Flag::Rescan);
+        assert!(wakes(&overflow), "events were lost");
+    }
+
+    #[test]
     fn writes_creations_and_renames_over_a_spec_wake_the_loop() {
         let written = EventKind::Access(AccessKind::Close(AccessMode::Write));
         assert!(may_change_listing(&event(written, &["/s/web.yaml"])));
@@ -222,22 +257,21 @@ mod watching {
         let parent = tempfile::tempdir().expect("temp dir");
         let dir = parent.path().join("specs");
         std::fs::create_dir(&dir).expect("made");
-        let wake = Arc::new(Notify::new());
-        let watcher = SpecsWatcher::start(&dir, wake.clone()).expect("watching");
+        let moved = Arc::new(Notify::new());
+        let watcher = SpecsWatcher::start(&dir, moved.clone()).expect("watching");
         assert!(watcher.watches(&dir));
         std::fs::rename(&dir, parent.path().join("specs.old")).expect("renamed away");
-        woken(&wake).await;
-        std::fs::create_dir(&dir).expect("made again");
-        woken(&wake).await;
-        assert!(!watcher.watches(&dir), "a new directory is at the path");
+        woken(&moved).await;
+        assert!(!watcher.watches(&dir), "nothing is at the path");
+        drop(watcher);
 
         // A missing directory is watched for through its parent.
-        std::fs::remove_dir(&dir).expect("removed");
-        let watcher = SpecsWatcher::start(&dir, wake.clone()).expect("watching the parent");
-        let _ = tokio::time::timeout(Duration::from_millis(50), wake.notified()).await;
-        std::fs::create_dir(&dir).expect("made");
-        woken(&wake).await;
-        assert!(!watcher.watches(&dir));
+        let made = Arc::new(Notify::new());
+        let watcher = SpecsWatcher::start(&dir, made.clone()).expect("watching the parent");
+        assert!(watcher.watches(&dir), "still nothing at the path");
+        std::fs::create_dir(&dir).expect("made again");
+        woken(&made).await;
+        assert!(!watcher.watches(&dir), "a new directory is at the path");
     }
 
     #[tokio::test]
