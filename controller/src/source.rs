@@ -163,10 +163,11 @@ pub fn list_specs_streaming(
         {
             seen.insert(path.clone(), (stamp, file.clone()));
         }
-        listing.diagnostics.extend(file.all_diagnostics());
+        let diagnostics = file.all_diagnostics();
         if file.documents.is_empty() || file.documents.iter().any(|d| d.name.is_none()) {
-            listing.unnamed.insert(path.clone(), file.all_diagnostics());
+            listing.unnamed.insert(path.clone(), diagnostics.clone());
         }
+        listing.diagnostics.extend(diagnostics);
         for document in file.documents.iter().cloned() {
             let Some(name) = document.name else { continue };
             match document.spec {
@@ -268,8 +269,10 @@ impl Syncer {
             if self.apply(node, spec) {
                 report.applied.push(spec.spec.metadata.name.clone());
             }
-            self.sources
-                .insert(spec.spec.metadata.name.clone(), path.clone());
+            let name = &spec.spec.metadata.name;
+            if self.sources.get(name) != Some(path) {
+                self.sources.insert(name.clone(), path.clone());
+            }
         }
         let held = self.held(listing);
         if !listing.incomplete {
@@ -295,9 +298,10 @@ impl Syncer {
     }
 
     /// The applied allocs that no declaration of `listing` names but a file that names no
-    /// alloc may still declare, with the diagnostics to show on them: those of their own
-    /// file, or none for an alloc whose file is not known yet.
-    fn held<'a>(&self, listing: &'a Listing) -> BTreeMap<Name, &'a [Diagnostic]> {
+    /// alloc may still declare, with the diagnostics to show on them (why they are kept):
+    /// those of their own file, or, for an alloc whose file no listing has named since the
+    /// agent started, those of every file that names no alloc.
+    fn held<'a>(&self, listing: &'a Listing) -> BTreeMap<Name, Vec<&'a Diagnostic>> {
         if listing.unnamed.is_empty() {
             return BTreeMap::new();
         }
@@ -310,8 +314,8 @@ impl Syncer {
                 Some(path) => listing
                     .unnamed
                     .get(path)
-                    .map(|diagnostics| (name.clone(), diagnostics.as_slice())),
-                None => Some((name.clone(), &[][..])),
+                    .map(|diagnostics| (name.clone(), diagnostics.iter().collect())),
+                None => Some((name.clone(), listing.unnamed.values().flatten().collect())),
             })
             .collect()
     }
@@ -337,14 +341,17 @@ impl Syncer {
         &mut self,
         node: &Node,
         listing: &Listing,
-        held: &BTreeMap<Name, &[Diagnostic]>,
+        held: &BTreeMap<Name, Vec<&Diagnostic>>,
     ) {
         let shown = listing
             .broken
             .iter()
             .chain(&listing.conflicts)
-            .map(|(name, diagnostics)| (name, diagnostics.as_slice()))
-            .chain(held.iter().map(|(name, diagnostics)| (name, *diagnostics)))
+            .map(|(name, diagnostics)| (name, diagnostics.iter().collect::<Vec<_>>()))
+            .chain(
+                held.iter()
+                    .map(|(name, diagnostics)| (name, diagnostics.clone())),
+            )
             .filter(|(_, diagnostics)| !diagnostics.is_empty());
         for (name, diagnostics) in shown {
             if !self.applied.contains_key(name) {

@@ -261,12 +261,21 @@ async fn after_a_restart_an_alloc_of_a_file_that_names_no_alloc_keeps_running() 
     tokio::time::sleep(Duration::from_secs(30)).await;
     assert!(running(&second, "web"));
     assert_eq!(events(&second, "web", "Killing"), 0);
+    let error = second.status("web").and_then(|s| s.spec_error.clone());
+    assert!(
+        error.as_deref().is_some_and(|e| e.contains("web.yaml:")),
+        "why it is kept is shown: {error:?}"
+    );
 
     // Fixed: the file names the alloc again, and it is the same revision.
     std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
     let report = syncer.sync(&second, &list_specs(dir.path()));
     assert_eq!(report, SyncReport::default());
     assert_eq!(events(&second, "web", "Started"), 1);
+    assert_eq!(
+        second.status("web").and_then(|s| s.spec_error.clone()),
+        None
+    );
 }
 
 #[tokio::test(start_paused = true)]
