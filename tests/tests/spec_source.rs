@@ -53,6 +53,18 @@ fn events(node: &Node, name: &str, event_type: &str) -> usize {
     })
 }
 
+/// A node and a syncer that applied the specs of `dir`, once `names` all run.
+async fn synced(dir: &std::path::Path, names: &[&str]) -> (Node, Syncer) {
+    let node = node();
+    let mut syncer = Syncer::new([]);
+    syncer.sync(&node, &list_specs(dir));
+    assert!(
+        node.wait_until(DEADLINE, |n| names.iter().all(|name| running(n, name)))
+            .await
+    );
+    (node, syncer)
+}
+
 /// The names a pass removed.
 fn removed(report: &SyncReport) -> Vec<&str> {
     report.removed.iter().map(|n| n.as_str()).collect()
@@ -90,10 +102,7 @@ async fn an_invalid_edit_keeps_the_last_valid_revision_shows_its_spec_error_and_
     let dir = tempfile::tempdir().expect("temp dir");
     let path = dir.path().join("web.yaml");
     std::fs::write(&path, spec("web", "a")).expect("write");
-    let node = node();
-    let mut syncer = Syncer::new([]);
-    syncer.sync(&node, &list_specs(dir.path()));
-    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    let (node, mut syncer) = synced(dir.path(), &["web"]).await;
     let id = node.status("web").expect("published").id.clone();
 
     std::fs::write(
@@ -172,18 +181,9 @@ async fn a_file_that_names_no_alloc_keeps_the_allocs_it_declared_running_with_it
     for (what, content) in breakages {
         let dir = tempfile::tempdir().expect("temp dir");
         let path = dir.path().join("web.yaml");
-        std::fs::write(
-            &path,
-            format!("{}---\n{}", spec("web", "a"), spec("api", "b")),
-        )
-        .expect("write");
-        let node = node();
-        let mut syncer = Syncer::new([]);
-        syncer.sync(&node, &list_specs(dir.path()));
-        assert!(
-            node.wait_until(DEADLINE, |n| running(n, "web") && running(n, "api"))
-                .await
-        );
+        let both = format!("{}---\n{}", spec("web", "a"), spec("api", "b"));
+        std::fs::write(&path, &both).expect("write");
+        let (node, mut syncer) = synced(dir.path(), &["web", "api"]).await;
         let id = node.status("web").expect("published").id.clone();
 
         std::fs::write(&path, content).expect("write");
@@ -197,11 +197,7 @@ async fn a_file_that_names_no_alloc_keeps_the_allocs_it_declared_running_with_it
         assert!(error.contains("web.yaml:"), "{what}: {error:?}");
 
         // Fixed: the errors clear and nothing restarted.
-        std::fs::write(
-            &path,
-            format!("{}---\n{}", spec("web", "a"), spec("api", "b")),
-        )
-        .expect("write");
+        std::fs::write(&path, &both).expect("write");
         let report = syncer.sync(&node, &list_specs(dir.path()));
         assert_eq!(report, SyncReport::default(), "{what}");
         let status = node.status("web").expect("still there");
@@ -219,13 +215,7 @@ async fn a_file_that_names_no_alloc_does_not_keep_the_allocs_of_a_deleted_file()
     let dir = tempfile::tempdir().expect("temp dir");
     std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
     std::fs::write(dir.path().join("api.yaml"), spec("api", "b")).expect("write");
-    let node = node();
-    let mut syncer = Syncer::new([]);
-    syncer.sync(&node, &list_specs(dir.path()));
-    assert!(
-        node.wait_until(DEADLINE, |n| running(n, "web") && running(n, "api"))
-            .await
-    );
+    let (node, mut syncer) = synced(dir.path(), &["web", "api"]).await;
 
     std::fs::write(dir.path().join("web.yaml"), "kind: [").expect("write");
     std::fs::remove_file(dir.path().join("api.yaml")).expect("remove");
