@@ -78,42 +78,25 @@ struct Events {
 
 impl Events {
     fn new() -> Events {
-        let events = Events {
-            reconciles: Counter::default(),
-            reconcile_duration: Histogram::new(RECONCILE_BUCKETS),
-            coalesced_updates: Counter::default(),
-            task_starts: Counter::default(),
-            task_restarts: Counter::default(),
-            task_failures: Counter::default(),
-            registry: Registry::default(),
-        };
+        let (reconciles, coalesced_updates) = (Counter::default(), Counter::default());
+        let (task_starts, task_restarts, task_failures) =
+            (Counter::default(), Counter::default(), Counter::default());
+        let reconcile_duration = Histogram::new(RECONCILE_BUCKETS);
         let mut registry = Registry::default();
         let counters = [
-            (
-                RECONCILES,
-                "Reconcile passes over all allocs",
-                &events.reconciles,
-            ),
+            (RECONCILES, "Reconcile passes over all allocs", &reconciles),
             (
                 COALESCED_UPDATES,
                 "Pending spec updates replaced by newer ones before being applied",
-                &events.coalesced_updates,
+                &coalesced_updates,
             ),
-            (
-                TASK_STARTS,
-                "Tasks started by a driver",
-                &events.task_starts,
-            ),
+            (TASK_STARTS, "Tasks started by a driver", &task_starts),
             (
                 TASK_RESTARTS,
                 "Task restarts, by policy or by a user",
-                &events.task_restarts,
+                &task_restarts,
             ),
-            (
-                TASK_FAILURES,
-                "Tasks that ended failed",
-                &events.task_failures,
-            ),
+            (TASK_FAILURES, "Tasks that ended failed", &task_failures),
         ];
         for (series, help, counter) in counters {
             registry.register(family(series, "_total"), help, counter.clone());
@@ -122,9 +105,17 @@ impl Events {
             family(RECONCILE_DURATION, "_seconds"),
             "How long one reconcile pass took, dispatching its effects included",
             Unit::Seconds,
-            events.reconcile_duration.clone(),
+            reconcile_duration.clone(),
         );
-        Events { registry, ..events }
+        Events {
+            reconciles,
+            reconcile_duration,
+            coalesced_updates,
+            task_starts,
+            task_restarts,
+            task_failures,
+            registry,
+        }
     }
 }
 
