@@ -407,12 +407,17 @@ fn timeout_ms(ms: i64) -> Timespec {
 }
 
 impl Running {
-    /// Polls the open outputs (and, until the task exits, the exit notification);
-    /// returns the exit status once the task exited, or `None` on timeout.
+    /// Polls the open outputs and, with `watch_children`, the notification of a child's
+    /// exit (reaping the children that exited); returns how many descriptors were ready,
+    /// and the task's exit status when the task was among the reaped.
+    ///
+    /// With nothing to poll it still waits out `timeout` (`poll` takes an empty set), so
+    /// a caller that polls in rounds sleeps between them; with nothing to poll and no
+    /// timeout it returns at once, as nothing could end that wait.
     fn poll_once(
         &mut self,
         buffer: &mut [u8],
-        watch_exit: bool,
+        watch_children: bool,
         timeout: Option<&Timespec>,
     ) -> (usize, Option<ExitStatus>) {
         let ready;
@@ -427,11 +432,11 @@ impl Running {
                     slots.push(slot);
                 }
             }
-            if watch_exit {
+            if watch_children {
                 fds.push(PollFd::new(&self.children, PollFlags::IN));
                 slots.push(2);
             }
-            if fds.is_empty() {
+            if fds.is_empty() && timeout.is_none() {
                 return (0, None);
             }
             match poll(&mut fds, timeout) {
@@ -471,7 +476,9 @@ impl Running {
         }
     }
 
-    /// Runs until the task exits, then kills what it left and drains its output.
+    /// Runs until the task exits, then kills what it left and drains its output. Every
+    /// loop here waits in `poll` between its rounds, also when the task closed its
+    /// outputs: the task's exit (or a leftover's) wakes it, a timeout ends it.
     fn supervise(&mut self) -> ExitStatus {
         let mut buffer = vec![0u8; READ_BUFFER];
         let status = loop {
@@ -497,7 +504,8 @@ impl Running {
                     let _ = rustix::process::kill_process(pid, Signal::KILL);
                 }
             }
-            self.poll_once(&mut buffer, false, Some(&round));
+            // Until a killed leftover is reaped, or output comes, or the round is over.
+            self.poll_once(&mut buffer, true, Some(&round));
         }
         reap_exited();
         // Every writer is dead: read to EOF (or until nothing came for a while, if some
@@ -541,6 +549,80 @@ impl Output {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A started task whose stdout and stderr the task has both closed, as after its
+    /// exit; its pid is never waited for.
+    fn running_with_every_output_closed(log_dir: &std::path::Path) -> Running {
+        let closed = |stream| Output {
+            pipe: None,
+            rotator: Rotator::open(log_dir, "t", stream, 1, 1024).expect("log opens"),
+        };
+        Running {
+            task_pid: Pid::from_raw(i32::MAX).expect("nonzero"),
+            task_start: 0,
+            supervisor_start: 0,
+            outputs: [closed(Stream::Stdout), closed(Stream::Stderr)],
+            children: ChildSignals::new().expect("signalfd opens"),
+        }
+    }
+
+    /// A kernel timer (`CLOCK_MONOTONIC`, non-blocking) that fires once, `ms` from now:
+    /// the reference a wait is measured against, with no clock read here.
+    #[allow(unsafe_code)]
+    fn timer_firing_in(ms: i64) -> OwnedFd {
+        use std::os::fd::FromRawFd;
+        // SAFETY: `timerfd_create` returns a new descriptor, owned from here on, and
+        // `timerfd_settime` reads an initialised `itimerspec`.
+        unsafe {
+            let fd = libc::timerfd_create(
+                libc::CLOCK_MONOTONIC,
+                libc::TFD_NONBLOCK | libc::TFD_CLOEXEC,
+            );
+            assert!(fd >= 0, "timerfd_create: {}", io::Error::last_os_error());
+            let timer = OwnedFd::from_raw_fd(fd);
+            let mut spec: libc::itimerspec = std::mem::zeroed();
+            spec.it_value.tv_sec = ms / 1000;
+            spec.it_value.tv_nsec = (ms % 1000) * 1_000_000;
+            let set = libc::timerfd_settime(fd, 0, &spec, std::ptr::null_mut());
+            assert_eq!(set, 0, "timerfd_settime: {}", io::Error::last_os_error());
+            timer
+        }
+    }
+
+    fn has_fired(timer: &OwnedFd) -> bool {
+        let mut expirations = [0u8; 8];
+        rustix::io::read(timer, &mut expirations).is_ok_and(|n| n == 8)
+    }
+
+    #[test]
+    fn a_poll_with_every_output_closed_still_waits_out_its_timeout() {
+        // The cleanup after the task's exit polls in rounds with a timeout; returning at
+        // once made that loop spin on a core while a killed leftover was dying.
+        let dir = tempfile::tempdir().expect("tempdir");
+        let mut running = running_with_every_output_closed(dir.path());
+        let mut buffer = vec![0u8; 64];
+        let timer = timer_firing_in(30);
+        let (ready, exit) = running.poll_once(&mut buffer, false, Some(&timeout_ms(60)));
+        assert_eq!((ready, exit), (0, None));
+        assert!(
+            has_fired(&timer),
+            "poll_once returned before a 30 ms timer fired, though asked to wait 60 ms"
+        );
+    }
+
+    #[test]
+    fn a_poll_with_nothing_to_poll_and_no_timeout_returns_rather_than_waiting_forever() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let (done, returned) = std::sync::mpsc::channel();
+        let log_dir = dir.path().to_owned();
+        std::thread::spawn(move || {
+            let mut running = running_with_every_output_closed(&log_dir);
+            let mut buffer = vec![0u8; 64];
+            let _ = done.send(running.poll_once(&mut buffer, false, None));
+        });
+        let outcome = returned.recv_timeout(std::time::Duration::from_secs(30));
+        assert_eq!(outcome, Ok((0, None)));
+    }
 
     #[allow(unsafe_code)]
     fn disposition(signal: i32) -> libc::sighandler_t {
