@@ -21,7 +21,7 @@ use crate::alloc::{CommandError, Start, Worker, ask};
 use crate::allocdir::AllocDirs;
 use crate::clock::Clock;
 use crate::devices::DeviceManager;
-use crate::driver::{Drivers, TaskHandle};
+use crate::driver::{Drivers, RecordedRuns, TaskHandle};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store::{self, Store, StoreError};
 
@@ -376,13 +376,17 @@ impl Node {
     }
 
     /// Resumes every alloc in the store: running tasks are reattached, not restarted.
+    /// Tasks that no record names (an earlier agent started them and stopped before it
+    /// wrote their record) are stopped first, whether or not a spec still declares them.
     pub fn restore(&self) -> Result<RestoreReport, StoreError> {
         let mut report = RestoreReport::default();
         let mut resumed = Vec::new();
+        let mut recorded = RecordedRuns::default();
         for loaded in self.shared.store.load_allocs()? {
             let record = match loaded {
                 Ok(record) => record,
                 Err(corrupt) => {
+                    recorded.unreadable.push(corrupt.name.clone());
                     if let Ok(name) = corrupt.name.parse() {
                         report.allocs.push((name, None));
                     }
@@ -391,6 +395,13 @@ impl Node {
                     continue;
                 }
             };
+            recorded.handles.extend(
+                record
+                    .handles
+                    .values()
+                    .cloned()
+                    .map(store::handle_from_record),
+            );
             let name = record.name.clone();
             if record.state.tasks.is_empty() {
                 // Nothing of it ever ran: forget it; its spec, if still there, starts it anew.
@@ -423,6 +434,11 @@ impl Node {
                     report.corrupt.push(corrupt);
                 }
             }
+        }
+        // Before any worker runs, so that no start of this agent can be taken for one the
+        // last agent made and never recorded.
+        for (_, driver) in self.shared.drivers.iter() {
+            driver.stop_unrecorded(&recorded);
         }
         for (name, restored) in resumed {
             self.spawn(

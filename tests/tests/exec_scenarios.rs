@@ -11,6 +11,7 @@ use exec_support::{
     ExecNode, alive, alloc, eventually, processes_of_alloc, read_pid, shell_alloc, start_time,
     stat_field,
 };
+use stead_controller::store::Store;
 use stead_schemas::status::TaskEventStatus;
 
 fn of_type<'a>(events: &'a [TaskEventStatus], event_type: &str) -> Vec<&'a TaskEventStatus> {
@@ -262,6 +263,59 @@ async fn a_restarted_agent_reattaches_to_the_same_pids_without_new_started_event
             processes_of_alloc(&id).is_empty()
         })
         .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_task_started_but_never_recorded_is_stopped_at_the_next_restore_though_its_spec_is_gone()
+{
+    let h = ExecNode::new();
+    for name in ["kept", "unrecorded", "unreadable"] {
+        h.node.apply(shell_alloc(name, "exec sleep 1000", ""));
+    }
+    h.until("all run", |h| {
+        ["kept", "unrecorded", "unreadable"]
+            .iter()
+            .all(|n| h.pid(n, "t").is_some())
+    })
+    .await;
+    let pid = |name: &str| h.pid(name, "t").expect("a pid");
+    let (kept, unrecorded, unreadable) = (pid("kept"), pid("unrecorded"), pid("unreadable"));
+    let unrecorded_id = h.alloc_id("unrecorded");
+    let unreadable_id = h.alloc_id("unreadable");
+
+    // The agent stops after the start and before the record of "unrecorded" (as if it
+    // died in between), whose spec is then deleted while no agent runs; the record of
+    // "unreadable" is damaged meanwhile.
+    let down = h.detach().await;
+    let name = |n: &str| n.parse().expect("a name");
+    down.store
+        .delete_alloc(&name("unrecorded"))
+        .expect("deleted");
+    down.store.corrupt("unreadable", b"not a record".to_vec());
+    let (h, report) = down.restore();
+    assert_eq!(report.corrupt.len(), 1, "{:?}", report.corrupt);
+
+    eventually("the task no record names is stopped", || !alive(unrecorded)).await;
+    eventually("nothing of it remains", || {
+        processes_of_alloc(&unrecorded_id).is_empty()
+    })
+    .await;
+    assert!(alive(kept), "a recorded task is reattached, not stopped");
+    assert!(
+        alive(unreadable),
+        "what runs for an alloc whose record cannot be read is left alone"
+    );
+    h.until("the recorded task is reattached", |h| {
+        h.pid("kept", "t") == Some(kept) && h.task_state("kept", "t").as_deref() == Some("running")
+    })
+    .await;
+    h.drain().await;
+    // No agent knows it any more: the test kills it.
+    for pid in processes_of_alloc(&unreadable_id) {
+        if let Some(pid) = rustix::process::Pid::from_raw(pid.try_into().expect("a pid")) {
+            let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+        }
     }
 }
 

@@ -182,6 +182,17 @@ impl DriverError {
     }
 }
 
+/// What the stored records say about the tasks earlier agents started, for
+/// [`Driver::stop_unrecorded`].
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RecordedRuns {
+    /// Every driver handle a readable record names, whatever its driver.
+    pub handles: Vec<TaskHandle>,
+    /// The names of allocs whose records could not be read: what runs in their alloc
+    /// dirs is unknown, so it is left alone.
+    pub unreadable: Vec<String>,
+}
+
 /// Runs tasks. One value per driver kind, shared by every alloc's worker.
 ///
 /// Methods borrow `self` only while they run; callers race every call with their own
@@ -216,6 +227,15 @@ pub trait Driver: Send + Sync + 'static {
 
     /// Releases everything held for the task; the task is dead.
     fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()>;
+
+    /// Called once by the restore, before any alloc's worker runs: stops every task an
+    /// earlier agent started that no record names (it died between the start and the
+    /// write of the record), except in allocs whose records could not be read. A driver
+    /// whose tasks die with the agent has nothing to do (the default). Blocking: it may
+    /// read the data dir.
+    fn stop_unrecorded(&self, recorded: &RecordedRuns) {
+        let _ = recorded;
+    }
 
     /// Measures what the task's processes use; `None` for a driver that does not measure
     /// its tasks (the default).

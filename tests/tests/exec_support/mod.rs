@@ -11,7 +11,7 @@ use stead_controller::clock::Clock;
 use stead_controller::devices::DeviceManager;
 use stead_controller::driver::exec::{ExecDriver, ExecDriverConfig};
 use stead_controller::driver::{Driver, Drivers};
-use stead_controller::node::{Node, NodeConfig};
+use stead_controller::node::{Node, NodeConfig, RestoreReport};
 use stead_controller::queue::Shutdown;
 use stead_controller::store::MemoryStore;
 use stead_schemas::ValidSpec;
@@ -175,10 +175,16 @@ pub struct Detached {
 impl Detached {
     /// A new agent (node and driver) over the same store and data dir, restored.
     pub fn start_agent(self) -> ExecNode {
-        let next = ExecNode::over(self.data, self.store, Arc::default());
-        let report = next.node.restore().expect("the store restores");
+        let (next, report) = self.restore();
         assert!(report.corrupt.is_empty(), "{:?}", report.corrupt);
         next
+    }
+
+    /// A new agent over the same store and data dir, restored whatever its records hold.
+    pub fn restore(self) -> (ExecNode, RestoreReport) {
+        let next = ExecNode::over(self.data, self.store, Arc::default());
+        let report = next.node.restore().expect("the store restores");
+        (next, report)
     }
 }
 

@@ -32,7 +32,7 @@ mod run;
 mod user;
 mod zygote;
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::ffi::OsString;
 use std::fmt;
 use std::io;
@@ -45,7 +45,7 @@ use rustix::process::Signal as RawSignal;
 use stead_reconcilers::exit::ExitResult;
 use stead_schemas::spec::{DriverConfig, DriverKind, Name, Signal};
 use stead_supervisor::args::SupervisorArgs;
-use stead_supervisor::protocol::{self, ExitStatus, ProtocolError, Report};
+use stead_supervisor::protocol::{self, ExitStatus, ProtocolError, Report, RunRecord};
 use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::watch;
@@ -54,8 +54,8 @@ use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
 use super::{
-    BoxFuture, Driver, DriverError, Fingerprint, Health, StartRequest, TaskHandle, TaskStats,
-    signal_number,
+    BoxFuture, Driver, DriverError, Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle,
+    TaskStats, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -387,26 +387,89 @@ impl Inner {
     /// recorded (it died first), and removes the records of runs no one watches.
     fn clean_stale_runs(&self, task_dir: &TaskDir) {
         for (run, record) in protocol::read_run_records(&task_dir.control) {
-            if self.runs().values().any(|state| state.id.run == run) {
+            if !self.watches(&run) {
+                Self::stop_unwatched(task_dir, &run, &record);
+            }
+        }
+    }
+
+    /// Whether this agent started or reattached to `run`.
+    fn watches(&self, run: &str) -> bool {
+        self.runs().values().any(|state| state.id.run == run)
+    }
+
+    /// Stops a run that no one watches, if its supervisor still works in `task_dir`
+    /// (the supervisor then records the exit and leaves); otherwise removes its records.
+    /// Returns whether anything was running.
+    fn stop_unwatched(task_dir: &TaskDir, run: &str, record: &RunRecord) -> bool {
+        let supervisor = ProcessId {
+            pid: record.supervisor_pid,
+            start: record.supervisor_start,
+        };
+        if supervisor.exists_in(&task_dir.dir) {
+            let task = ProcessId {
+                pid: record.task_pid,
+                start: record.task_start,
+            };
+            if task.exists() {
+                let _ = process::signal_group(task.pid, RawSignal::KILL);
+            }
+            process::kill_all(process::descendants(supervisor.pid));
+            return true;
+        }
+        let _ = std::fs::remove_file(protocol::run_record_path(&task_dir.control, run));
+        let _ = std::fs::remove_file(protocol::exit_record_path(&task_dir.control, run));
+        false
+    }
+
+    /// Stops every run in the alloc dirs that no record names, except in the allocs
+    /// whose records could not be read (see [`Driver::stop_unrecorded`]).
+    fn stop_unrecorded(&self, recorded: &RecordedRuns) {
+        let known: HashSet<String> = recorded
+            .handles
+            .iter()
+            .filter(|handle| handle.driver == DriverKind::Exec)
+            .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.run))
+            .collect();
+        let Ok(allocs) = std::fs::read_dir(self.dirs.root()) else {
+            return;
+        };
+        for entry in allocs.filter_map(Result::ok) {
+            let file_name = entry.file_name();
+            let Some(alloc_id) = file_name.to_str() else {
+                continue;
+            };
+            // `<name>-<revision>`: the dir of an alloc whose record is unreadable is kept.
+            let name = alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name);
+            if recorded
+                .unreadable
+                .iter()
+                .any(|unreadable| unreadable == name)
+            {
                 continue;
             }
-            let supervisor = ProcessId {
-                pid: record.supervisor_pid,
-                start: record.supervisor_start,
+            let Ok(alloc) = self.dirs.alloc_by_id(alloc_id) else {
+                continue;
             };
-            if supervisor.exists_in(&task_dir.dir) {
-                let task = ProcessId {
-                    pid: record.task_pid,
-                    start: record.task_start,
+            let Ok(tasks) = std::fs::read_dir(alloc.path()) else {
+                continue;
+            };
+            for task in tasks.filter_map(Result::ok) {
+                let Some(Ok(name)) = task.file_name().to_str().map(str::parse::<Name>) else {
+                    continue;
                 };
-                if task.exists() {
-                    let _ = process::signal_group(task.pid, RawSignal::KILL);
+                let Ok(task_dir) = alloc.task(&name) else {
+                    continue; // the shared dir
+                };
+                for (run, record) in protocol::read_run_records(&task_dir.control) {
+                    if known.contains(&run) || self.watches(&run) {
+                        continue;
+                    }
+                    if Self::stop_unwatched(&task_dir, &run, &record) {
+                        tracing::warn!(alloc = %alloc_id, task = %name, run = %run, "stopped a task that no record names: an earlier agent started it and stopped before recording it");
+                    }
                 }
-                process::kill_all(process::descendants(supervisor.pid));
-                continue; // its supervisor records the exit and leaves
             }
-            let _ = std::fs::remove_file(protocol::run_record_path(&task_dir.control, &run));
-            let _ = std::fs::remove_file(protocol::exit_record_path(&task_dir.control, &run));
         }
     }
 
@@ -908,6 +971,10 @@ impl Driver for ExecDriver {
     fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()> {
         let handle = handle.clone();
         Box::pin(async move { self.inner.destroy(&handle) })
+    }
+
+    fn stop_unrecorded(&self, recorded: &RecordedRuns) {
+        self.inner.stop_unrecorded(recorded);
     }
 
     fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {
