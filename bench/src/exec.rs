@@ -6,8 +6,10 @@
 //! of ROUNDS rounds each, default 3); the supervision memory per task, the PSS
 //! (`/proc/<pid>/smaps_rollup`) of every process stead runs besides the tasks (the
 //! supervisors and their fork server; the agent excluded), while all the tasks run; the
-//! CPU each start costs the agent, the supervisor and the task; and the latency from
-//! `kill -9` of a task with restart delay 0 until its new process runs (p50, p90).
+//! CPU each start costs the agent, the supervisor and the task; an agent restart (a new
+//! node and driver over the same store and data dir) until every task is reattached
+//! with the same pid; and the latency from `kill -9` of a task with restart delay 0
+//! until its new process runs (p50, p90).
 //!
 //! It needs `stead-supervisor` next to `stead-bench` (`scripts/build-release.sh
 //! target/dist stead-supervisor stead-bench`) or its path in `STEAD_SUPERVISOR`.
@@ -83,6 +85,9 @@ struct Round {
     /// in nanoseconds (totals; divided by the task count when printed).
     cpu_ticks: (u64, u64, u64),
     pss_kib: Option<(u64, u64, u64, usize)>,
+    /// The agent's restart: until `restore` returned, and until every task was
+    /// reattached (same pids, running).
+    restart: (Duration, Duration),
     restarts: Vec<Duration>,
     drained: Duration,
 }
@@ -103,14 +108,19 @@ async fn stead_round(
         allow_root: true,
         supervisor,
     };
-    let driver = ExecDriver::new(config, clock);
-    let drivers = Drivers::new([Arc::new(driver.clone()) as Arc<dyn Driver>]);
-    let node = Node::new(
-        NodeConfig::default(),
-        drivers,
-        Arc::new(MemoryStore::default()),
-        clock,
-    );
+    let store = MemoryStore::default();
+    let start_agent = |config: ExecDriverConfig| {
+        let driver = ExecDriver::new(config, clock);
+        let drivers = Drivers::new([Arc::new(driver.clone()) as Arc<dyn Driver>]);
+        let node = Node::new(
+            NodeConfig::default(),
+            drivers,
+            Arc::new(store.clone()),
+            clock,
+        );
+        (driver, node)
+    };
+    let (_, node) = start_agent(config.clone());
     let specs: Vec<ValidSpec> = (0..tasks)
         .map(|i| spec(&format!("sleep-{i}"), ""))
         .collect::<anyhow::Result<_>>()?;
@@ -136,6 +146,31 @@ async fn stead_round(
         .map(cpu_nanos)
         .sum();
     let tasks_cpu: u64 = task_pids.iter().copied().map(cpu_nanos).sum();
+
+    // The agent restarts: it detaches, and a new node and driver over the same store and
+    // data dir restore (records read, runs no record names stopped, a worker per alloc)
+    // and reattach to every task.
+    node.shutdown(Shutdown::Detach).await;
+    let began = clock.instant();
+    let (driver, node) = start_agent(config);
+    driver.prepare();
+    node.restore().context("restoring")?;
+    let restored = began.elapsed();
+    let mut before = task_pids.clone();
+    before.sort_unstable();
+    let reattached = |node: &Node| {
+        let mut pids: Vec<u32> = node
+            .statuses()
+            .iter()
+            .filter_map(|s| s.tasks.get("main")?.pid)
+            .collect();
+        pids.sort_unstable();
+        running(node, tasks) && pids == before
+    };
+    if !node.wait_until(LIMIT, reattached).await {
+        bail!("not all {tasks} tasks were reattached within {LIMIT:?}");
+    }
+    let restart = (restored, began.elapsed());
 
     let mut pss_kib = None;
     let mut latencies = Vec::new();
@@ -194,6 +229,7 @@ async fn stead_round(
         all_running,
         cpu_ticks: (agent, supervisors_cpu, tasks_cpu),
         pss_kib,
+        restart,
         restarts: latencies,
         drained,
     })
@@ -223,6 +259,7 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
 
     let mut bare = Vec::new();
     let mut stead = Vec::new();
+    let mut agent_restarts = Vec::new();
     let mut measured = None;
     let mut data_dirs = Vec::new();
     for round in 0..rounds {
@@ -246,6 +283,7 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
             last,
         ))?;
         stead.push(result.all_running);
+        agent_restarts.push(result.restart);
         data_dirs.push(result.data.clone());
         if last {
             measured = Some(result);
@@ -296,6 +334,13 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
             latencies.len()
         );
     }
+    let restored = median(&agent_restarts.iter().map(|r| r.0).collect::<Vec<_>>());
+    let reattached = median(&agent_restarts.iter().map(|r| r.1).collect::<Vec<_>>());
+    println!(
+        "  agent restart, every task reattached   {:>9.3} s  (median; restore itself {:.1} ms)",
+        reattached.as_secs_f64(),
+        restored.as_secs_f64() * 1000.0
+    );
     println!(
         "  drain of every task                    {:>9.3} s",
         measured.drained.as_secs_f64()
