@@ -426,6 +426,16 @@ impl Worker {
         }
         let run = self.should_run();
         let current = self.current.as_mut().expect("set above");
+        if self.shutdown == Some(Shutdown::Drain)
+            && current.state.is_terminal()
+            && self.ops.is_empty()
+        {
+            // Nothing of it runs, so the drain has nothing to stop; reconciling it with
+            // `run` off would record a stop, and the next agent would take a completed
+            // batch alloc for one the drain cut short and run it again.
+            self.persist_and_publish();
+            return Step::Exit;
+        }
         if let Target::Spec(spec) = &self.target
             && spec.revision == current.spec.revision
         {

@@ -754,6 +754,45 @@ async fn a_fresh_node_over_the_same_store_reattaches_without_a_new_start_and_kee
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_drain_leaves_finished_allocs_as_they_are_so_the_next_agent_runs_none_again() {
+    let h = harness();
+    let job = alloc(
+        "job",
+        "  type: batch\n  tasks:\n    - {name: t, driver: mock, config: {runFor: 2ms}}\n",
+    );
+    let failed = alloc(
+        "failed",
+        "  restart: {attempts: 0}\n  tasks:\n    - {name: f, driver: mock, config: {runFor: 2ms, exitCode: 1}}\n",
+    );
+    h.node.apply(job.clone());
+    h.node.apply(failed.clone());
+    h.until("complete and failed", |h| {
+        h.client_status("job").as_deref() == Some("complete")
+            && h.client_status("failed").as_deref() == Some("failed")
+    })
+    .await;
+    let Harness {
+        node, mock, store, ..
+    } = h;
+    node.shutdown(Shutdown::Drain).await;
+
+    // The next agent: its listing declares both again.
+    let h = harness_with(Limits::default(), store, Some(mock));
+    h.node.restore().expect("restore");
+    h.node.apply(job);
+    h.node.apply(failed);
+    h.until("published", |h| {
+        h.node.status("job").is_some() && h.node.status("failed").is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(5)).await;
+    assert_eq!(h.client_status("job").as_deref(), Some("complete"));
+    assert_eq!(h.client_status("failed").as_deref(), Some("failed"));
+    assert_eq!(h.starts("t").len(), 1, "the batch job ran once");
+    assert_eq!(h.starts("f").len(), 1, "the failed alloc was not run again");
+}
+
+#[tokio::test(start_paused = true)]
 async fn a_task_whose_driver_is_unhealthy_stays_pending_with_driver_failure_and_starts_on_recovery()
 {
     let clock = Clock::starting_at(Timestamp::from_since_epoch(START));
