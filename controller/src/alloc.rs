@@ -1010,10 +1010,15 @@ impl Worker {
         );
         if current.saved != Some(fingerprint) {
             let now = self.shared.clock.now();
-            let due = self
-                .store_retry
-                .as_ref()
-                .is_none_or(|retry| now >= retry.at);
+            // While the agent leaves, every write is tried at once: the worker may not be
+            // there when a retry would fall due, and a record left behind names runs that
+            // are gone (the next agent would count a failure) and not the live one (which
+            // it would stop as no record's).
+            let due = self.shutdown.is_some()
+                || self
+                    .store_retry
+                    .as_ref()
+                    .is_none_or(|retry| now >= retry.at);
             if due {
                 let record = record_of(&self.name, current, removed);
                 match self.shared.store.put_alloc(&record) {

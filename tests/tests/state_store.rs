@@ -135,6 +135,49 @@ async fn failed_writes_keep_tasks_running_degrade_the_store_and_recover_by_thems
 }
 
 #[tokio::test(start_paused = true)]
+async fn a_detach_writes_the_latest_state_at_once_even_while_a_retry_backs_off() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rocks = open(dir.path());
+    let faulty = FaultyStore::new(rocks.clone());
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let node = node(Arc::new(faulty.clone()), &mock, clock);
+    node.apply(service("web"));
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+
+    faulty.set_failing(true);
+    node.restart("web", None).await.expect("restart accepted");
+    let restarted = node
+        .wait_until(DEADLINE, |n| {
+            !n.store_health().is_healthy()
+                && running(n, "web")
+                && n.status("web").expect("shown").tasks["t"].restarts == 1
+        })
+        .await;
+    assert!(restarted);
+    // Long enough for the retries to back off to tens of seconds.
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    faulty.set_failing(false);
+    assert!(
+        !node.store_health().is_healthy(),
+        "the next retry is not due yet"
+    );
+    let shown = node.status("web").expect("shown");
+    node.shutdown(Shutdown::Detach).await;
+
+    let stored = rocks.load_allocs().expect("loads");
+    let record = stored[0].as_ref().expect("decodes");
+    assert_eq!(
+        record.state.tasks["t"].restarts, 1,
+        "the agent left with its latest state written"
+    );
+    assert_eq!(
+        record.handles["t"].pid, shown.tasks["t"].pid,
+        "the record names the run that is alive"
+    );
+}
+
+#[tokio::test(start_paused = true)]
 async fn restore_fails_only_the_corrupt_and_newer_records_naming_them_and_runs_them_on_a_new_revision()
  {
     let dir = tempfile::tempdir().expect("temp dir");
