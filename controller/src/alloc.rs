@@ -30,6 +30,7 @@ use thiserror::Error;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
+use crate::allocdir::AllocDirError;
 use crate::driver::{DeviceAccess, Driver, DriverError, LogLimits, StartRequest, TaskHandle};
 use crate::node::{AllocFacts, Shared};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
@@ -130,6 +131,9 @@ struct Current {
     device_error: Option<String>,
     /// Whether any task requests devices.
     needs_devices: bool,
+    /// Why the next revision cannot take this one's sticky disk over yet: shown as the
+    /// alloc's state error while this (stopped) revision stays.
+    hand_over_error: Option<String>,
 }
 
 impl Current {
@@ -148,6 +152,7 @@ impl Current {
             needs_devices: false,
             devices: AllocDevices::new(),
             device_error: None,
+            hand_over_error: None,
         };
         current.needs_devices = current
             .device_requests()
@@ -471,7 +476,23 @@ impl Worker {
                     // old one's sticky disk.
                     let spec = spec.clone();
                     self.persist_and_publish();
-                    self.hand_over_alloc_dir(&spec);
+                    if let Err(error) = self.hand_over_alloc_dir(&spec) {
+                        // The new revision waits, rather than start without the data it
+                        // should have: the old alloc dir stays, and every tick tries
+                        // the hand-over again.
+                        let reason = format!(
+                            "revision {} waits for the sticky disk: {}",
+                            spec.id,
+                            error_chain(&error)
+                        );
+                        let current = self.current.as_mut().expect("still set");
+                        if current.hand_over_error.as_ref() != Some(&reason) {
+                            tracing::error!(%reason, "cannot hand the alloc dir over");
+                            current.hand_over_error = Some(reason);
+                        }
+                        self.persist_and_publish();
+                        return Step::Wait(None);
+                    }
                     self.current = None;
                     return Step::Again;
                 }
@@ -915,12 +936,15 @@ impl Worker {
     /// ephemeral disk, the old alloc dir's `alloc/data` and each shared task's `local`
     /// move into the new one before any of its tasks start; then the old alloc dir goes
     /// (nothing refers to it any more: the record now follows the new revision).
-    fn hand_over_alloc_dir(&self, next: &ValidSpec) {
+    ///
+    /// When the sticky disk cannot be moved, the old alloc dir is kept whole and the error
+    /// returned: what was moved stays moved, and the next try moves the rest.
+    fn hand_over_alloc_dir(&self, next: &ValidSpec) -> Result<(), AllocDirError> {
         let (Some(dirs), Some(current)) = (&self.shared.alloc_dirs, &self.current) else {
-            return;
+            return Ok(());
         };
         if current.spec.id == next.id {
-            return; // two revisions sharing an id prefix share the directory too
+            return Ok(()); // two revisions sharing an id prefix share the directory too
         }
         let old = dirs.alloc(&current.spec.id);
         let new = dirs.alloc(&next.id);
@@ -945,20 +969,15 @@ impl Worker {
                 .collect();
             // A few renames on one filesystem: done here, before the new revision exists,
             // so no task of it can start first.
-            match new.migrate_from(&old, &tasks) {
-                Ok(()) => {
-                    tracing::info!(from = %current.spec.id, to = %next.id, "sticky disk migrated")
-                }
-                Err(error) => {
-                    tracing::warn!(error = %error_chain(&error), "cannot migrate the sticky disk")
-                }
-            }
+            new.migrate_from(&old, &tasks)?;
+            tracing::info!(from = %current.spec.id, to = %next.id, "sticky disk migrated");
         }
         tokio::task::spawn_blocking(move || {
             if let Err(error) = old.remove() {
                 tracing::warn!(error = %error_chain(&error), "cannot remove the replaced alloc dir");
             }
         });
+        Ok(())
     }
 
     /// The alloc is terminal and its spec is gone: release everything and leave.
@@ -1052,6 +1071,7 @@ impl Worker {
             let mut hasher = std::collections::hash_map::DefaultHasher::new();
             fingerprint.hash(&mut hasher);
             current.device_error.hash(&mut hasher);
+            current.hand_over_error.hash(&mut hasher);
             health.hash(&mut hasher);
             hasher.finish()
         };
@@ -1311,7 +1331,7 @@ fn status_of(
         desired_status: desired_status.to_owned(),
         client_status: current.state.client_status().as_str().to_owned(),
         spec_error: current.device_error.clone(),
-        state_error: None,
+        state_error: current.hand_over_error.clone(),
         tasks: current
             .state
             .tasks

@@ -23,8 +23,10 @@ pub struct AllocStatus {
     pub client_status: String,
     /// The diagnostics of a broken edit while the last good revision keeps running.
     pub spec_error: Option<String>,
-    /// Why the alloc's stored state could not be resumed after an agent restart (a
-    /// corrupt record, a record of a newer agent, a missing alloc dir).
+    /// Why the alloc's state on this node cannot be carried on: its stored state could
+    /// not be resumed after an agent restart (a corrupt record, a record of a newer
+    /// agent, a missing alloc dir), or its new revision cannot take the sticky disk over
+    /// yet (the stopped old revision is shown meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_error: Option<String>,
     /// Each task, by name.

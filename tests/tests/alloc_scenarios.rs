@@ -5,6 +5,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use stead_controller::allocdir::AllocDirs;
 use stead_controller::clock::Clock;
 use stead_controller::driver::mock::{MockDriver, MockOp};
 use stead_controller::driver::{Driver, Drivers, Health};
@@ -790,6 +791,78 @@ async fn a_drain_leaves_finished_allocs_as_they_are_so_the_next_agent_runs_none_
     assert_eq!(h.client_status("failed").as_deref(), Some("failed"));
     assert_eq!(h.starts("t").len(), 1, "the batch job ran once");
     assert_eq!(h.starts("f").len(), 1, "the failed alloc was not run again");
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_the_new_revision() {
+    let data = tempfile::tempdir().expect("temp dir");
+    let clock = Clock::starting_at(Timestamp::from_since_epoch(START));
+    let mock = MockDriver::new(clock);
+    let store = MemoryStore::default();
+    let node = Node::with_alloc_dirs(
+        NodeConfig {
+            seed: Some(7),
+            ..NodeConfig::default()
+        },
+        Drivers::new([Arc::new(mock.clone()) as Arc<dyn Driver>]),
+        Arc::new(store.clone()),
+        clock,
+        AllocDirs::new(data.path()),
+    );
+    let h = Harness {
+        node,
+        mock,
+        store,
+        clock,
+    };
+    let body = |generation: &str| {
+        format!(
+            "  ephemeralDisk: {{sticky: true}}\n  tasks:\n    - {{name: t, driver: mock, config: {{}}, env: {{GENERATION: '{generation}'}}}}\n"
+        )
+    };
+    let (v1, v2) = (alloc("db", &body("1")), alloc("db", &body("2")));
+    h.node.apply(v1.clone());
+    h.until("v1 runs", |h| {
+        h.task_state("db", "t").as_deref() == Some("running")
+    })
+    .await;
+    let allocs = data.path().join("allocs");
+    let (old, new) = (allocs.join(v1.id.as_str()), allocs.join(v2.id.as_str()));
+    std::fs::create_dir_all(old.join("alloc/data")).expect("made");
+    std::fs::write(old.join("alloc/data/rows"), "42").expect("written");
+    // Something in the way of the new revision's alloc dir.
+    std::fs::write(&new, "in the way").expect("written");
+
+    h.node.apply(v2.clone());
+    h.until("v1 stopped, and why v2 waits shown", |h| {
+        let status = h.status("db");
+        status.revision == v1.revision.to_string()
+            && status.tasks["t"].state == "dead"
+            && status
+                .state_error
+                .as_deref()
+                .is_some_and(|e| e.contains(v2.id.as_str()) && e.contains("sticky disk"))
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(60)).await;
+    assert_eq!(h.starts("t").len(), 1, "v2 never started without its data");
+    assert_eq!(
+        std::fs::read_to_string(old.join("alloc/data/rows")).expect("the old data is kept"),
+        "42"
+    );
+
+    std::fs::remove_file(&new).expect("removed");
+    h.until("v2 runs once the hand-over succeeds", |h| {
+        let status = h.status("db");
+        status.revision == v2.revision.to_string()
+            && status.tasks["t"].state == "running"
+            && status.state_error.is_none()
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(new.join("alloc/data/rows")).expect("the data moved"),
+        "42"
+    );
 }
 
 #[tokio::test(start_paused = true)]
