@@ -891,4 +891,47 @@ mod tests {
         sim.step();
         assert_eq!(sim.log, ["start main", "start side"]);
     }
+
+    const ONE_TASK: &str = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {}}\n";
+
+    /// The start effects of one pass, with nothing observed.
+    fn starts_of_one_pass(sim: &mut Sim) -> Vec<String> {
+        sim.state
+            .reconcile(&sim.desired, sim.now)
+            .effects
+            .into_iter()
+            .filter_map(|effect| match effect {
+                Effect::Start { task } => Some(task.to_string()),
+                _ => None,
+            })
+            .collect()
+    }
+
+    #[test]
+    fn a_stop_restored_without_the_start_it_cancelled_finishes_and_the_alloc_is_terminal() {
+        let mut sim = Sim::new(ONE_TASK);
+        assert_eq!(starts_of_one_pass(&mut sim), ["main"]);
+        sim.desired.run = false;
+        sim.now = at(100);
+        let plan = sim.state.reconcile(&sim.desired, sim.now);
+        assert_eq!(plan.effects, [Effect::CancelStart { task: name("main") }]);
+        // The agent left before the start was answered; the next one restores the task
+        // with no handle, so with no process, as the controller's restore leaves it.
+        sim.state
+            .tasks
+            .get_mut(&name("main"))
+            .expect("a task")
+            .process = Process::Idle;
+        sim.now = at(10_000);
+        let plan = sim.state.reconcile(&sim.desired, sim.now);
+        assert_eq!(plan, Plan::default());
+        let main = &sim.state.tasks[&name("main")];
+        assert!(main.is_dead() && main.kill.is_none(), "{main:?}");
+        assert!(sim.state.is_terminal());
+        assert_eq!(sim.state.client_status(), ClientStatus::Complete);
+
+        sim.desired.run = true;
+        sim.step();
+        assert_eq!(sim.log, ["start main"], "runs again in place");
+    }
 }

@@ -378,7 +378,9 @@ impl TaskState {
         let task = || settings.name.clone();
         if let Some(kill) = &mut self.kill {
             match self.process {
-                Process::Idle => {}
+                // Nothing runs, so the kill is over. Only a restore leaves a kill with no
+                // process: the start it was cancelling had no handle and is forgotten.
+                Process::Idle => self.finish_kill(now),
                 Process::Starting { .. } => {
                     if !kill.cancel_requested {
                         kill.cancel_requested = true;
