@@ -268,10 +268,17 @@ impl AllocState {
     }
 
     /// Starts a shutdown when the alloc should stop, a task failed or the leader died;
-    /// ends a stop once everything is dead and the alloc should run again.
+    /// turns a finished shutdown into a stop when the alloc should stop; ends a stop once
+    /// everything is dead and the alloc should run again.
     fn update_shutdown(&mut self, desired: &AllocDesired, now: Timestamp) {
-        if let Some(shutdown) = &self.shutdown {
-            if shutdown.reason == ShutdownReason::Stop && desired.run && self.is_terminal() {
+        let terminal = self.is_terminal();
+        if let Some(shutdown) = &mut self.shutdown {
+            if !desired.run && terminal {
+                // Failed or with its leader dead, and now stopped: asked to run again, it
+                // runs in place, as a stopped alloc does. Its tasks keep their history.
+                shutdown.reason = ShutdownReason::Stop;
+            }
+            if shutdown.reason == ShutdownReason::Stop && desired.run && terminal {
                 // Stopped, then asked to run again: run in place.
                 for task in self.tasks.values_mut() {
                     task.reset_for_rerun(now);
@@ -933,5 +940,38 @@ mod tests {
         sim.desired.run = true;
         sim.step();
         assert_eq!(sim.log, ["start main"], "runs again in place");
+    }
+
+    #[test]
+    fn a_terminal_alloc_runs_again_in_place_after_stop_then_run_keeping_its_history() {
+        let failed = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  restart: {attempts: 0}\n  tasks:\n    - {name: main, driver: mock, config: {}}\n    - {name: side, driver: mock, config: {}}\n";
+        let leader_dead = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  type: batch\n  tasks:\n    - {name: main, driver: mock, config: {}, leader: true}\n    - {name: side, driver: mock, config: {}}\n";
+        for (case, yaml, exit_code, status) in [
+            ("failed", failed, 1, ClientStatus::Failed),
+            ("leader dead", leader_dead, 0, ClientStatus::Complete),
+        ] {
+            let mut sim = Sim::new(yaml);
+            sim.settle();
+            sim.now = at(1_000);
+            sim.exit("main", exit_code);
+            sim.settle();
+            assert!(sim.state.is_terminal(), "{case}");
+            assert_eq!(sim.state.client_status(), status, "{case}");
+
+            sim.desired.run = false;
+            sim.now = at(2_000);
+            sim.settle();
+            assert_eq!(sim.state.client_status(), status, "{case}: stopped as it was");
+            let history = sim.state.tasks[&name("side")].events.len();
+
+            sim.desired.run = true;
+            sim.now = at(3_000);
+            sim.log.clear();
+            sim.settle();
+            assert_eq!(sim.log, ["start main", "start side"], "{case}");
+            assert_eq!(sim.state.client_status(), ClientStatus::Running, "{case}");
+            let side = &sim.state.tasks[&name("side")];
+            assert_eq!(side.events.len(), history + 1, "{case}: history kept");
+        }
     }
 }
