@@ -961,7 +961,11 @@ mod tests {
             sim.desired.run = false;
             sim.now = at(2_000);
             sim.settle();
-            assert_eq!(sim.state.client_status(), status, "{case}: stopped as it was");
+            assert_eq!(
+                sim.state.client_status(),
+                status,
+                "{case}: stopped as it was"
+            );
             let history = sim.state.tasks[&name("side")].events.len();
 
             sim.desired.run = true;
