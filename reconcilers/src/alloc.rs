@@ -360,7 +360,7 @@ impl AllocState {
                 Some(LifecycleHook::Prestart) => true,
                 None => self.main_released,
                 Some(LifecycleHook::Poststart) => self.poststart_released && !all_mains_dead,
-                Some(LifecycleHook::Poststop) => self.main_released && others_dead,
+                Some(LifecycleHook::Poststop) => others_dead,
             })
             .collect()
     }
@@ -442,16 +442,10 @@ impl AllocState {
             }
         }
 
-        // Everything else is dead: poststop tasks run, if the alloc ever ran.
-        for (index, settings) in desired.tasks.iter().enumerate() {
-            if settings.hook != Some(LifecycleHook::Poststop) {
-                continue;
-            }
-            if self.main_released {
-                want_run[index] = true;
-            } else if let Some(task) = self.tasks.get_mut(&settings.name) {
-                task.request_kill(settings, KillReason::Stop, now, cap);
-            }
+        // Everything else is dead: poststop tasks run, whatever stage the alloc reached
+        // (as Nomad's lifecycle coordinator: after a prestart failure too).
+        for (run, settings) in want_run.iter_mut().zip(&desired.tasks) {
+            *run = settings.hook == Some(LifecycleHook::Poststop);
         }
         want_run
     }
@@ -737,6 +731,9 @@ mod tests {
         sim.exit("init", 1);
         sim.settle();
         assert!(!sim.log.iter().any(|l| l == "start main"), "{:?}", sim.log);
+        assert_eq!(sim.log.last().map(String::as_str), Some("start cleanup"));
+        sim.exit("cleanup", 0);
+        sim.settle();
         assert_eq!(
             sim.events("proxy"),
             [
@@ -977,5 +974,34 @@ mod tests {
             let side = &sim.state.tasks[&name("side")];
             assert_eq!(side.events.len(), history + 1, "{case}: history kept");
         }
+    }
+
+    #[test]
+    fn poststop_runs_after_a_prestart_failure() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  type: batch\n  restart: {attempts: 0}\n  tasks:\n    - {name: init, driver: mock, config: {}, lifecycle: {hook: prestart}}\n    - {name: main, driver: mock, config: {}}\n    - {name: cleanup, driver: mock, config: {}, lifecycle: {hook: poststop}}\n",
+        );
+        sim.settle();
+        sim.exit("init", 1);
+        sim.settle();
+        assert_eq!(sim.log, ["start init", "exit init 1", "start cleanup"]);
+        sim.exit("cleanup", 0);
+        sim.settle();
+        assert!(sim.state.is_terminal());
+        assert_eq!(sim.state.client_status(), ClientStatus::Failed);
+    }
+
+    #[test]
+    fn poststop_runs_when_stopped_during_prestart() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: init, driver: mock, config: {}, lifecycle: {hook: prestart}}\n    - {name: main, driver: mock, config: {}}\n    - {name: cleanup, driver: mock, config: {}, lifecycle: {hook: poststop}}\n",
+        );
+        sim.settle();
+        sim.desired.run = false;
+        sim.settle();
+        assert_eq!(
+            sim.log,
+            ["start init", "signal init SIGINT", "start cleanup"]
+        );
     }
 }
