@@ -474,7 +474,7 @@ impl AllocState {
                 state.observe_exited(settings, &result, jitter, now, cap)
             }
             Observation::RecoverFailed { message } => {
-                state.observe_recover_failed(settings, &message, jitter, now, cap);
+                state.observe_recover_failed(&message, now, cap);
             }
         }
     }
@@ -1003,5 +1003,34 @@ mod tests {
             sim.log,
             ["start init", "signal init SIGINT", "start cleanup"]
         );
+    }
+
+    #[test]
+    fn a_task_not_recovered_after_an_agent_restart_starts_again_at_once_without_charging_its_policy()
+     {
+        let mut sim = Sim::new(&ONE_TASK.replace("spec:\n", "spec:\n  restart: {attempts: 0}\n"));
+        sim.settle();
+        let tracker = sim.state.tasks[&name("main")].tracker;
+        sim.log.clear();
+        sim.now = at(5_000);
+        sim.observe(
+            &name("main"),
+            Observation::RecoverFailed {
+                message: "no such process".to_owned(),
+            },
+        );
+        sim.step();
+        assert_eq!(sim.log, ["start main"]);
+        let main = &sim.state.tasks[&name("main")];
+        assert!(!main.failed);
+        assert_eq!(main.restarts, 0);
+        assert_eq!(main.tracker, tracker, "no attempt consumed");
+        assert_eq!(
+            sim.events("main")[3..],
+            ["Failed Restoring Task", "Started"]
+        );
+        let restore_failed = &main.events[3];
+        assert_eq!(restore_failed.message, "no such process");
+        assert_eq!(sim.state.client_status(), ClientStatus::Running);
     }
 }

@@ -529,16 +529,11 @@ impl TaskState {
         self.decide(settings, run_end, jitter, now, cap);
     }
 
-    /// After an agent restart the task could not be reattached: it is gone, and its
-    /// restart policy decides what follows.
-    pub fn observe_recover_failed(
-        &mut self,
-        settings: &TaskSettings,
-        message: &str,
-        jitter: Jitter,
-        now: Timestamp,
-        cap: usize,
-    ) {
+    /// After an agent restart the task could not be reattached: its process is gone, ended
+    /// by the host rather than by the task. As Nomad's client does, it starts again at
+    /// once, without asking its restart policy: no attempt is counted and its restart
+    /// count stays. A kill in progress is over.
+    pub fn observe_recover_failed(&mut self, message: &str, now: Timestamp, cap: usize) {
         self.process = Process::Idle;
         self.push_event(
             TaskEvent::new(TaskEventType::FailedRestoringTask, now, message),
@@ -547,11 +542,8 @@ impl TaskState {
         if self.kill.is_some() {
             self.finish_kill(now);
         } else {
-            let run_end = RunEnd::Exited {
-                successful: false,
-                ran_for: Duration::ZERO,
-            };
-            self.decide(settings, run_end, jitter, now, cap);
+            self.phase = TaskPhase::Pending;
+            self.restart_at = None;
         }
     }
 
