@@ -1033,4 +1033,51 @@ mod tests {
         assert_eq!(restore_failed.message, "no such process");
         assert_eq!(sim.state.client_status(), ClientStatus::Running);
     }
+
+    #[test]
+    fn on_a_rerun_poststart_waits_for_main_to_start() {
+        let mut sim = Sim::new(&LIFECYCLE.replace(
+            "    - {name: init, driver: mock, config: {}, lifecycle: {hook: prestart}}\n    - {name: proxy, driver: mock, config: {}, lifecycle: {hook: prestart, sidecar: true}}\n",
+            "",
+        ));
+        assert_eq!(starts_of_one_pass(&mut sim), ["main", "other"], "first run");
+        sim.observe(&name("main"), Observation::Started);
+        sim.observe(&name("other"), Observation::Started);
+        sim.settle();
+        sim.exit("after", 0);
+        sim.desired.run = false;
+        sim.now = at(1_000);
+        sim.settle();
+        sim.exit("cleanup", 0);
+        sim.settle();
+        assert!(sim.state.is_terminal());
+
+        sim.desired.run = true;
+        sim.now = at(2_000);
+        assert_eq!(starts_of_one_pass(&mut sim), ["main", "other"], "rerun");
+    }
+
+    #[test]
+    fn on_a_rerun_a_poststart_task_that_never_ran_ends_when_main_ends_first() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: job}\nspec:\n  type: batch\n  tasks:\n    - {name: main, driver: mock, config: {}}\n    - {name: after, driver: mock, config: {}, lifecycle: {hook: poststart}}\n",
+        );
+        let run_once = |sim: &mut Sim| {
+            sim.step();
+            sim.exit("main", 0);
+            sim.settle();
+            assert!(sim.state.is_terminal(), "{:?}", sim.state);
+            assert_eq!(sim.state.client_status(), ClientStatus::Complete);
+        };
+        run_once(&mut sim);
+        assert_eq!(sim.log, ["start main", "exit main 0"], "first run");
+        sim.desired.run = false;
+        sim.now = at(1_000);
+        sim.settle();
+        sim.desired.run = true;
+        sim.now = at(2_000);
+        sim.log.clear();
+        run_once(&mut sim);
+        assert_eq!(sim.log, ["start main", "exit main 0"], "rerun");
+    }
 }

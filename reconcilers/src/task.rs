@@ -222,7 +222,7 @@ pub struct TaskState {
     pub restarts: u32,
     /// When it last restarted.
     pub last_restart: Option<Timestamp>,
-    /// When it last started.
+    /// When it last started in the alloc's current run (cleared by a run in place).
     pub started_at: Option<Timestamp>,
     /// When it died for good.
     pub finished_at: Option<Timestamp>,
@@ -600,10 +600,12 @@ impl TaskState {
     }
 
     /// Back to pending for a run in place (`desiredStatus` stop, then run): history and
-    /// restart count stay, the policy's window starts over.
+    /// restart count stay, the policy's window starts over, and the task has not started
+    /// in this run, so the lifecycle stages wait for it as on a first run.
     pub fn reset_for_rerun(&mut self, now: Timestamp) {
         self.phase = TaskPhase::Pending;
         self.failed = false;
+        self.started_at = None;
         self.finished_at = None;
         self.tracker = RestartTracker::new(now);
         self.process = Process::Idle;
