@@ -402,19 +402,9 @@ impl AllocState {
             if now < until {
                 *wake_at = Some(wake_at.map_or(until, |w| w.min(until)));
                 if shutdown.at == now {
-                    let message = format!(
-                        "Waiting for shutdown delay of {} before killing the task",
-                        stead_schemas::Duration::from(desired.shutdown_delay)
-                    );
+                    let event = TaskEvent::waiting_shutdown_delay(now, desired.shutdown_delay);
                     for task in self.tasks.values_mut().filter(|t| t.is_running()) {
-                        task.push_event(
-                            TaskEvent::new(
-                                TaskEventType::WaitingShutdownDelay,
-                                now,
-                                message.clone(),
-                            ),
-                            cap,
-                        );
+                        task.push_event(event.clone(), cap);
                     }
                 }
                 return want_run;
@@ -469,7 +459,7 @@ impl AllocState {
                 message,
                 recoverable,
             } => state.observe_start_failed(settings, &message, recoverable, jitter, now, cap),
-            Observation::StartCancelled => state.observe_start_cancelled(now),
+            Observation::StartCancelled => state.observe_start_cancelled(now, cap),
             Observation::Exited(result) => {
                 state.observe_exited(settings, &result, jitter, now, cap)
             }
@@ -1079,5 +1069,177 @@ mod tests {
         sim.log.clear();
         run_once(&mut sim);
         assert_eq!(sim.log, ["start main", "exit main 0"], "rerun");
+    }
+
+    #[test]
+    fn a_user_restart_reads_restart_signaled_terminated_restarting_started() {
+        let mut sim = Sim::new(ONE_TASK);
+        sim.settle();
+        sim.now = at(1_000);
+        sim.state
+            .request_restart(&sim.desired, None, sim.now)
+            .expect("running");
+        sim.settle();
+        assert_eq!(
+            sim.events("main"),
+            [
+                "Received",
+                "Task Setup",
+                "Started",
+                "Restart Signaled",
+                "Terminated",
+                "Restarting",
+                "Started"
+            ]
+        );
+        let main = &sim.state.tasks[&name("main")];
+        assert_eq!(main.events[3].message, "User requested restart");
+        assert_eq!(main.events[5].message, "Task restarting in 0s");
+        assert_eq!(main.restarts, 1);
+    }
+
+    #[test]
+    fn a_stop_during_a_user_restart_reads_killing_and_killed() {
+        let mut sim = Sim::new(ONE_TASK);
+        sim.settle();
+        sim.state
+            .request_restart(&sim.desired, None, sim.now)
+            .expect("running");
+        let plan = sim.state.reconcile(&sim.desired, sim.now);
+        assert!(matches!(plan.effects[..], [Effect::Signal { .. }]));
+        sim.desired.run = false;
+        sim.step();
+        sim.exit("main", 130);
+        sim.settle();
+        assert_eq!(
+            sim.events("main")[3..],
+            ["Restart Signaled", "Killing", "Terminated", "Killed"]
+        );
+        assert!(sim.state.is_terminal());
+    }
+
+    #[test]
+    fn a_task_shutdown_delay_is_announced_after_killing_and_waited_before_the_signal() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {}, shutdownDelay: 5s}\n",
+        );
+        sim.settle();
+        sim.log.clear();
+        sim.desired.run = false;
+        sim.now = at(1_000);
+        assert_eq!(sim.step(), Some(at(6_000)));
+        assert!(sim.log.is_empty(), "{:?}", sim.log);
+        let main = &sim.state.tasks[&name("main")];
+        let messages: Vec<(&str, &str)> = main
+            .events
+            .iter()
+            .skip(3)
+            .map(|e| (e.event_type.as_str(), e.message.as_str()))
+            .collect();
+        assert_eq!(
+            messages,
+            [
+                ("Killing", "Sent interrupt. Waiting 5s before force killing"),
+                (
+                    "Waiting for shutdown delay",
+                    "Waiting for shutdown_delay of 5s before killing the task."
+                )
+            ]
+        );
+        sim.now = at(6_000);
+        sim.settle();
+        assert_eq!(sim.log, ["signal main SIGINT"]);
+        assert_eq!(
+            sim.events("main")[3..],
+            [
+                "Killing",
+                "Waiting for shutdown delay",
+                "Terminated",
+                "Killed"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_group_shutdown_delay_is_announced_in_nomads_words_before_killing() {
+        let mut sim = Sim::new(&ONE_TASK.replace("spec:\n", "spec:\n  shutdownDelay: 2s\n"));
+        sim.settle();
+        sim.desired.run = false;
+        sim.now = at(1_000);
+        assert_eq!(sim.step(), Some(at(3_000)));
+        sim.now = at(3_000);
+        sim.settle();
+        let main = &sim.state.tasks[&name("main")];
+        let messages: Vec<(&str, &str)> = main
+            .events
+            .iter()
+            .skip(3)
+            .map(|e| (e.event_type.as_str(), e.message.as_str()))
+            .collect();
+        assert_eq!(
+            messages,
+            [
+                (
+                    "Waiting for shutdown delay",
+                    "Waiting for shutdown_delay of 2s before killing the task."
+                ),
+                ("Killing", "Sent interrupt. Waiting 5s before force killing"),
+                ("Terminated", "Exit Code: 130, Signal: 2"),
+                ("Killed", "Task successfully killed")
+            ]
+        );
+    }
+
+    #[test]
+    fn a_restart_delayed_past_its_attempts_says_why_in_its_restarting_event() {
+        let mut sim = Sim::new(&ONE_TASK.replace(
+            "spec:\n",
+            "spec:\n  restart: {attempts: 1, interval: 10m, delay: 15s, mode: delay}\n",
+        ));
+        sim.settle();
+        sim.exit("main", 1);
+        sim.now = at(15_000);
+        sim.settle();
+        sim.now = at(20_000);
+        sim.exit("main", 1);
+        let messages: Vec<&str> = sim.state.tasks[&name("main")]
+            .events
+            .iter()
+            .filter(|e| e.event_type == TaskEventType::Restarting)
+            .map(|e| e.message.as_str())
+            .collect();
+        assert_eq!(
+            messages,
+            [
+                "Task restarting in 15s",
+                "Exceeded allowed attempts, applying a delay - Task restarting in 9m40s"
+            ]
+        );
+    }
+
+    #[test]
+    fn a_stop_that_a_start_outran_reads_killing_when_the_signal_is_sent() {
+        let mut sim = Sim::new(ONE_TASK);
+        assert_eq!(starts_of_one_pass(&mut sim), ["main"]);
+        sim.desired.run = false;
+        sim.now = at(100);
+        let plan = sim.state.reconcile(&sim.desired, sim.now);
+        assert_eq!(plan.effects, [Effect::CancelStart { task: name("main") }]);
+        // The driver answered before the cancellation reached it.
+        sim.observe(&name("main"), Observation::Started);
+        sim.settle();
+        assert_eq!(sim.log, ["signal main SIGINT"]);
+        assert_eq!(
+            sim.events("main"),
+            [
+                "Received",
+                "Task Setup",
+                "Started",
+                "Killing",
+                "Terminated",
+                "Killed"
+            ]
+        );
+        assert!(sim.state.is_terminal());
     }
 }

@@ -5,6 +5,8 @@ use std::time::Duration;
 
 use stead_schemas::Timestamp;
 
+use crate::restart::RestartReason;
+
 /// The kinds of task event; `as_str` gives Nomad's type string.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum TaskEventType {
@@ -173,14 +175,30 @@ impl TaskEvent {
         Self::new(TaskEventType::Killed, time, "Task successfully killed")
     }
 
-    /// `Restarting`: "Task restarting in 15.2s".
-    pub fn restarting(time: Timestamp, after: Duration) -> Self {
+    /// `Restarting`: "Task restarting in 15.2s", after the reason unless the restart is
+    /// within policy or requested: "Exceeded allowed attempts, applying a delay - Task
+    /// restarting in 29m45s".
+    pub fn restarting(time: Timestamp, after: Duration, reason: RestartReason) -> Self {
+        let restarting_in = format!(
+            "Task restarting in {}",
+            stead_schemas::Duration::from(after)
+        );
+        let message = match reason {
+            RestartReason::WithinPolicy | RestartReason::Requested => restarting_in,
+            RestartReason::ExceededAttemptsApplyingDelay => format!("{reason} - {restarting_in}"),
+        };
+        Self::new(TaskEventType::Restarting, time, message)
+    }
+
+    /// `Waiting for shutdown delay`: "Waiting for shutdown_delay of 5s before killing the
+    /// task." (Nomad's words, underscore and period included).
+    pub fn waiting_shutdown_delay(time: Timestamp, delay: Duration) -> Self {
         Self::new(
-            TaskEventType::Restarting,
+            TaskEventType::WaitingShutdownDelay,
             time,
             format!(
-                "Task restarting in {}",
-                stead_schemas::Duration::from(after)
+                "Waiting for shutdown_delay of {} before killing the task.",
+                stead_schemas::Duration::from(delay)
             ),
         )
     }

@@ -15,7 +15,7 @@ use stead_schemas::{RestartPolicy, Timestamp};
 
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
-use crate::restart::{Jitter, RestartDecision, RestartTracker, RunEnd};
+use crate::restart::{Jitter, RestartDecision, RestartReason, RestartTracker, RunEnd};
 
 /// How long after SIGKILL a driver may take to confirm the exit before the task is
 /// given up as dead anyway: a driver is never trusted to report.
@@ -294,13 +294,6 @@ impl TaskState {
         if self.is_dead() {
             return;
         }
-        if let Some(kill) = &mut self.kill {
-            // A stop overrides a user restart in progress: the task must not come back.
-            if kill.reason == KillReason::UserRestart && reason != KillReason::UserRestart {
-                kill.reason = reason;
-            }
-            return;
-        }
         let announcement = match &reason {
             KillReason::SiblingFailed(failed) => Some(TaskEvent::new(
                 TaskEventType::SiblingTaskFailed,
@@ -319,6 +312,21 @@ impl TaskState {
             )),
             KillReason::Stop | KillReason::UserRestart => None,
         };
+        if let Some(kill) = &mut self.kill {
+            // A stop overrides a user restart in progress: the task must not come back,
+            // and the kill now reads as one.
+            if kill.reason == KillReason::UserRestart && reason != KillReason::UserRestart {
+                kill.reason = reason;
+                let running = self.is_running();
+                if let Some(event) = announcement {
+                    self.push_event(event, cap);
+                }
+                if running {
+                    self.push_event(TaskEvent::killing(now, settings.kill_timeout), cap);
+                }
+            }
+            return;
+        }
         if !self.has_process() {
             // Nothing runs: pending or waiting to restart. It simply does not start.
             self.phase = TaskPhase::Dead;
@@ -331,23 +339,19 @@ impl TaskState {
         if let Some(event) = announcement {
             self.push_event(event, cap);
         }
+        // As Nomad: a user restart reads `Restart Signaled`, `Terminated`, `Restarting`;
+        // any other kill of a running task `Killing` at once, then the task's shutdown
+        // delay, then `Terminated` and `Killed`.
         let delay = if reason == KillReason::UserRestart {
             Duration::ZERO
         } else {
             settings.shutdown_delay
         };
-        if !delay.is_zero() && self.is_running() {
-            self.push_event(
-                TaskEvent::new(
-                    TaskEventType::WaitingShutdownDelay,
-                    now,
-                    format!(
-                        "Waiting for shutdown delay of {} before killing the task",
-                        stead_schemas::Duration::from(delay)
-                    ),
-                ),
-                cap,
-            );
+        if reason != KillReason::UserRestart && self.is_running() {
+            self.push_event(TaskEvent::killing(now, settings.kill_timeout), cap);
+            if !delay.is_zero() {
+                self.push_event(TaskEvent::waiting_shutdown_delay(now, delay), cap);
+            }
         }
         self.kill = Some(KillProgress {
             reason,
@@ -380,7 +384,7 @@ impl TaskState {
             match self.process {
                 // Nothing runs, so the kill is over. Only a restore leaves a kill with no
                 // process: the start it was cancelling had no handle and is forgotten.
-                Process::Idle => self.finish_kill(now),
+                Process::Idle => self.finish_kill(now, cap),
                 Process::Starting { .. } => {
                     if !kill.cancel_requested {
                         kill.cancel_requested = true;
@@ -395,7 +399,11 @@ impl TaskState {
                             task: task(),
                             signal: settings.kill_signal.clone(),
                         });
-                        self.push_event(TaskEvent::killing(now, settings.kill_timeout), cap);
+                        // A task killed while it was starting had no `Killing` yet: its
+                        // start completed before it could be cancelled.
+                        if kill.cancel_requested {
+                            self.push_event(TaskEvent::killing(now, settings.kill_timeout), cap);
+                        }
                         wake(now + settings.kill_timeout);
                     }
                     (Some(signalled), None) => {
@@ -423,7 +431,7 @@ impl TaskState {
                                 ),
                                 cap,
                             );
-                            self.finish_kill(now);
+                            self.finish_kill(now, cap);
                         }
                     }
                 },
@@ -482,7 +490,7 @@ impl TaskState {
             cap,
         );
         if self.kill.is_some() {
-            self.finish_kill(now);
+            self.finish_kill(now, cap);
         } else {
             self.decide(
                 settings,
@@ -495,10 +503,10 @@ impl TaskState {
     }
 
     /// An in-flight start was abandoned for a kill.
-    pub fn observe_start_cancelled(&mut self, now: Timestamp) {
+    pub fn observe_start_cancelled(&mut self, now: Timestamp, cap: usize) {
         self.process = Process::Idle;
         if self.kill.is_some() {
-            self.finish_kill(now);
+            self.finish_kill(now, cap);
         }
     }
 
@@ -517,9 +525,11 @@ impl TaskState {
         };
         self.process = Process::Idle;
         self.push_event(TaskEvent::terminated(now, result), cap);
-        if self.kill.is_some() {
-            self.push_event(TaskEvent::killed(now), cap);
-            self.finish_kill(now);
+        if let Some(kill) = &self.kill {
+            if kill.reason != KillReason::UserRestart {
+                self.push_event(TaskEvent::killed(now), cap);
+            }
+            self.finish_kill(now, cap);
             return;
         }
         let run_end = RunEnd::Exited {
@@ -540,21 +550,26 @@ impl TaskState {
             cap,
         );
         if self.kill.is_some() {
-            self.finish_kill(now);
+            self.finish_kill(now, cap);
         } else {
             self.phase = TaskPhase::Pending;
             self.restart_at = None;
         }
     }
 
-    /// The kill in progress is over: the task is dead, or restarts at once for a user.
-    fn finish_kill(&mut self, now: Timestamp) {
+    /// The kill in progress is over: the task is dead, or restarts at once for a user
+    /// (free: its restart policy is not asked).
+    fn finish_kill(&mut self, now: Timestamp, cap: usize) {
         let Some(kill) = self.kill.take() else { return };
         if kill.reason == KillReason::UserRestart {
             self.restarts = self.restarts.saturating_add(1);
             self.last_restart = Some(now);
             self.phase = TaskPhase::Pending;
             self.restart_at = Some(now);
+            self.push_event(
+                TaskEvent::restarting(now, Duration::ZERO, RestartReason::Requested),
+                cap,
+            );
         } else {
             self.phase = TaskPhase::Dead;
             self.finished_at = Some(now);
@@ -578,12 +593,12 @@ impl TaskState {
             now,
         );
         match decision {
-            RestartDecision::Restart { after, .. } => {
+            RestartDecision::Restart { after, reason } => {
                 self.restarts = self.restarts.saturating_add(1);
                 self.last_restart = Some(now);
                 self.phase = TaskPhase::Pending;
                 self.restart_at = Some(now + after);
-                self.push_event(TaskEvent::restarting(now, after), cap);
+                self.push_event(TaskEvent::restarting(now, after, reason), cap);
             }
             RestartDecision::DoNotRestart { failed, reason } => {
                 self.phase = TaskPhase::Dead;
