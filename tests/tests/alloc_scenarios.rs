@@ -491,7 +491,7 @@ async fn main_waits_for_a_prestart_sidecar_to_run() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_shutdown_delay_is_announced_and_waited_before_the_kill() {
+async fn a_shutdown_delay_is_announced_after_killing_and_waited_before_the_signal() {
     let h = harness();
     let body = "  tasks:\n    - {name: t, driver: mock, config: {}, shutdownDelay: 5s}\n";
     h.node.apply(alloc("web", body));
@@ -507,13 +507,25 @@ async fn a_shutdown_delay_is_announced_and_waited_before_the_kill() {
     })
     .await;
     let announced = h.event_times("web", "t", "Waiting for shutdown delay")[0];
-    h.until("killing", |h| {
-        !h.event_times("web", "t", "Killing").is_empty()
+    assert_eq!(h.event_times("web", "t", "Killing"), [announced]);
+    let events = h.events("web", "t");
+    let position = |event: &str| events.iter().position(|e| e == event);
+    assert!(
+        position("Killing") < position("Waiting for shutdown delay"),
+        "{events:?}"
+    );
+    assert_eq!(
+        h.event_messages("web", "t", "Waiting for shutdown delay"),
+        ["Waiting for shutdown_delay of 5s before killing the task."]
+    );
+    // The mock task exits at its kill signal, which only comes after the delay.
+    h.until("terminated", |h| {
+        !h.event_times("web", "t", "Terminated").is_empty()
     })
     .await;
-    let killing = h.event_times("web", "t", "Killing")[0];
+    let terminated = h.event_times("web", "t", "Terminated")[0];
     assert_eq!(
-        killing.saturating_duration_since(announced),
+        terminated.saturating_duration_since(announced),
         Duration::from_secs(5)
     );
 }
