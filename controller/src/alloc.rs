@@ -513,7 +513,9 @@ impl Worker {
         if !current.devices.is_empty() {
             return;
         }
-        let wants = current.needs_devices && current.desired.run && !current.state.is_terminal();
+        // `may_start`, not "runs and is not terminal": a stopped alloc asked to run again is
+        // terminal until the reconcile that starts it, which must find its devices held.
+        let wants = current.needs_devices && current.state.may_start(&current.desired);
         let manager = &self.shared.config.devices;
         if !wants {
             current.device_error = None;

@@ -229,6 +229,21 @@ impl AllocState {
         self.tasks.values().all(|t| t.is_dead() && !t.has_process())
     }
 
+    /// Whether the next [`reconcile`](Self::reconcile) with `desired` may start tasks:
+    /// the alloc is not terminal and runs, or it was stopped and `desired` runs it again
+    /// in place. Answered without changing anything, so the shell can first reserve what
+    /// the tasks need (their devices).
+    pub fn may_start(&self, desired: &AllocDesired) -> bool {
+        if !desired.run {
+            return false;
+        }
+        !self.is_terminal()
+            || self
+                .shutdown
+                .as_ref()
+                .is_some_and(|shutdown| shutdown.reason == ShutdownReason::Stop)
+    }
+
     /// One level-triggered pass: decide what every task should do and let it act.
     pub fn reconcile(&mut self, desired: &AllocDesired, now: Timestamp) -> Plan {
         let mut plan = Plan::default();
@@ -964,6 +979,40 @@ mod tests {
             let side = &sim.state.tasks[&name("side")];
             assert_eq!(side.events.len(), history + 1, "{case}: history kept");
         }
+    }
+
+    #[test]
+    fn may_start_says_whether_the_next_pass_can_start_tasks_without_changing_anything() {
+        let yaml = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  restart: {attempts: 0}\n  tasks:\n    - {name: main, driver: mock, config: {}}\n";
+        let mut sim = Sim::new(yaml);
+        let runs = |sim: &Sim, run: bool| {
+            let mut desired = sim.desired.clone();
+            desired.run = run;
+            sim.state.may_start(&desired)
+        };
+        assert!(runs(&sim, true), "a new alloc");
+        assert!(!runs(&sim, false), "a new alloc asked to stop");
+        sim.settle();
+        assert!(runs(&sim, true), "a running alloc");
+        sim.now = at(1_000);
+        sim.exit("main", 1);
+        sim.settle();
+        assert!(sim.state.is_terminal());
+        let before = sim.state.clone();
+        assert!(!runs(&sim, true), "failed: it does not run again by itself");
+        assert_eq!(sim.state, before, "asking changes nothing");
+        sim.desired.run = false;
+        sim.now = at(2_000);
+        sim.settle();
+        assert!(!runs(&sim, false), "stopped");
+        assert!(
+            runs(&sim, true),
+            "stopped, then asked to run: it runs again in place"
+        );
+        sim.desired.run = true;
+        sim.log.clear();
+        sim.settle();
+        assert_eq!(sim.log, ["start main"], "the pass did start it");
     }
 
     #[test]

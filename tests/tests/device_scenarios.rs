@@ -178,6 +178,56 @@ async fn placement_waits_for_a_free_device_and_proceeds_when_its_holder_stops() 
 }
 
 #[tokio::test(start_paused = true)]
+async fn an_alloc_run_again_in_place_waits_for_its_devices_like_a_new_one() {
+    let health = tempfile::tempdir().expect("temp dir");
+    let mock = MockDriver::new(clock());
+    let node = node(gpus(health.path(), &["gpu0"]), memory(), &mock);
+    let first = wants("first", "acme/gpu", 1);
+    node.apply(first.clone());
+    until(&node, "first runs", |n| running(n, "first")).await;
+
+    // Stopped in place, it lets its device go, and another alloc takes it.
+    let stopped = |spec: &ValidSpec, status: &str| {
+        let yaml = serde_json::to_string(&spec.spec).expect("json");
+        let mut value: serde_json::Value = serde_json::from_str(&yaml).expect("json");
+        value["spec"]["desiredStatus"] = status.into();
+        exec_support::spec(&value.to_string())
+    };
+    node.apply(stopped(&first, "stop"));
+    until(&node, "first stopped", |n| {
+        status(n, "first").client_status == "complete" && held(n, "first", "t").is_empty()
+    })
+    .await;
+    node.apply(wants("second", "acme/gpu", 1));
+    until(&node, "second runs on gpu0", |n| {
+        running(n, "second") && held(n, "second", "t") == ["gpu0"]
+    })
+    .await;
+    let starts_before = starts(&mock);
+
+    // Asked to run again, it waits for a device, and starts nothing meanwhile.
+    node.apply(stopped(&first, "run"));
+    until(&node, "first waits for its device", |n| {
+        waiting_for_devices(n, "first").is_some()
+    })
+    .await;
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert_eq!(
+        starts(&mock),
+        starts_before,
+        "nothing started without its device"
+    );
+    assert!(held(&node, "second", "t") == ["gpu0"]);
+
+    node.remove(&"second".parse().expect("a name"));
+    until(&node, "first runs again, on gpu0", |n| {
+        running(n, "first") && held(n, "first", "t") == ["gpu0"]
+    })
+    .await;
+    node.shutdown(Shutdown::Detach).await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn task_restarts_and_spec_edits_keep_the_devices_from_a_waiting_alloc_until_the_spec_stops_asking()
  {
     let health = tempfile::tempdir().expect("temp dir");
