@@ -6,6 +6,7 @@
 //! never across an `.await`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -60,7 +61,9 @@ impl Default for NodeConfig {
 
 struct Entry {
     mailbox: Mailbox,
-    join: JoinHandle<()>,
+    /// The worker's task; taken by the shutdown, which awaits it while the entry stays
+    /// (so the worker can still be woken) until the worker is done.
+    join: Option<JoinHandle<()>>,
 }
 
 /// What garbage collection needs to know of an alloc, published with its status.
@@ -85,6 +88,9 @@ pub(crate) struct Shared {
     /// The diagnostics of each alloc whose spec is broken now, shown with its status.
     spec_errors: RwLock<HashMap<Name, Arc<str>>>,
     registry: Mutex<HashMap<Name, Entry>>,
+    /// Set (under the registry's lock) when the node's shutdown began: no worker is
+    /// started or given new input after it, and user commands are refused.
+    shutting_down: AtomicBool,
     statuses: RwLock<BTreeMap<Name, Arc<AllocStatus>>>,
     /// The driver handles of each alloc's tasks, published with its status (for stats).
     handles: RwLock<HashMap<Name, Arc<BTreeMap<Name, TaskHandle>>>>,
@@ -361,6 +367,7 @@ impl Node {
                 facts: RwLock::new(HashMap::new()),
                 spec_errors: RwLock::new(HashMap::new()),
                 registry: Mutex::new(HashMap::new()),
+                shutting_down: AtomicBool::new(false),
                 statuses: RwLock::new(BTreeMap::new()),
                 handles: RwLock::new(HashMap::new()),
                 version,
@@ -473,20 +480,42 @@ impl Node {
         let worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
         let span = tracing::info_span!("alloc", alloc = %name);
         let join = tokio::spawn(tracing::Instrument::instrument(worker.run(), span));
-        registry.insert(name, Entry { mailbox, join });
+        registry.insert(
+            name,
+            Entry {
+                mailbox,
+                join: Some(join),
+            },
+        );
     }
 
-    fn mailbox(&self, name: &str) -> Option<Mailbox> {
-        let name: Name = name.parse().ok()?;
-        self.shared.registry().get(&name).map(|e| e.mailbox.clone())
+    /// The mailbox of alloc `name` for a user command, refused once the node shuts down
+    /// (its workers only stop or leave then).
+    fn mailbox(&self, name: &str) -> Result<Mailbox, CommandError> {
+        let registry = self.shared.registry();
+        if self.shared.shutting_down.load(Ordering::Relaxed) {
+            return Err(CommandError::ShuttingDown {
+                name: name.to_owned(),
+            });
+        }
+        name.parse::<Name>()
+            .ok()
+            .and_then(|name| registry.get(&name))
+            .map(|e| e.mailbox.clone())
+            .ok_or_else(|| CommandError::UnknownAlloc {
+                name: name.to_owned(),
+            })
     }
 
     /// Declares that `spec` should exist: adds the alloc, or updates it (only the newest
-    /// update is ever applied). Never waits.
+    /// update is ever applied). Never waits. Ignored once the node shuts down.
     pub fn apply(&self, spec: ValidSpec) {
         let name = spec.name().clone();
         let target = Target::Spec(Arc::new(spec));
         let mut registry = self.shared.registry();
+        if self.shared.shutting_down.load(Ordering::Relaxed) {
+            return;
+        }
         match registry.get(&name) {
             Some(entry) => entry.mailbox.set_target(target),
             None => self.spawn(&mut registry, name, Start::Fresh(target)),
@@ -494,30 +523,26 @@ impl Node {
     }
 
     /// Declares that the alloc `name` should no longer exist: it is stopped, then
-    /// destroyed. Never waits.
+    /// destroyed. Never waits. Ignored once the node shuts down.
     pub fn remove(&self, name: &Name) {
-        if let Some(entry) = self.shared.registry().get(name) {
+        let registry = self.shared.registry();
+        if self.shared.shutting_down.load(Ordering::Relaxed) {
+            return;
+        }
+        if let Some(entry) = registry.get(name) {
             entry.mailbox.set_target(Target::Absent);
         }
     }
 
     /// Restarts `task` of alloc `name`, or all its running tasks.
     pub async fn restart(&self, name: &str, task: Option<Name>) -> Result<(), CommandError> {
-        let mailbox = self
-            .mailbox(name)
-            .ok_or_else(|| CommandError::UnknownAlloc {
-                name: name.to_owned(),
-            })?;
+        let mailbox = self.mailbox(name)?;
         ask(&mailbox, name, |reply| UserCommand::Restart { task, reply }).await
     }
 
     /// Sends `signal` to `task` of alloc `name`.
     pub async fn signal(&self, name: &str, task: Name, signal: Signal) -> Result<(), CommandError> {
-        let mailbox = self
-            .mailbox(name)
-            .ok_or_else(|| CommandError::UnknownAlloc {
-                name: name.to_owned(),
-            })?;
+        let mailbox = self.mailbox(name)?;
         ask(&mailbox, name, |reply| UserCommand::Signal {
             task,
             signal,
@@ -529,11 +554,7 @@ impl Node {
     /// Destroys alloc `name` for garbage collection, if it is collectable (terminal and
     /// no longer declared); returns once its directory and record are gone.
     pub async fn collect(&self, name: &Name) -> Result<(), CommandError> {
-        let mailbox = self
-            .mailbox(name.as_str())
-            .ok_or_else(|| CommandError::UnknownAlloc {
-                name: name.to_string(),
-            })?;
+        let mailbox = self.mailbox(name.as_str())?;
         ask(&mailbox, name.as_str(), |reply| UserCommand::Collect {
             reply,
         })
@@ -706,18 +727,37 @@ impl Node {
     }
 
     /// Leaves: with `Detach` the tasks keep running for the next agent; with `Drain`
-    /// every alloc is stopped, all in parallel. Returns when every worker is done.
+    /// every alloc is stopped, all in parallel. Returns when every worker is done (a
+    /// second call too, whose `Drain` still turns a detach into a drain).
+    ///
+    /// Each worker stays in the registry until it is done, so the node's wake-ups (the
+    /// ticker, a driver's or a device's change of health) still reach it: a drain may
+    /// wait on one, say a poststop task held back by an unhealthy driver.
     pub async fn shutdown(&self, how: Shutdown) {
-        let joins: Vec<JoinHandle<()>> = {
+        let mut version = self.shared.version.subscribe();
+        let joins: Vec<(Name, JoinHandle<()>)> = {
             let mut registry = self.shared.registry();
-            for entry in registry.values() {
+            self.shared.shutting_down.store(true, Ordering::Relaxed);
+            let mut joins = Vec::with_capacity(registry.len());
+            for (name, entry) in registry.iter_mut() {
                 entry.mailbox.shutdown(how);
+                if let Some(join) = entry.join.take() {
+                    joins.push((name.clone(), join));
+                }
             }
-            registry.drain().map(|(_, entry)| entry.join).collect()
+            joins
         };
-        for join in joins {
+        for (name, join) in joins {
             // A worker that panicked has nothing left to stop.
             let _ = join.await;
+            self.shared.registry().remove(&name);
+            self.shared.version.send_modify(|v| *v += 1);
+        }
+        // Workers an earlier call awaits: done when they have left the registry.
+        while self.alloc_count() > 0 {
+            if version.changed().await.is_err() {
+                return;
+            }
         }
     }
 }
