@@ -147,6 +147,9 @@ pub enum AgentError {
         #[source]
         source: std::io::Error,
     },
+    /// A second SIGTERM or SIGINT ended the shutdown before it was over.
+    #[error("a second signal ended the shutdown before it was over")]
+    CutShort,
     /// A token file holds no token: the API would require none.
     #[error("token file {} is empty; an agent configured with a token never runs without one", path.display())]
     EmptyTokenFile {
@@ -320,9 +323,21 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    runtime.block_on(run(settings))?;
-    Ok(0)
+    match runtime.block_on(run(settings)) {
+        Ok(()) => Ok(0),
+        Err(AgentError::CutShort) => {
+            // Prompt exit: work still on the runtime's blocking threads (a store write, an
+            // alloc dir's removal) gets a moment, not a wait without bound.
+            runtime.shutdown_timeout(CUT_SHORT_GRACE);
+            Err(AgentError::CutShort.into())
+        }
+        Err(error) => Err(error.into()),
+    }
 }
+
+/// How long a shutdown ended by a second signal waits for the API's thread to stop, then
+/// for blocking work in flight.
+const CUT_SHORT_GRACE: Duration = Duration::from_secs(1);
 
 /// The API's listeners, bound before anything starts so that a taken port or a file in
 /// the socket's way fails the agent at once; they are served later ([`start_api`]).
@@ -394,7 +409,8 @@ fn start_api(
         .map_err(AgentError::Runtime)
 }
 
-/// Runs the agent until SIGINT or SIGTERM.
+/// Runs the agent until SIGINT or SIGTERM, then shuts it down (detach or drain); a second
+/// SIGINT or SIGTERM during the shutdown ends it at once with [`AgentError::CutShort`].
 pub async fn run(settings: Settings) -> Result<(), AgentError> {
     // systemd's notification socket; the watchdog pings start now, readiness comes later.
     let notifier = crate::sdnotify::start();
@@ -628,26 +644,54 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     if let Some(gc) = gc {
         gc.abort();
     }
-    stop_api.cancel();
-    node.shutdown(mode).await;
-    // A new store still being created gets its held records, the shutdown's included,
-    // before the agent lets go of the data dir, so the next agent takes over what this
-    // one left running.
-    if let Some(creating) = creating {
-        match tokio::time::timeout(STORE_CREATION_GRACE, creating).await {
-            Ok(Ok(Ok(()))) => tracing::info!("state store created"),
-            Ok(Ok(Err(error))) => {
-                tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store");
+    // The API keeps serving while the node shuts down, so operators can watch a drain;
+    // it stops once the node's shutdown is over.
+    let shut_down = async {
+        node.shutdown(mode).await;
+        // A new store still being created gets its held records, the shutdown's
+        // included, before the agent lets go of the data dir, so the next agent takes
+        // over what this one left running.
+        if let Some(creating) = creating {
+            match tokio::time::timeout(STORE_CREATION_GRACE, creating).await {
+                Ok(Ok(Ok(()))) => tracing::info!("state store created"),
+                Ok(Ok(Err(error))) => {
+                    tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store");
+                }
+                Ok(Err(_)) => tracing::error!("the thread creating the state store died"),
+                Err(_) => tracing::error!(
+                    grace = ?STORE_CREATION_GRACE,
+                    "the state store is still being created; exiting without it"
+                ),
             }
-            Ok(Err(_)) => tracing::error!("the thread creating the state store died"),
-            Err(_) => tracing::error!(
-                grace = ?STORE_CREATION_GRACE,
-                "the state store is still being created; exiting without it"
-            ),
+        }
+    };
+    // A second SIGTERM or SIGINT ends the shutdown at once, as it ends Nomad's agent:
+    // what the drain has not stopped yet is left as it is (every step of a worker is
+    // stored as it happens), and the next agent reattaches it.
+    let cut_short = tokio::select! {
+        () = shut_down => false,
+        _ = terminate.recv() => true,
+        _ = interrupt.recv() => true,
+    };
+    stop_api.cancel();
+    if cut_short {
+        tracing::warn!(
+            ?mode,
+            "a second signal ended the shutdown; tasks it had not stopped are left as they are for the next agent"
+        );
+    }
+    // The API's thread holds the node, and so the store, which must be closed before the
+    // process exits (RocksDB's threads must not outlive its static state).
+    if let Some(api) = api {
+        let joined = tokio::task::spawn_blocking(move || api.join());
+        if cut_short {
+            let _ = tokio::time::timeout(CUT_SHORT_GRACE, joined).await;
+        } else {
+            let _ = joined.await;
         }
     }
-    if let Some(api) = api {
-        let _ = tokio::task::spawn_blocking(move || api.join()).await;
+    if cut_short {
+        return Err(AgentError::CutShort);
     }
     failure.map_or(Ok(()), Err)
 }

@@ -1,9 +1,13 @@
 //! The agent's shutdown: a drain that waits on a wake-up from outside its allocs (a
-//! driver's recovery), through the node in-process.
+//! driver's recovery), the API answering while a drain lasts, and a second SIGTERM that
+//! ends a drain at once, through the node in-process and through the real agent binary.
+
+mod agent_support;
 
 use std::sync::Arc;
 use std::time::Duration;
 
+use agent_support::{AgentDirs, kill_all_with, processes_with, wait_for};
 use stead_controller::clock::Clock;
 use stead_controller::driver::mock::MockDriver;
 use stead_controller::driver::{Driver, Drivers, Health};
@@ -89,4 +93,167 @@ async fn a_drain_runs_a_poststop_task_held_back_by_an_unhealthy_driver_once_it_r
         "{status:#?}"
     );
     assert_eq!(status.tasks["cleanup"].state, "dead", "{status:#?}");
+}
+
+/// An exec alloc whose one task ignores SIGINT and SIGTERM, so a drain waits out its
+/// kill timeout of an hour; its command line carries `marker`.
+fn stubborn_spec(name: &str, marker: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 1h\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"trap '' INT TERM; while :; do sleep 0.2; done\", \"{marker}\"]\n"
+    )
+}
+
+/// A marker unique to this test run, for finding its task processes.
+fn marker(test: &str) -> String {
+    format!(
+        "stead-shutdown-{test}-{}-{}",
+        std::process::id(),
+        fastrand::u64(..)
+    )
+}
+
+/// Kills the test's task processes when the test ends, however it ends (their supervisors
+/// then leave by themselves).
+struct KillOnDrop(String);
+
+impl Drop for KillOnDrop {
+    fn drop(&mut self) {
+        kill_all_with(&self.0);
+    }
+}
+
+/// An agent that drains, running the stubborn alloc `stubborn`; returns once its task
+/// runs, with the task's pid.
+fn draining_agent(marker: &str) -> (AgentDirs, agent_support::Agent, u32) {
+    let dirs = AgentDirs::new("shutdown: drain\nmaxKillTimeout: 1h\n");
+    dirs.write_spec("stubborn", &stubborn_spec("stubborn", marker));
+    let agent = dirs.start();
+    let pid = until_running_as(&agent, None);
+    (dirs, agent, pid)
+}
+
+/// Waits until the stubborn task runs (as `pid`, when given, started once) and returns
+/// its pid.
+fn until_running_as(agent: &agent_support::Agent, pid: Option<u32>) -> u32 {
+    wait_for("the stubborn task runs", Duration::from_secs(30), || {
+        let status = agent.status("stubborn");
+        status
+            .as_ref()
+            .and_then(|s| s.tasks.get("main"))
+            .filter(|t| t.state == "running")
+            .filter(|t| {
+                pid.is_none_or(|pid| {
+                    t.pid == Some(pid)
+                        && t.events
+                            .iter()
+                            .filter(|e| e.event_type == "Started")
+                            .count()
+                            == 1
+                })
+            })
+            .and_then(|t| t.pid)
+            .ok_or_else(|| format!("{status:#?}"))
+    })
+}
+
+fn send(agent: &agent_support::Agent, signal: rustix::process::Signal) {
+    let pid = rustix::process::Pid::from_raw(agent.child.id() as i32).expect("a pid");
+    rustix::process::kill_process(pid, signal).expect("signalled");
+}
+
+/// Waits until the agent's log shows that its shutdown began.
+fn until_shutting_down(agent: &agent_support::Agent) {
+    wait_for("the shutdown to begin", Duration::from_secs(10), || {
+        let log = agent.log_text();
+        log.contains("shutting down").then_some(()).ok_or(log)
+    });
+}
+
+/// Waits until the API shows the stubborn task sent its kill signal, and returns the
+/// alloc's status document.
+fn until_killing(agent: &mut agent_support::Agent) -> String {
+    wait_for(
+        "the API to show the task being killed",
+        Duration::from_secs(10),
+        || match agent.try_get("/v1/allocs/stubborn") {
+            Some((200, body)) if body.contains("\"Killing\"") => Ok(body),
+            other => Err(format!(
+                "{other:?} (the agent has exited: {:?})",
+                agent.child.try_wait()
+            )),
+        },
+    )
+}
+
+#[test]
+fn the_api_answers_while_a_drain_waits_out_a_kill_timeout() {
+    let marker = marker("api");
+    let _cleanup = KillOnDrop(marker.clone());
+    let (_dirs, mut agent, _) = draining_agent(&marker);
+    send(&agent, rustix::process::Signal::TERM);
+    until_shutting_down(&agent);
+    // The drain waits an hour on the task that ignores its kill signal; meanwhile
+    // operators can watch it.
+    let killing = until_killing(&mut agent);
+    assert!(killing.contains("before force killing"), "{killing}");
+    let (code, body) = agent
+        .try_get("/v1/health")
+        .expect("the health endpoint answers");
+    assert_eq!(code, 200, "{body}");
+    // The workers only stop by now: a restart is refused, not left unanswered.
+    let (code, body) = agent
+        .post("/v1/allocs/stubborn/restart")
+        .expect("a restart is answered");
+    assert_eq!(code, 503, "{body}");
+    assert!(body.contains("shutting_down"), "{body}");
+    assert!(
+        agent.child.try_wait().expect("agent state").is_none(),
+        "the drain is not over"
+    );
+    // A second signal ends it.
+    send(&agent, rustix::process::Signal::INT);
+    let status = wait_for("the agent to exit", Duration::from_secs(10), || {
+        agent
+            .child
+            .try_wait()
+            .expect("agent state")
+            .ok_or_else(|| "still running".to_owned())
+    });
+    assert!(!status.success(), "{status}");
+}
+
+#[test]
+fn a_second_sigterm_ends_a_drain_at_once_and_leaves_the_tasks_running() {
+    let marker = marker("second");
+    let _cleanup = KillOnDrop(marker.clone());
+    let (dirs, mut agent, pid) = draining_agent(&marker);
+    send(&agent, rustix::process::Signal::TERM);
+    until_shutting_down(&agent);
+    until_killing(&mut agent);
+    send(&agent, rustix::process::Signal::TERM);
+    let status = wait_for(
+        "the agent to exit after a second SIGTERM",
+        Duration::from_secs(5),
+        || {
+            agent
+                .child
+                .try_wait()
+                .expect("agent state")
+                .ok_or_else(|| format!("still running; log:\n{}", agent.log_text()))
+        },
+    );
+    assert_eq!(status.code(), Some(1), "{status}\n{}", agent.log_text());
+    let log = agent.log_text();
+    assert!(
+        log.contains("second signal"),
+        "the log says why the drain ended:\n{log}"
+    );
+    // What the drain had not stopped yet is left as it is, and the next agent reattaches
+    // it (same pid, no new start).
+    assert!(
+        !processes_with(&marker).is_empty(),
+        "the task was left running:\n{log}"
+    );
+    let next = dirs.start();
+    until_running_as(&next, Some(pid));
 }
