@@ -358,7 +358,9 @@ impl AllocState {
                 };
                 if settings.is_sidecar() {
                     task.request_kill(settings, KillReason::MainTasksDead, now, cap);
-                } else if settings.is_ephemeral_hook() && task.started_at.is_none() {
+                } else if settings.is_ephemeral_hook() && !task.has_process() {
+                    // Never ran, or waits to run again (a restart, a reattach that
+                    // failed): with the main tasks gone, it will not.
                     task.request_kill(settings, KillReason::Stop, now, cap);
                 }
             }
@@ -368,6 +370,9 @@ impl AllocState {
             .iter()
             .filter(|s| s.hook != Some(LifecycleHook::Poststop))
             .all(|s| self.tasks.get(&s.name).is_none_or(TaskState::is_dead));
+        if others_dead && !self.run_started(desired) {
+            self.give_up_poststop(desired, now);
+        }
         desired
             .tasks
             .iter()
@@ -378,6 +383,36 @@ impl AllocState {
                 Some(LifecycleHook::Poststop) => others_dead,
             })
             .collect()
+    }
+
+    /// Whether a task other than a poststop one started in this run. Poststop tasks clean
+    /// up after a run: where nothing started there is nothing to clean up, and waiting
+    /// for them could wait for ever (a driver that never came up holds them back too).
+    fn run_started(&self, desired: &AllocDesired) -> bool {
+        desired
+            .tasks
+            .iter()
+            .filter(|s| s.hook != Some(LifecycleHook::Poststop))
+            .any(|s| {
+                self.tasks
+                    .get(&s.name)
+                    .is_some_and(|t| t.started_at.is_some())
+            })
+    }
+
+    /// Every poststop task that has not started ends without running.
+    fn give_up_poststop(&mut self, desired: &AllocDesired, now: Timestamp) {
+        for settings in desired
+            .tasks
+            .iter()
+            .filter(|s| s.hook == Some(LifecycleHook::Poststop))
+        {
+            if let Some(task) = self.tasks.get_mut(&settings.name)
+                && !task.has_process()
+            {
+                task.request_kill(settings, KillReason::Stop, now, desired.max_events);
+            }
+        }
     }
 
     /// Which tasks should run while the alloc shuts down, and which kills to start: the
@@ -448,7 +483,12 @@ impl AllocState {
         }
 
         // Everything else is dead: poststop tasks run, whatever stage the alloc reached
-        // (as Nomad's lifecycle coordinator: after a prestart failure too).
+        // (as Nomad's lifecycle coordinator: after a prestart failure too), once something
+        // of this run started.
+        if !self.run_started(desired) {
+            self.give_up_poststop(desired, now);
+            return want_run;
+        }
         for (run, settings) in want_run.iter_mut().zip(&desired.tasks) {
             *run = settings.hook == Some(LifecycleHook::Poststop);
         }
@@ -1042,6 +1082,53 @@ mod tests {
             sim.log,
             ["start init", "signal init SIGINT", "start cleanup"]
         );
+    }
+
+    #[test]
+    fn an_alloc_stopped_before_anything_of_it_started_ends_without_its_poststop_tasks() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: exec, config: {command: /bin/true}}\n    - {name: cleanup, driver: exec, config: {command: /bin/true}, lifecycle: {hook: poststop}}\n",
+        );
+        sim.desired
+            .unavailable_drivers
+            .insert(DriverKind::Exec, "supervisor not found".to_owned());
+        sim.settle();
+        sim.desired.run = false;
+        sim.settle();
+        assert!(sim.log.is_empty(), "nothing started: {:?}", sim.log);
+        assert!(
+            sim.state.is_terminal(),
+            "a poststop task held back by its driver would keep the alloc from ending"
+        );
+        // Its driver coming back starts nothing either.
+        sim.desired.unavailable_drivers.clear();
+        sim.settle();
+        assert!(sim.log.is_empty(), "{:?}", sim.log);
+    }
+
+    #[test]
+    fn a_poststart_task_not_reattached_after_its_main_tasks_died_is_given_up() {
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  type: batch\n  tasks:\n    - {name: main, driver: mock, config: {}}\n    - {name: after, driver: mock, config: {}, lifecycle: {hook: poststart}}\n    - {name: cleanup, driver: mock, config: {}, lifecycle: {hook: poststop}}\n",
+        );
+        sim.settle();
+        assert_eq!(sim.log, ["start main", "start after"]);
+        // The agent restarts after main exited and cannot reattach to `after`.
+        sim.now = at(1_000);
+        sim.exit("main", 0);
+        sim.observe(
+            &name("after"),
+            Observation::RecoverFailed {
+                message: "no such process".to_owned(),
+            },
+        );
+        sim.log.clear();
+        sim.settle();
+        assert_eq!(sim.log, ["start cleanup"], "after is not started again");
+        sim.exit("cleanup", 0);
+        sim.settle();
+        assert!(sim.state.is_terminal());
+        assert_eq!(sim.state.client_status(), ClientStatus::Complete);
     }
 
     #[test]
