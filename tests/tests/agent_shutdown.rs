@@ -96,10 +96,10 @@ async fn a_drain_runs_a_poststop_task_held_back_by_an_unhealthy_driver_once_it_r
 }
 
 /// An exec alloc whose one task ignores SIGINT and SIGTERM, so a drain waits out its
-/// kill timeout of an hour; its command line carries `marker`.
-fn stubborn_spec(name: &str, marker: &str) -> String {
+/// kill timeout; its command line carries `marker`.
+fn stubborn_spec(name: &str, marker: &str, kill_timeout: &str) -> String {
     format!(
-        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 1h\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"trap '' INT TERM; while :; do sleep 0.2; done\", \"{marker}\"]\n"
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: {kill_timeout}\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"trap '' INT TERM; while :; do sleep 0.2; done\", \"{marker}\"]\n"
     )
 }
 
@@ -122,11 +122,11 @@ impl Drop for KillOnDrop {
     }
 }
 
-/// An agent that drains, running the stubborn alloc `stubborn`; returns once its task
-/// runs, with the task's pid.
-fn draining_agent(marker: &str) -> (AgentDirs, agent_support::Agent, u32) {
+/// An agent that drains, running the stubborn alloc `stubborn` with `kill_timeout`;
+/// returns once its task runs, with the task's pid.
+fn draining_agent(marker: &str, kill_timeout: &str) -> (AgentDirs, agent_support::Agent, u32) {
     let dirs = AgentDirs::new("shutdown: drain\nmaxKillTimeout: 1h\n");
-    dirs.write_spec("stubborn", &stubborn_spec("stubborn", marker));
+    dirs.write_spec("stubborn", &stubborn_spec("stubborn", marker, kill_timeout));
     let agent = dirs.start();
     let pid = until_running_as(&agent, None);
     (dirs, agent, pid)
@@ -189,7 +189,7 @@ fn until_killing(agent: &mut agent_support::Agent) -> String {
 fn the_api_answers_while_a_drain_waits_out_a_kill_timeout() {
     let marker = marker("api");
     let _cleanup = KillOnDrop(marker.clone());
-    let (_dirs, mut agent, _) = draining_agent(&marker);
+    let (_dirs, mut agent, _) = draining_agent(&marker, "1h");
     send(&agent, rustix::process::Signal::TERM);
     until_shutting_down(&agent);
     // The drain waits an hour on the task that ignores its kill signal; meanwhile
@@ -223,10 +223,10 @@ fn the_api_answers_while_a_drain_waits_out_a_kill_timeout() {
 }
 
 #[test]
-fn a_second_sigterm_ends_a_drain_at_once_and_leaves_the_tasks_running() {
+fn a_second_sigterm_ends_a_drain_at_once_and_the_next_agent_finishes_it_then_runs_again() {
     let marker = marker("second");
     let _cleanup = KillOnDrop(marker.clone());
-    let (dirs, mut agent, pid) = draining_agent(&marker);
+    let (dirs, mut agent, pid) = draining_agent(&marker, "3s");
     send(&agent, rustix::process::Signal::TERM);
     until_shutting_down(&agent);
     until_killing(&mut agent);
@@ -248,12 +248,28 @@ fn a_second_sigterm_ends_a_drain_at_once_and_leaves_the_tasks_running() {
         log.contains("second signal"),
         "the log says why the drain ended:\n{log}"
     );
-    // What the drain had not stopped yet is left as it is, and the next agent reattaches
-    // it (same pid, no new start).
+    // The task ignored its kill signal, and its SIGKILL was the agent's to send.
     assert!(
-        !processes_with(&marker).is_empty(),
+        processes_with(&marker).contains(&pid),
         "the task was left running:\n{log}"
     );
+    // The next agent finishes the stop the drain began (the kill timeout counts from the
+    // signal), then runs the alloc again, as after any drain: its spec still asks for it.
     let next = dirs.start();
-    until_running_as(&next, Some(pid));
+    wait_for(
+        "the old run to be killed and a new one to run",
+        Duration::from_secs(30),
+        || {
+            let status = next.status("stubborn");
+            let task = status.as_ref().and_then(|s| s.tasks.get("main"));
+            let events: Vec<&str> = task
+                .map(|t| t.events.iter().map(|e| e.event_type.as_str()).collect())
+                .unwrap_or_default();
+            let rerun =
+                task.is_some_and(|t| t.state == "running" && t.pid.is_some_and(|new| new != pid));
+            (rerun && !processes_with(&marker).contains(&pid) && events.contains(&"Killed"))
+                .then_some(())
+                .ok_or_else(|| format!("{status:#?}"))
+        },
+    );
 }
