@@ -448,6 +448,10 @@ impl Worker {
             current.spec = spec.clone();
         }
         current.desired.run = run;
+        if !matches!(&self.target, Target::Spec(spec) if spec.revision != current.spec.revision) {
+            // No other revision waits for this one's sticky disk any more.
+            current.hand_over_error = None;
+        }
         current.desired.unavailable_drivers = self.shared.unavailable_drivers();
         self.place_devices();
         let current = self.current.as_mut().expect("still set");

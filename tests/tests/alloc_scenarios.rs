@@ -805,9 +805,13 @@ async fn a_drain_leaves_finished_allocs_as_they_are_so_the_next_agent_runs_none_
     assert_eq!(h.starts("f").len(), 1, "the failed alloc was not run again");
 }
 
-#[tokio::test(start_paused = true)]
-async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_the_new_revision() {
-    let data = tempfile::tempdir().expect("temp dir");
+/// A node with alloc dirs under `data` running sticky-disk alloc `db` at revision 1, with
+/// `rows` in its data dir and a file in the way of revision 2's alloc dir, then asked
+/// for revision 2; returns once revision 1 stopped and its status shows why 2 waits,
+/// with both revisions and both alloc dirs.
+async fn sticky_hand_over_blocked(
+    data: &std::path::Path,
+) -> (Harness, [ValidSpec; 2], [std::path::PathBuf; 2]) {
     let clock = Clock::starting_at(Timestamp::from_since_epoch(START));
     let mock = MockDriver::new(clock);
     let store = MemoryStore::default();
@@ -819,7 +823,7 @@ async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_th
         Drivers::new([Arc::new(mock.clone()) as Arc<dyn Driver>]),
         Arc::new(store.clone()),
         clock,
-        AllocDirs::new(data.path()),
+        AllocDirs::new(data),
     );
     let h = Harness {
         node,
@@ -838,7 +842,7 @@ async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_th
         h.task_state("db", "t").as_deref() == Some("running")
     })
     .await;
-    let allocs = data.path().join("allocs");
+    let allocs = data.join("allocs");
     let (old, new) = (allocs.join(v1.id.as_str()), allocs.join(v2.id.as_str()));
     std::fs::create_dir_all(old.join("alloc/data")).expect("made");
     std::fs::write(old.join("alloc/data/rows"), "42").expect("written");
@@ -856,6 +860,13 @@ async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_th
                 .is_some_and(|e| e.contains(v2.id.as_str()) && e.contains("sticky disk"))
     })
     .await;
+    (h, [v1, v2], [old, new])
+}
+
+#[tokio::test(start_paused = true)]
+async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_the_new_revision() {
+    let data = tempfile::tempdir().expect("temp dir");
+    let (h, [_, v2], [old, new]) = sticky_hand_over_blocked(data.path()).await;
     tokio::time::sleep(Duration::from_secs(60)).await;
     assert_eq!(h.starts("t").len(), 1, "v2 never started without its data");
     assert_eq!(
@@ -873,6 +884,24 @@ async fn a_sticky_disk_that_cannot_be_handed_over_keeps_the_old_dir_and_holds_th
     .await;
     assert_eq!(
         std::fs::read_to_string(new.join("alloc/data/rows")).expect("the data moved"),
+        "42"
+    );
+}
+
+#[tokio::test(start_paused = true)]
+async fn reverting_to_the_old_revision_while_the_hand_over_waits_runs_it_again_and_clears_why() {
+    let data = tempfile::tempdir().expect("temp dir");
+    let (h, [v1, _], [old, _]) = sticky_hand_over_blocked(data.path()).await;
+    h.node.apply(v1.clone());
+    h.until("v1 runs again in place, with nothing to wait for", |h| {
+        let status = h.status("db");
+        status.revision == v1.revision.to_string()
+            && status.tasks["t"].state == "running"
+            && status.state_error.is_none()
+    })
+    .await;
+    assert_eq!(
+        std::fs::read_to_string(old.join("alloc/data/rows")).expect("its data is still there"),
         "42"
     );
 }
