@@ -320,6 +320,9 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
         None => LogFormat::detect(),
     };
     init_logging(format)?;
+    // Held until the process exits, after the runtime's last work (a shutdown cut short
+    // gives it a moment): no second agent may take the data dir over before then.
+    let _lock = lock_data_dir(&settings.data_dir)?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
@@ -409,12 +412,12 @@ fn start_api(
         .map_err(AgentError::Runtime)
 }
 
-/// Runs the agent until SIGINT or SIGTERM, then shuts it down (detach or drain); a second
-/// SIGINT or SIGTERM during the shutdown ends it at once with [`AgentError::CutShort`].
-pub async fn run(settings: Settings) -> Result<(), AgentError> {
+/// Runs the agent (the caller holds the data dir's lock) until SIGINT or SIGTERM, then
+/// shuts it down (detach or drain); a second SIGINT or SIGTERM during the shutdown ends
+/// it at once with [`AgentError::CutShort`].
+async fn run(settings: Settings) -> Result<(), AgentError> {
     // systemd's notification socket; the watchdog pings start now, readiness comes later.
     let notifier = crate::sdnotify::start();
-    let _lock = lock_data_dir(&settings.data_dir)?;
     // Tasks get absolute paths, whatever the agent's working directory.
     let data_dir =
         std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
@@ -685,7 +688,9 @@ pub async fn run(settings: Settings) -> Result<(), AgentError> {
     if let Some(api) = api {
         let joined = tokio::task::spawn_blocking(move || api.join());
         if cut_short {
-            let _ = tokio::time::timeout(CUT_SHORT_GRACE, joined).await;
+            if tokio::time::timeout(CUT_SHORT_GRACE, joined).await.is_err() {
+                tracing::warn!(grace = ?CUT_SHORT_GRACE, "the API did not stop in time; exiting without waiting for it");
+            }
         } else {
             let _ = joined.await;
         }
