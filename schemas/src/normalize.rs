@@ -67,20 +67,30 @@ impl RestartPolicy {
         }
     }
 
-    /// The problems of this policy (Nomad's rules plus `maxDelay ≥ delay`), as
-    /// `(field, message)` pairs.
+    /// The problems of this policy (Nomad's rules, plus `maxDelay ≥ delay` and, in mode
+    /// `fail`, the doubled delays fitting in the interval), as `(field, message)` pairs.
     pub fn problems(&self) -> Vec<(&'static str, String)> {
-        let mut problems = Vec::new();
+        self.problems_with_causes()
+            .into_iter()
+            .map(|(causes, message)| (causes[0], message))
+            .collect()
+    }
+
+    /// The problems of this policy, each with the fields that cause it: the field it is
+    /// about first, then the others that take part, so that a diagnostic can land on
+    /// whichever of them a restart block sets.
+    pub(crate) fn problems_with_causes(&self) -> Vec<(&'static [&'static str], String)> {
+        let mut problems: Vec<(&'static [&'static str], String)> = Vec::new();
         if self.attempts == 0 && self.mode == RestartMode::Delay {
             problems.push((
-                "mode",
+                &["mode", "attempts"],
                 "restart mode \"delay\" with 0 attempts is ambiguous; use mode \"fail\" or allow attempts"
                     .to_owned(),
             ));
         }
         if self.interval < MIN_RESTART_INTERVAL {
             problems.push((
-                "interval",
+                &["interval"],
                 format!(
                     "interval can not be less than {MIN_RESTART_INTERVAL} (got {})",
                     self.interval
@@ -90,10 +100,30 @@ impl RestartPolicy {
         let total = self.delay.get().saturating_mul(self.attempts);
         if total > self.interval.get() {
             problems.push((
-                "delay",
+                &["delay", "attempts", "interval"],
                 format!(
                     "{} attempts with a delay of {} take longer than the interval of {}",
                     self.attempts, self.delay, self.interval
+                ),
+            ));
+        } else if self.mode == RestartMode::Fail
+            && let Some(max_delay) = self.max_delay
+            && max_delay > self.delay
+            && self.doubled_delays_nanos() > self.interval.get().as_nanos()
+        {
+            // The restart tracker doubles the delay from the second restart on, and
+            // counts attempts in a window that starts over after `interval`: delays that
+            // add up to more than the window let the count start over before it passes
+            // `attempts`, so the task would restart forever instead of failing.
+            problems.push((
+                &["maxDelay", "attempts", "delay", "interval", "mode"],
+                format!(
+                    "{} attempts with the delay doubling from {} up to maxDelay {max_delay} ({}) wait {} in all, longer than the interval of {}, so mode \"fail\" is never reached; lower maxDelay or attempts, or lengthen the interval",
+                    self.attempts,
+                    self.delay,
+                    self.doubled_delays_text(),
+                    duration_from_nanos(self.doubled_delays_nanos()),
+                    self.interval
                 ),
             ));
         }
@@ -101,7 +131,7 @@ impl RestartPolicy {
             && max_delay < self.delay
         {
             problems.push((
-                "maxDelay",
+                &["maxDelay", "delay"],
                 format!(
                     "maxDelay {max_delay} is shorter than the delay {}",
                     self.delay
@@ -110,6 +140,52 @@ impl RestartPolicy {
         }
         problems
     }
+
+    /// The base delay of restart `n` (from 0) of a run of consecutive restarts, without
+    /// jitter: `delay`, or with `maxDelay` set, `delay × 2^n` capped at `maxDelay` (a
+    /// `maxDelay` below `delay` counts as `delay`), as the restart tracker computes it.
+    fn doubled_delay_nanos(&self, n: u32) -> u128 {
+        let delay = self.delay.get().as_nanos();
+        let Some(max_delay) = self.max_delay else {
+            return delay;
+        };
+        let cap = max_delay.get().as_nanos().max(delay);
+        let factor = 1u128.checked_shl(n).unwrap_or(u128::MAX);
+        delay.saturating_mul(factor).min(cap)
+    }
+
+    /// The sum of the delays of the first `attempts` consecutive restarts, in nanoseconds.
+    fn doubled_delays_nanos(&self) -> u128 {
+        let mut total: u128 = 0;
+        let mut n: u32 = 0;
+        // The delay reaches its cap within 128 doublings (or stays 0); the rest are equal.
+        while n < self.attempts && n < 128 {
+            total = total.saturating_add(self.doubled_delay_nanos(n));
+            n += 1;
+        }
+        let rest = u128::from(self.attempts - n);
+        total.saturating_add(self.doubled_delay_nanos(n).saturating_mul(rest))
+    }
+
+    /// The delays of the first `attempts` consecutive restarts, as `15s, 30s, 1m0s`
+    /// (the first four, then `…`).
+    fn doubled_delays_text(&self) -> String {
+        const SHOWN: u32 = 4;
+        let mut parts: Vec<String> = (0..self.attempts.min(SHOWN))
+            .map(|n| duration_from_nanos(self.doubled_delay_nanos(n)).to_string())
+            .collect();
+        if self.attempts > SHOWN {
+            parts.push("…".to_owned());
+        }
+        parts.join(", ")
+    }
+}
+
+/// `nanos` as a duration, saturating at `u64::MAX` seconds.
+fn duration_from_nanos(nanos: u128) -> Duration {
+    let secs = u64::try_from(nanos / 1_000_000_000).unwrap_or(u64::MAX);
+    let subsec = u32::try_from(nanos % 1_000_000_000).expect("below one second");
+    Duration::from(std::time::Duration::new(secs, subsec))
 }
 
 impl AllocBody {
@@ -341,6 +417,62 @@ mod tests {
         let mut capped = policy(1, 60, 10, RestartMode::Fail);
         capped.max_delay = Some(Duration::from_secs(5));
         assert_eq!(fields(capped), ["maxDelay"]);
+    }
+
+    #[test]
+    fn in_mode_fail_the_doubled_delays_must_fit_in_the_interval() {
+        let fields =
+            |p: RestartPolicy| p.problems().into_iter().map(|(f, _)| f).collect::<Vec<_>>();
+        let doubling = |attempts, interval, delay, max_delay, mode| RestartPolicy {
+            max_delay: Some(Duration::from_secs(max_delay)),
+            ..policy(attempts, interval, delay, mode)
+        };
+        // 15s, 30s, 1m: 1m45s for 3 attempts in 1m; the count would start over first.
+        assert_eq!(
+            fields(doubling(3, 60, 15, 3600, RestartMode::Fail)),
+            ["maxDelay"]
+        );
+        // 15s, 30s: 45s fits.
+        assert!(fields(doubling(2, 60, 15, 3600, RestartMode::Fail)).is_empty());
+        // 15s, 20s, 20s: capped at maxDelay, 55s fits.
+        assert!(fields(doubling(3, 60, 15, 20, RestartMode::Fail)).is_empty());
+        // 10s, 20s, 30s: exactly the interval fits, as `attempts × delay` does.
+        assert!(fields(doubling(3, 60, 10, 30, RestartMode::Fail)).is_empty());
+        assert_eq!(
+            fields(doubling(3, 59, 10, 30, RestartMode::Fail)),
+            ["maxDelay"]
+        );
+        // Mode delay never fails, so it has nothing to reach.
+        assert!(fields(doubling(3, 60, 15, 3600, RestartMode::Delay)).is_empty());
+        // Past `attempts × delay` only the base rule is reported.
+        assert_eq!(
+            fields(doubling(5, 60, 15, 3600, RestartMode::Fail)),
+            ["delay"]
+        );
+        // Huge counts are summed without looping over every attempt.
+        let mut many = policy(u32::MAX, 10, 0, RestartMode::Fail);
+        many.delay = Duration::from(std::time::Duration::from_nanos(1));
+        many.max_delay = Some(Duration::from(std::time::Duration::from_nanos(2)));
+        assert!(
+            fields(many).is_empty(),
+            "1ns + 2ns × (2^32 - 2) is about 8.6s"
+        );
+        many.interval = Duration::from_secs(5);
+        assert_eq!(fields(many), ["maxDelay"]);
+    }
+
+    #[test]
+    fn the_doubled_delays_grow_from_the_base_delay_as_the_tracker_grows_them() {
+        let p = RestartPolicy {
+            max_delay: Some(Duration::from_secs(75)),
+            ..policy(6, 3600, 10, RestartMode::Fail)
+        };
+        let secs: Vec<u128> = (0..6)
+            .map(|n| p.doubled_delay_nanos(n) / 1_000_000_000)
+            .collect();
+        assert_eq!(secs, [10, 20, 40, 75, 75, 75]);
+        assert_eq!(p.doubled_delays_nanos(), 295 * 1_000_000_000);
+        assert_eq!(p.doubled_delays_text(), "10s, 20s, 40s, 1m15s, …");
     }
 
     #[test]

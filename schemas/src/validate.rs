@@ -306,8 +306,8 @@ fn check_body(
     // The group's restart policy, over the type's defaults.
     if let Some(restart) = &body.restart {
         let restart_node = child(body_node, "restart").expect("restart decoded from this node");
-        for (field, message) in body.group_restart_policy().problems() {
-            let field = written_field(restart, field);
+        for (causes, message) in body.group_restart_policy().problems_with_causes() {
+            let field = written_field(restart, causes);
             cx.report(
                 node_location(restart_node, field),
                 &path.field("restart").field(field),
@@ -360,8 +360,8 @@ fn check_body(
         // A task's own restart block is checked as it applies: over the group's policy.
         if let Some(restart) = &task.restart {
             let restart_node = child(node, "restart").expect("restart decoded from this node");
-            for (field, message) in task.restart_policy(body).problems() {
-                let field = written_field(restart, field);
+            for (causes, message) in task.restart_policy(body).problems_with_causes() {
+                let field = written_field(restart, causes);
                 cx.report(
                     node_location(restart_node, field),
                     &task_path.field("restart").field(field),
@@ -400,9 +400,9 @@ fn check_body(
     cx.diagnostics.len() == before
 }
 
-/// The field to point at for a restart problem: the named field if this block sets it,
-/// else the first related field it sets (so the diagnostic lands on what was written).
-fn written_field(spec: &RestartSpec, field: &'static str) -> &'static str {
+/// The field to point at for a restart problem: the first of its causes this block
+/// sets (so the diagnostic lands on what was written), else the field it is about.
+fn written_field(spec: &RestartSpec, causes: &[&'static str]) -> &'static str {
     let set = |f: &str| match f {
         "attempts" => spec.attempts.is_some(),
         "interval" => spec.interval.is_some(),
@@ -411,12 +411,5 @@ fn written_field(spec: &RestartSpec, field: &'static str) -> &'static str {
         "maxDelay" => spec.max_delay.is_some(),
         _ => false,
     };
-    let related: &[&'static str] = match field {
-        "mode" => &["mode", "attempts"],
-        "interval" => &["interval"],
-        "delay" => &["delay", "attempts", "interval"],
-        "maxDelay" => &["maxDelay", "delay"],
-        _ => &[],
-    };
-    related.iter().copied().find(|f| set(f)).unwrap_or(field)
+    causes.iter().copied().find(|f| set(f)).unwrap_or(causes[0])
 }
