@@ -320,6 +320,43 @@ async fn a_task_started_but_never_recorded_is_stopped_at_the_next_restore_though
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_start_in_flight_at_a_crash_is_run_once_again_with_the_earlier_run_stopped_first() {
+    let h = ExecNode::new();
+    let spec = shell_alloc("inflight", "exec sleep 1000", "");
+    h.node.apply(spec.clone());
+    h.until("running", |h| h.pid("inflight", "t").is_some())
+        .await;
+    let old = h.pid("inflight", "t").expect("a pid");
+    let alloc_id = h.alloc_id("inflight");
+
+    // As if the agent died between the launch and the write of the task's handle: the
+    // record is there, without the handle.
+    let down = h.detach().await;
+    let mut record = down
+        .store
+        .load_allocs()
+        .expect("loads")
+        .into_iter()
+        .map(|r| r.expect("decodes"))
+        .find(|r| r.name.as_str() == "inflight")
+        .expect("the record");
+    record.handles.clear();
+    down.store.put_alloc(&record).expect("written");
+
+    let h = down.start_agent();
+    eventually("the earlier run is stopped", || !alive(old)).await;
+    h.node.apply(spec);
+    h.until("it runs once again", |h| {
+        h.pid("inflight", "t").is_some_and(|pid| pid != old)
+            && h.task_state("inflight", "t").as_deref() == Some("running")
+    })
+    .await;
+    let new = h.pid("inflight", "t").expect("a pid");
+    assert_eq!(processes_of_alloc(&alloc_id), [new], "exactly one run");
+    h.drain().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn output_and_exit_code_of_a_task_that_ends_while_no_agent_runs_are_kept_and_it_restarts() {
     let h = ExecNode::new();
     let script = "n=0; while [ ! -e local/go ]; do n=$((n+1)); echo \"line $n\"; sleep 0.02; done; echo last; exit 7";

@@ -431,8 +431,13 @@ impl Inner {
             .filter(|handle| handle.driver == DriverKind::Exec)
             .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.run))
             .collect();
-        let Ok(allocs) = std::fs::read_dir(self.dirs.root()) else {
-            return;
+        let allocs = match std::fs::read_dir(self.dirs.root()) {
+            Ok(allocs) => allocs,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return, // a new node
+            Err(error) => {
+                tracing::warn!(dir = %self.dirs.root().display(), %error, "cannot search the alloc dirs for tasks no record names");
+                return;
+            }
         };
         for entry in allocs.filter_map(Result::ok) {
             let file_name = entry.file_name();
@@ -451,8 +456,12 @@ impl Inner {
             let Ok(alloc) = self.dirs.alloc_by_id(alloc_id) else {
                 continue;
             };
-            let Ok(tasks) = std::fs::read_dir(alloc.path()) else {
-                continue;
+            let tasks = match std::fs::read_dir(alloc.path()) {
+                Ok(tasks) => tasks,
+                Err(error) => {
+                    tracing::warn!(dir = %alloc.path().display(), %error, "cannot search an alloc dir for tasks no record names");
+                    continue;
+                }
             };
             for task in tasks.filter_map(Result::ok) {
                 let Some(Ok(name)) = task.file_name().to_str().map(str::parse::<Name>) else {
