@@ -727,8 +727,12 @@ impl Node {
     }
 
     /// Leaves: with `Detach` the tasks keep running for the next agent; with `Drain`
-    /// every alloc is stopped, all in parallel. Returns when every worker is done (a
-    /// second call too, whose `Drain` still turns a detach into a drain).
+    /// every alloc is stopped, all in parallel. Returns when every worker is done. A
+    /// second call made while the first is still awaited returns when the first's
+    /// workers are done; its `Drain` reaches only workers that have not left by then
+    /// (a detach already taken is not undone). Dropping the first call's future leaves
+    /// its workers in the registry, so a later call would wait for ever: the agent only
+    /// drops it on its way out.
     ///
     /// Each worker stays in the registry until it is done, so the node's wake-ups (the
     /// ticker, a driver's or a device's change of health) still reach it: a drain may
