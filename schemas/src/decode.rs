@@ -3,7 +3,7 @@
 //! Each `decode_*` function returns `None` when its node is unusable, after recording why;
 //! it keeps going through the remaining fields so one run reports every problem.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::Path;
 use std::str::FromStr;
 
@@ -245,6 +245,43 @@ where
             }
         }
         ok.then_some(map)
+    }
+}
+
+/// Reports every key that repeats an earlier key of its mapping, anywhere under `node`,
+/// at the repeated key, with the path of its entry and where the first one is.
+///
+/// The parser lets duplicates through so that one costs only its own document; keys are
+/// compared as the decoder reads them (by their text), so no repeat is silently ignored.
+pub(crate) fn report_duplicate_keys(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) {
+    match &node.value {
+        Value::Mapping(entries) => {
+            let mut first: HashMap<String, Location> = HashMap::with_capacity(entries.len());
+            for (key, value) in entries {
+                let text = key.value.key_text();
+                let entry_path = path.key(&text);
+                let scalar = !matches!(key.value, Value::Sequence(_) | Value::Mapping(_));
+                if scalar {
+                    match first.get(&text) {
+                        Some(at) => cx.report(
+                            key.location,
+                            &entry_path,
+                            format!("duplicate key (first at {at})"),
+                        ),
+                        None => {
+                            first.insert(text, key.location);
+                        }
+                    }
+                }
+                report_duplicate_keys(value, &entry_path, cx);
+            }
+        }
+        Value::Sequence(items) => {
+            for (i, item) in items.iter().enumerate() {
+                report_duplicate_keys(item, &path.index(i), cx);
+            }
+        }
+        _ => {}
     }
 }
 

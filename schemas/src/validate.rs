@@ -3,7 +3,7 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::decode::{Decode, Decoder, Fields, decode_tasks, node_location};
+use crate::decode::{Decode, Decoder, Fields, decode_tasks, node_location, report_duplicate_keys};
 use crate::diagnostic::{Diagnostic, FieldPath, Location};
 use crate::normalize::{AllocId, Revision};
 use crate::spec::*;
@@ -179,6 +179,7 @@ fn child<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
 
 fn decode_document(path: &Path, node: &Node) -> SpecDocument {
     let mut cx = Decoder::new(path);
+    report_duplicate_keys(node, &FieldPath::root(), &mut cx);
     let spec = decode_alloc(node, &mut cx);
     let name = spec.as_ref().map(|s| s.metadata.name.clone()).or_else(|| {
         let name = child(child(node, "metadata")?, "name")?;

@@ -41,7 +41,8 @@ pub enum Value {
     String(String),
     /// A sequence, in order.
     Sequence(Vec<Node>),
-    /// A mapping, entries in document order; keys are unique (duplicates are a parse error).
+    /// A mapping, entries in document order. Keys may repeat: the parser lets duplicates
+    /// through so that each document reports its own (see `decode::report_duplicate_keys`).
     Mapping(Vec<(Node, Node)>),
 }
 
@@ -117,14 +118,16 @@ impl ParseError {
 
 /// Parses every document of a YAML stream. Empty documents are skipped.
 ///
-/// Duplicate keys are errors, and a budget caps events, aliases and nesting, so that an
-/// alias-expansion bomb or a deeply nested file fails fast instead of eating memory.
+/// Duplicate keys are kept, in order, for the decoder to report per document (as a parse
+/// error one duplicate would cost every document of its file). A budget caps events,
+/// aliases and nesting, so that an alias-expansion bomb or a deeply nested file fails fast
+/// instead of eating memory.
 pub fn parse_documents(source: &str) -> Result<Vec<Node>, ParseError> {
     if source.len() > MAX_SPEC_FILE_BYTES {
         return Err(ParseError::too_large());
     }
     let mut options = Options::default();
-    options.duplicate_keys = DuplicateKeyPolicy::Error;
+    options.duplicate_keys = DuplicateKeyPolicy::PassThrough;
     options.with_snippet = false;
     let mut budget = Budget::default();
     budget.max_events = 200_000;
@@ -154,8 +157,8 @@ fn node_from_spanned(spanned: Spanned<Value>) -> Node {
     }
 }
 
-/// The parser's message in our words where we have better ones (budget breaches,
-/// duplicate keys), else its own message: one line, lowercase first letter, no location,
+/// The parser's message in our words where we have better ones (budget breaches), else
+/// its own message: one line, lowercase first letter, no location,
 /// no final period.
 fn plain_message(error: &serde_saphyr::Error) -> String {
     use serde_saphyr::Error as E;
@@ -165,12 +168,6 @@ fn plain_message(error: &serde_saphyr::Error) -> String {
         inner = error;
     }
     match inner {
-        E::DuplicateMappingKey { key: Some(key), .. } => {
-            return format!("duplicate key {key:?}; each key may appear once in a mapping");
-        }
-        E::DuplicateMappingKey { key: None, .. } => {
-            return "duplicate key; each key may appear once in a mapping".to_owned();
-        }
         E::AliasReplayLimitExceeded { .. }
         | E::AliasExpansionLimitExceeded { .. }
         | E::AliasReplayStackDepthExceeded { .. }
@@ -305,10 +302,34 @@ mod tests {
     }
 
     #[test]
-    fn duplicate_keys_are_a_parse_error_at_the_second_key() {
-        let error = parse_documents("a: 1\nb: 2\na: 3\n").unwrap_err();
-        assert_eq!(error.location.line, 3, "{error:?}");
-        assert!(error.message.contains("duplicate"), "{error:?}");
+    fn duplicate_keys_reach_the_tree_in_order_with_their_locations() {
+        let docs = parse_documents("a: 1\nb: {c: 2, c: 3}\na: 4\n---\nd: 5\n").unwrap();
+        assert_eq!(
+            docs.len(),
+            2,
+            "a duplicate fails no document at parse level"
+        );
+        let Value::Mapping(entries) = &docs[0].value else {
+            panic!("not a mapping")
+        };
+        let keys: Vec<(String, Location)> = entries
+            .iter()
+            .map(|(k, _)| (k.value.key_text(), k.location))
+            .collect();
+        assert_eq!(
+            keys,
+            [
+                ("a".to_owned(), Location::new(1, 1)),
+                ("b".to_owned(), Location::new(2, 1)),
+                ("a".to_owned(), Location::new(3, 1)),
+            ]
+        );
+        assert_eq!(entries[2].1.value, Value::Integer(4));
+        let Value::Mapping(inner) = &entries[1].1.value else {
+            panic!("not a mapping")
+        };
+        assert_eq!(inner.len(), 2);
+        assert_eq!(inner[1].0.location, Location::new(2, 11));
     }
 
     #[test]
