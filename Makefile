@@ -1,6 +1,10 @@
 # stead: `make run` builds and starts the agent on deploy/examples; `make test` builds and
 # passes the whole suite. Both install the system packages they need first.
 
+# Recipes run in bash with pipefail: a failing command piped into `tee` fails the recipe.
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+
 CARGO ?= cargo
 SPECS ?= deploy/examples
 

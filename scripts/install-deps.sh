@@ -5,8 +5,9 @@ set -euo pipefail
 
 # gcc/libc6-dev: the linker and C runtime for rustc and crates that build C;
 # g++: RocksDB's C++ sources; libclang-dev: bindgen, for RocksDB's bindings;
-# pkg-config: locating system libraries from build scripts.
-packages=(gcc g++ libc6-dev libclang-dev pkg-config)
+# pkg-config: locating system libraries from build scripts; procps: the `kill`
+# program the tests signal processes with.
+packages=(gcc g++ libc6-dev libclang-dev pkg-config procps)
 
 missing=()
 for package in "${packages[@]}"; do
