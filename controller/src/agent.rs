@@ -442,6 +442,9 @@ async fn run(settings: Settings) -> Result<(), AgentError> {
     // below, and a taken port must fail the agent before there is anything to stop.
     let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
+    // once, rather than ending the agent by its default action.
+    let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
     let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
@@ -562,6 +565,7 @@ async fn run(settings: Settings) -> Result<(), AgentError> {
         let trigger = tokio::select! {
             _ = resync.tick() => "resync",
             () = changed.notified() => "watch",
+            _ = hangup.recv() => "hangup",
             _ = terminate.recv() => break,
             _ = interrupt.recv() => break,
             created = async { creating.as_mut().expect("guarded").await }, if creating.is_some() => {

@@ -231,6 +231,24 @@ fn without_the_watcher_a_new_spec_file_runs_within_one_resync_period() {
 }
 
 #[test]
+fn a_sighup_lists_the_specs_directory_at_once_and_the_agent_keeps_running() {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let agent = Agent::start("watch: false\nresync: 1h\n", &[]);
+    let text = mock_spec("web", "a");
+    agent.write("web.yaml", &text);
+    let process = agent.process.as_ref().expect("running");
+    let pid = rustix::process::Pid::from_raw(process.child.id() as i32).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::HUP).expect("signalled");
+    // Without the watcher and an hour from the next resync, only the SIGHUP lists it.
+    agent.until_running("web", &revision_of(&text), Duration::from_secs(5));
+    assert!(
+        process.log_text().contains("hangup"),
+        "the log says what listed it:\n{}",
+        process.log_text()
+    );
+}
+
+#[test]
 fn a_thousand_rapid_writes_end_with_the_last_revision_running_after_few_intermediate_starts() {
     let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let agent = Agent::start("", &[]);
