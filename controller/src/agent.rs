@@ -485,6 +485,7 @@ async fn run(settings: Settings) -> Result<(), AgentError> {
     // A state dir that cannot be made or written to fails the agent (in the open below)
     // before anything starts.
     let new_store = !has_database(&state_dir) && writable_dir(&state_dir);
+    keep_private(&state_dir);
     let (store, mut creating): (Arc<dyn Store>, _) = if !new_store {
         let store = RocksDbStore::open(&state_dir, settings.store)?;
         (Arc::new(store), None)
@@ -711,13 +712,40 @@ const STORE_CREATION_GRACE: Duration = Duration::from_secs(10);
 /// Whether `dir` exists (made now if missing) and a file can be created in it: a cheap
 /// check before the database is created in the background.
 fn writable_dir(dir: &Path) -> bool {
-    if std::fs::create_dir_all(dir).is_err() {
+    use std::os::unix::fs::DirBuilderExt;
+    // The records hold the specs, their environments included: the agent's only.
+    let made = std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir);
+    if made.is_err() {
         return false;
     }
     let probe = dir.join(format!(".probe-{}", std::process::id()));
     let created = std::fs::File::create(&probe).is_ok();
     let _ = std::fs::remove_file(&probe);
     created
+}
+
+/// Takes group and other access away from `dir` (one an earlier agent made with the
+/// umask's mode), saying so; a dir that cannot be read or changed is left to the store's
+/// open to report.
+fn keep_private(dir: &Path) {
+    use std::os::unix::fs::PermissionsExt;
+    let Ok(metadata) = std::fs::metadata(dir) else {
+        return;
+    };
+    let mode = metadata.permissions().mode() & 0o7777;
+    if mode & 0o077 != 0 {
+        match std::fs::set_permissions(dir, std::fs::Permissions::from_mode(mode & 0o700)) {
+            Ok(()) => {
+                tracing::info!(dir = %dir.display(), from = format!("{mode:o}"), "made the state dir private")
+            }
+            Err(error) => {
+                tracing::warn!(dir = %dir.display(), %error, "cannot make the state dir private")
+            }
+        }
+    }
 }
 
 /// Whether `state_dir` holds a RocksDB database (its `CURRENT` file names the manifest).

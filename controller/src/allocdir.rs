@@ -1,6 +1,7 @@
 //! Alloc dirs: the directory tree of one alloc on disk.
 //!
 //! ```text
+//! <data-dir>/allocs/                    0711, the agent's: traversed, not listed
 //! <data-dir>/allocs/<alloc-id>/          0755, the agent's
 //!   alloc/                               0755, shared by the alloc's tasks
 //!     data/                              0777, the ephemeral disk (sticky: migrated)
@@ -223,10 +224,16 @@ impl AllocDir {
     /// Creates the alloc dir and its shared directories, if missing.
     pub fn build(&self) -> Result<(), AllocDirError> {
         let root = self.path.parent().unwrap_or(&self.path);
-        fs::create_dir_all(root).map_err(|source| AllocDirError::Create {
-            path: root.to_owned(),
-            source,
-        })?;
+        if let Some(data_dir) = root.parent() {
+            fs::create_dir_all(data_dir).map_err(|source| AllocDirError::Create {
+                path: data_dir.to_owned(),
+                source,
+            })?;
+        }
+        // Traversable whatever the umask (a service's may be 0027): tasks that run as
+        // another user reach their own dirs through it by absolute path, and cannot list
+        // the other allocs.
+        make_dir(root, 0o711, None)?;
         make_dir(&self.path, 0o755, None)?;
         make_dir(&self.shared(), 0o755, None)?;
         make_dir(&self.data(), 0o777, None)?;

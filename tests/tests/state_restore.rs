@@ -102,6 +102,40 @@ fn damaged_records_and_a_missing_alloc_dir_fail_only_their_allocs_and_the_agent_
 }
 
 #[test]
+fn the_state_dir_is_the_agents_only_and_the_alloc_dirs_are_reachable_by_any_task_user() {
+    use std::os::unix::fs::PermissionsExt;
+    let token = format!("stead-modes-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("");
+    // An earlier agent's state dir, made with a umask that leaves it readable to all.
+    std::fs::create_dir_all(dirs.data.join("state")).expect("made");
+    std::fs::set_permissions(
+        dirs.data.join("state"),
+        std::fs::Permissions::from_mode(0o755),
+    )
+    .expect("chmod");
+    dirs.write_spec("web", &service_spec("web", &format!("{token}-web.")));
+    let agent = dirs.start();
+    wait_for("web runs", Duration::from_secs(10), || {
+        running_pid(&agent, "web")
+    });
+    let mode = |path: PathBuf| {
+        std::fs::metadata(&path)
+            .unwrap_or_else(|e| panic!("{}: {e}", path.display()))
+            .permissions()
+            .mode()
+            & 0o7777
+    };
+    assert_eq!(mode(dirs.data.join("state")), 0o700, "the records hold env");
+    assert_eq!(
+        mode(dirs.data.join("allocs")),
+        0o711,
+        "traversable by task users, not listable"
+    );
+    agent.terminate();
+}
+
+#[test]
 fn a_second_agent_on_the_same_data_dir_is_refused_at_once_naming_the_dir() {
     let dirs = AgentDirs::new("");
     let agent = dirs.start();
