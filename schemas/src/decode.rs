@@ -628,6 +628,15 @@ impl Decode for TaskSpec {
         let shutdown_delay = fields.optional("shutdownDelay", cx);
         let logs = fields.optional("logs", cx);
         let resources = fields.optional("resources", cx);
+        if kill_timeout == Some(Duration::ZERO) {
+            // Nomad takes 0 for its default; here it would SIGKILL right after the signal.
+            cx.report(
+                node_location(node, "killTimeout"),
+                &path.field("killTimeout"),
+                "must be longer than 0s; use killSignal: SIGKILL to kill at once",
+            );
+            fields.fail();
+        }
         if leader == Some(true) && lifecycle.is_some() {
             cx.report(
                 node_location(node, "leader"),

@@ -452,7 +452,10 @@ fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
                 }),
         ),
         (
-            prop::option::of(duration()),
+            prop::option::of(
+                duration()
+                    .prop_filter("a kill timeout is longer than 0s", |d| *d != Duration::ZERO),
+            ),
             prop::option::of(signal()),
             prop::option::of(duration()),
             logs(disk_mb),
