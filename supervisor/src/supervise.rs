@@ -181,13 +181,19 @@ fn close_inherited_descriptors() {
     }
 }
 
-/// The supervisor's entry point: `--zygote` serves start requests as a fork server;
-/// anything else is one supervisor's command line, with the environment on stdin.
+/// The supervisor's entry point: `--zygote` serves start requests as a fork server,
+/// `--version` prints the version; anything else is one supervisor's command line, with
+/// the environment on stdin.
 pub fn main() -> ExitCode {
     close_inherited_descriptors();
     let mut argv = std::env::args_os().skip(1).peekable();
     if argv.peek().is_some_and(|first| first == "--zygote") {
         return crate::zygote::serve();
+    }
+    if argv.peek().is_some_and(|first| first == "--version") {
+        // What a packaging check can run: the binary loads and says which it is.
+        println!("stead-supervisor {}", env!("CARGO_PKG_VERSION"));
+        return ExitCode::SUCCESS;
     }
     default_signal_dispositions();
     let started = SupervisorArgs::parse(argv)

@@ -128,3 +128,21 @@ async fn alloc_list_and_node_status_summarise_the_node() {
     insta::assert_snapshot!("node_status", node);
     served.stop().await;
 }
+
+#[tokio::test(start_paused = true)]
+async fn node_health_answers_without_the_token_and_exits_1_when_no_agent_answers() {
+    let mut agent = agent();
+    agent.state = agent.state.clone().with_token(Some("s3cret".to_owned()));
+    let served = serve_tcp(&agent.state).await;
+    let health = cli(&served.address, &["node", "health"]).await;
+    insta::assert_snapshot!("node_health", health);
+    // The token guards everything else.
+    let (code, _, err) = stead(cli_args(&served.address, &["node", "status"])).await;
+    assert_eq!(code, 1, "{err}");
+    let address = served.address.clone();
+    served.stop().await;
+
+    let (code, _, err) = stead(cli_args(&address, &["node", "health"])).await;
+    assert_eq!(code, 1, "no agent answers: {err}");
+    assert!(err.contains("cannot reach the stead agent"), "{err}");
+}

@@ -620,13 +620,18 @@ fn image_carries_python3_and_checks_health_without_a_token() {
     );
 
     let example = Settings::resolve(&args(&deploy("agent.yaml"))).expect("example config");
-    let url = format!("http://127.0.0.1:{}/v1/health", port_of(&example.listen));
+    let address = format!("127.0.0.1:{}", port_of(&example.listen));
     let image = image_healthcheck();
-    let joined = image.join(" ");
-    assert!(joined.contains(&url), "the image checks {url}: {joined}");
-    assert!(
-        !joined.contains("node status"),
-        "`stead node status` needs the token: {joined}"
+    assert_eq!(
+        image,
+        [
+            "/usr/local/bin/stead",
+            "node",
+            "health",
+            "--address",
+            address.as_str()
+        ],
+        "the image asks /v1/health, which needs no token (`node status` would)"
     );
     let compose = &yaml_documents(&deploy("compose.yaml"))[0];
     let test = strings(&compose["services"]["stead"]["healthcheck"]["test"]);
@@ -995,12 +1000,10 @@ fn image_builds_where_a_docker_daemon_runs() {
         version.status,
         String::from_utf8_lossy(&version.stderr)
     );
-    // FIXME: the supervisor has no --version or --help; it refuses the flag as a
-    // malformed command line (exit 2, reported on stdout), which shows it runs.
     let supervisor = run("/usr/local/bin/stead-supervisor", &["--version"]);
     let reported = String::from_utf8_lossy(&supervisor.stdout);
     assert!(
-        supervisor.status.code() == Some(2) && reported.contains("invalid supervisor command line"),
+        supervisor.status.success() && reported.starts_with("stead-supervisor "),
         "stead-supervisor in the image: {}\n{reported}{}",
         supervisor.status,
         String::from_utf8_lossy(&supervisor.stderr)
@@ -1100,4 +1103,18 @@ fn the_agent_links_the_cpp_runtime_statically_where_the_compiler_has_the_archive
         Some(_) if !opted_out => {}
         _ => eprintln!("{compiler} has no libstdc++.a, or the build was asked for the shared one"),
     }
+}
+
+#[test]
+fn the_supervisor_says_its_version_so_a_package_can_be_checked() {
+    let output = std::process::Command::new(env!("CARGO_BIN_EXE_stead-test-supervisor"))
+        .arg("--version")
+        .stdin(Stdio::null())
+        .output()
+        .expect("the supervisor runs");
+    assert!(output.status.success(), "{}", output.status);
+    assert_eq!(
+        String::from_utf8_lossy(&output.stdout),
+        format!("stead-supervisor {}\n", env!("CARGO_PKG_VERSION"))
+    );
 }

@@ -1,4 +1,5 @@
-//! The commands that ask a running agent: `stead alloc …` and `stead node status`.
+//! The commands that ask a running agent: `stead alloc …`, `stead node status` and
+//! `stead node health`.
 
 use std::io::{IsTerminal, Write};
 use std::time::Duration;
@@ -6,7 +7,7 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use stead_schemas::api::{
-    AllocListItem, LOG_BACKLOG_HEADER, NodeStatus, RestartRequest, SignalRequest,
+    AllocListItem, HealthStatus, LOG_BACKLOG_HEADER, NodeStatus, RestartRequest, SignalRequest,
 };
 use stead_schemas::status::AllocStatus;
 
@@ -132,6 +133,13 @@ pub(crate) enum NodeCommand {
         #[arg(long)]
         json: bool,
     },
+    /// Ask the agent whether it works (`GET /v1/health`, which needs no token): exits 0
+    /// when it answers, `ok` or `degraded`, as a liveness check wants; 1 when it does not.
+    Health {
+        /// Print the JSON of `GET /v1/health`.
+        #[arg(long)]
+        json: bool,
+    },
 }
 
 /// Runs `future` on a runtime of its own: the CLI is synchronous at its edge.
@@ -193,6 +201,15 @@ pub(crate) fn node(
                     print_json(out, &node)?;
                 } else {
                     out.write_all(render::node_status(style, &node).as_bytes())?;
+                }
+                Ok(EXIT_OK)
+            }
+            NodeCommand::Health { json } => {
+                let health: HealthStatus = client.get("/v1/health").await?;
+                if json {
+                    print_json(out, &health)?;
+                } else {
+                    out.write_all(render::health(style, &health).as_bytes())?;
                 }
                 Ok(EXIT_OK)
             }

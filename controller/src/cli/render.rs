@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use comfy_table::presets::NOTHING;
 use comfy_table::{Cell, Color, ContentArrangement, Table};
 use stead_schemas::Timestamp;
-use stead_schemas::api::{AllocListItem, NodeStatus};
+use stead_schemas::api::{AllocListItem, HealthStatus, NodeStatus};
 use stead_schemas::status::{AllocStatus, TaskStatus};
 
 /// How many events of each task `alloc status` shows, newest first.
@@ -191,6 +191,28 @@ fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
 }
 
 /// `stead node status`.
+/// `stead node health`: the overall status, then each part with whether it works.
+pub(crate) fn health(style: Style, health: &HealthStatus) -> String {
+    let mut text = key_values(&[("Status", health.status.clone())]);
+    let mut table = style.table();
+    table.set_header(["Component", "Health", "Message"]);
+    for (name, component) in &health.components {
+        let state = if component.healthy {
+            "healthy"
+        } else {
+            "unhealthy"
+        };
+        table.add_row(vec![
+            Cell::new(name),
+            status_cell(style, state),
+            Cell::new(&component.message),
+        ]);
+    }
+    text.push('\n');
+    text.push_str(&style.finish(table));
+    text
+}
+
 pub(crate) fn node_status(style: Style, node: &NodeStatus) -> String {
     let allocs = ["running", "pending", "complete", "failed"]
         .iter()
