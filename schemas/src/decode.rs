@@ -624,7 +624,7 @@ impl Decode for TaskSpec {
         let lifecycle = fields.optional::<LifecycleSpec>("lifecycle", cx);
         let restart = fields.optional("restart", cx);
         let kill_timeout = fields.optional("killTimeout", cx);
-        let kill_signal = fields.optional("killSignal", cx);
+        let kill_signal = fields.optional::<Signal>("killSignal", cx);
         let shutdown_delay = fields.optional("shutdownDelay", cx);
         let logs = fields.optional("logs", cx);
         let resources = fields.optional("resources", cx);
@@ -634,6 +634,20 @@ impl Decode for TaskSpec {
                 node_location(node, "killTimeout"),
                 &path.field("killTimeout"),
                 "must be longer than 0s; use killSignal: SIGKILL to kill at once",
+            );
+            fields.fail();
+        }
+        if let Some(signal) = &kill_signal
+            && let Some((_, why)) = NOT_KILL_SIGNALS
+                .iter()
+                .find(|(name, _)| *name == signal.as_str())
+        {
+            cx.report(
+                node_location(node, "killSignal"),
+                &path.field("killSignal"),
+                format!(
+                    "{signal} cannot stop a task: {why}, so every stop would wait out the whole killTimeout; use a signal that ends it, such as SIGTERM or SIGINT"
+                ),
             );
             fields.fail();
         }

@@ -178,8 +178,10 @@ pub struct TaskSpec {
     /// Time between `killSignal` and SIGKILL (capped by the agent's `maxKillTimeout`).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kill_timeout: Option<Duration>,
-    /// The signal sent first when the task is stopped.
+    /// The signal sent first when the task is stopped (not SIGSTOP or SIGCONT, which do
+    /// not end a task).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "kill_signal_schema")]
     pub kill_signal: Option<Signal>,
     /// Time between the shutdown-delay event and the kill.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -190,6 +192,15 @@ pub struct TaskSpec {
     /// Resources the task needs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourcesSpec>,
+}
+
+fn kill_signal_schema(_: &mut SchemaGenerator) -> Schema {
+    let names: Vec<&str> = SIGNAL_NAMES
+        .iter()
+        .copied()
+        .filter(|name| !NOT_KILL_SIGNALS.iter().any(|(not, _)| not == name))
+        .collect();
+    json_schema!({ "anyOf": [{ "enum": names }, { "type": "null" }] })
 }
 
 /// The drivers stead has.
@@ -595,6 +606,13 @@ impl DeviceName {
 pub const SIGNAL_NAMES: [&str; 13] = [
     "SIGABRT", "SIGALRM", "SIGHUP", "SIGINT", "SIGKILL", "SIGQUIT", "SIGTERM", "SIGUSR1",
     "SIGUSR2", "SIGWINCH", "SIGPWR", "SIGSTOP", "SIGCONT",
+];
+
+/// Signals that may be sent to a task but cannot be its `killSignal`, with why: they do
+/// not end it, so every stop would wait out the whole kill timeout.
+pub(crate) const NOT_KILL_SIGNALS: [(&str, &str); 2] = [
+    ("SIGSTOP", "it freezes the task"),
+    ("SIGCONT", "it only resumes a stopped task"),
 ];
 
 checked_string!(

@@ -240,8 +240,12 @@ fn device_name() -> BoxedStrategy<DeviceName> {
         .boxed()
 }
 
-fn signal() -> BoxedStrategy<Signal> {
+/// A kill signal: any signal but SIGSTOP and SIGCONT, which do not end a task.
+fn kill_signal() -> BoxedStrategy<Signal> {
     prop::sample::select(&SIGNAL_NAMES[..])
+        .prop_filter("SIGSTOP and SIGCONT cannot stop a task", |s| {
+            !matches!(*s, "SIGSTOP" | "SIGCONT")
+        })
         .prop_map(|s| s.parse().expect("a known signal"))
         .boxed()
 }
@@ -456,7 +460,7 @@ fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
                 duration()
                     .prop_filter("a kill timeout is longer than 0s", |d| *d != Duration::ZERO),
             ),
-            prop::option::of(signal()),
+            prop::option::of(kill_signal()),
             prop::option::of(duration()),
             logs(disk_mb),
             prop::option::of(resources()),
