@@ -602,7 +602,8 @@ impl DeviceName {
     }
 }
 
-/// The signals a task may be stopped with, by name.
+/// The signals stead sends to tasks, by name: a task's `killSignal` (any but SIGSTOP and
+/// SIGCONT) and a user's `alloc signal`.
 pub const SIGNAL_NAMES: [&str; 13] = [
     "SIGABRT", "SIGALRM", "SIGHUP", "SIGINT", "SIGKILL", "SIGQUIT", "SIGTERM", "SIGUSR1",
     "SIGUSR2", "SIGWINCH", "SIGPWR", "SIGSTOP", "SIGCONT",
