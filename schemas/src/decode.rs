@@ -526,11 +526,22 @@ impl Decode for DeviceRequest {
 
 impl Decode for ExecConfig {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        // NUL bytes first, so they are reported whatever else is wrong.
+        let mut ok = true;
+        if let Some(command) = field_node(node, "command") {
+            ok &= check_no_nul(command, &path.field("command"), cx);
+        }
+        if let Some(Value::Sequence(args)) = field_node(node, "args").map(|n| &n.value) {
+            for (i, arg) in args.iter().enumerate() {
+                ok &= check_no_nul(arg, &path.field("args").index(i), cx);
+            }
+        }
         let config = decode_struct!(node, path, cx, ExecConfig {
             command: "command" required,
             args: "args" optional,
         })?;
-        if config.command.trim().is_empty() {
+        let command = config.command.as_str();
+        if command.trim().is_empty() {
             cx.report(
                 node_location(node, "command"),
                 &path.field("command"),
@@ -538,7 +549,45 @@ impl Decode for ExecConfig {
             );
             return None;
         }
-        Some(config)
+        if ok && command.trim() != command {
+            cx.report(
+                node_location(node, "command"),
+                &path.field("command"),
+                format!(
+                    "command {command:?} starts or ends with whitespace, which would be part of the program's name; write {:?}",
+                    command.trim()
+                ),
+            );
+            ok = false;
+        }
+        ok.then_some(config)
+    }
+}
+
+/// Reports a string holding a NUL byte, which no command line or environment can carry
+/// (the kernel takes each string up to its first NUL); true when `node` holds none.
+fn check_no_nul(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> bool {
+    match &node.value {
+        Value::String(text) if text.contains('\0') => {
+            cx.report(
+                node.location,
+                path,
+                "contains a NUL byte, which a command line or an environment cannot carry",
+            );
+            false
+        }
+        _ => true,
+    }
+}
+
+/// The value of `key` in mapping `node`, when present.
+fn field_node<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
+    match &node.value {
+        Value::Mapping(entries) => entries
+            .iter()
+            .find(|(k, _)| k.value.key_text() == key)
+            .map(|(_, v)| v),
+        _ => None,
     }
 }
 
@@ -618,6 +667,14 @@ impl Decode for TaskSpec {
                 decoded
             }
         };
+        if let Some(Value::Mapping(entries)) = fields.node("env").map(|n| &n.value) {
+            let env_path = fields.path().field("env");
+            for (key, value) in entries {
+                if !check_no_nul(value, &env_path.key(&key.value.key_text()), cx) {
+                    fields.fail();
+                }
+            }
+        }
         let env = fields.optional("env", cx);
         let user = fields.optional("user", cx);
         let leader = fields.optional("leader", cx);

@@ -293,10 +293,19 @@ fn restart_spec() -> impl Strategy<Value = RestartSpec> {
         })
 }
 
+/// Text that can reach a process (its command line or environment): no NUL byte.
+fn process_text() -> BoxedStrategy<String> {
+    text()
+        .prop_filter("a process cannot carry a NUL byte", |t| !t.contains('\0'))
+        .boxed()
+}
+
 fn exec_config() -> impl Strategy<Value = ExecConfig> {
     (
-        text().prop_filter("a command is not blank", |c| !c.trim().is_empty()),
-        prop::option::of(prop::collection::vec(text(), 0..4)),
+        process_text().prop_filter("a command is not blank, nor padded", |c| {
+            !c.trim().is_empty() && c.trim() == c
+        }),
+        prop::option::of(prop::collection::vec(process_text(), 0..4)),
     )
         .prop_map(|(command, args)| ExecConfig { command, args })
 }
@@ -446,7 +455,11 @@ fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
     (
         (
             driver_and_config(),
-            prop::option::of(prop::collection::btree_map(env_name(), text(), 0..4)),
+            prop::option::of(prop::collection::btree_map(
+                env_name(),
+                process_text(),
+                0..4,
+            )),
             prop::option::of(user()),
             prop::option::of(Just(false)),
             prop::option::of(lifecycle()),
