@@ -9,6 +9,7 @@ use std::str::FromStr;
 
 use crate::diagnostic::{Diagnostic, FieldPath, Location};
 use crate::duration::Duration;
+use crate::normalize::{MIN_CPU, MIN_DISK_SIZE_MB, MIN_MEMORY_MB};
 use crate::spec::*;
 use crate::yaml::{Node, Value};
 
@@ -442,11 +443,13 @@ impl Decode for EphemeralDiskSpec {
             sticky: "sticky" optional,
             migrate: "migrate" optional,
         })?;
-        if disk.size_mb == Some(0) {
+        if let Some(size_mb) = disk.size_mb
+            && size_mb < MIN_DISK_SIZE_MB
+        {
             cx.report(
                 node_location(node, "sizeMB"),
                 &path.field("sizeMB"),
-                "must be at least 1",
+                format!("must be at least {MIN_DISK_SIZE_MB}"),
             );
             return None;
         }
@@ -498,11 +501,26 @@ impl Decode for LogsSpec {
 
 impl Decode for ResourcesSpec {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
-        decode_struct!(node, path, cx, ResourcesSpec {
+        let resources = decode_struct!(node, path, cx, ResourcesSpec {
             cpu: "cpu" optional,
             memory_mb: "memoryMB" optional,
             devices: "devices" optional,
-        })
+        })?;
+        let mut ok = true;
+        for (value, key, min) in [
+            (resources.cpu, "cpu", MIN_CPU),
+            (resources.memory_mb, "memoryMB", MIN_MEMORY_MB),
+        ] {
+            if value.is_some_and(|value| value < min) {
+                cx.report(
+                    node_location(node, key),
+                    &path.field(key),
+                    format!("must be at least {min}"),
+                );
+                ok = false;
+            }
+        }
+        ok.then_some(resources)
     }
 }
 

@@ -16,6 +16,12 @@ pub const DEFAULT_LOG_MAX_FILES: u32 = 10;
 pub const DEFAULT_LOG_MAX_FILE_SIZE_MB: u32 = 10;
 /// Default ephemeral disk size, in megabytes.
 pub const DEFAULT_DISK_SIZE_MB: u64 = 300;
+/// The smallest ephemeral disk, in megabytes (Nomad's).
+pub const MIN_DISK_SIZE_MB: u64 = 10;
+/// The smallest CPU a task may ask for, in MHz (Nomad's).
+pub const MIN_CPU: u32 = 1;
+/// The smallest memory a task may ask for, in megabytes (Nomad's).
+pub const MIN_MEMORY_MB: u32 = 10;
 /// The shortest restart interval allowed.
 pub const MIN_RESTART_INTERVAL: Duration = Duration::from_secs(5);
 

@@ -138,9 +138,9 @@ pub enum RestartMode {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct EphemeralDiskSpec {
-    /// Size in megabytes; the tasks' logs must fit in it.
+    /// Size in megabytes, at least 10; the tasks' logs must fit in it.
     #[serde(rename = "sizeMB", default, skip_serializing_if = "Option::is_none")]
-    #[schemars(range(min = 1))]
+    #[schemars(range(min = 10))]
     pub size_mb: Option<u64>,
     /// Carry `alloc/data` and each task's `local` over to the next revision.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -355,11 +355,13 @@ pub struct LogsSpec {
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ResourcesSpec {
-    /// CPU shares (MHz-style); informational until limits land.
+    /// CPU shares (MHz-style), at least 1; informational until limits land.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
     pub cpu: Option<u32>,
-    /// Memory in megabytes.
+    /// Memory in megabytes, at least 10.
     #[serde(rename = "memoryMB", default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 10))]
     pub memory_mb: Option<u32>,
     /// Devices to reserve.
     #[serde(default, skip_serializing_if = "Option::is_none")]

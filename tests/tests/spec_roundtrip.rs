@@ -438,8 +438,9 @@ fn resources() -> impl Strategy<Value = ResourcesSpec> {
     )
         .prop_map(|(name, count)| DeviceRequest { name, count });
     (
-        prop::option::of(any::<u32>()),
-        prop::option::of(any::<u32>()),
+        // Nomad's minimums: 1 MHz of CPU, 10 MB of memory.
+        prop::option::of(prop_oneof![1..=4000u32, 1..=u32::MAX]),
+        prop::option::of(prop_oneof![10..=4096u32, 10..=u32::MAX]),
         prop::option::of(prop::collection::vec(device, 0..3)),
     )
         .prop_map(|(cpu, memory_mb, devices)| ResourcesSpec {
@@ -503,7 +504,8 @@ fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
 
 fn alloc_body() -> impl Strategy<Value = AllocBody> {
     let disk = (
-        prop::option::of(prop_oneof![2..=400u64, 2..=u64::MAX]),
+        // Nomad's minimum disk is 10 MB.
+        prop::option::of(prop_oneof![10..=400u64, 10..=u64::MAX]),
         prop::option::of(any::<bool>()),
         prop::option::of(any::<bool>()),
     )

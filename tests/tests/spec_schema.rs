@@ -62,6 +62,8 @@ fn the_schema_rejects_structural_mistakes_the_validator_rejects() {
         "wrong-api-version",
         "no-tasks",
         "device-count-zero",
+        "resources-below-minimums",
+        "disk-size-below-minimum",
     ];
     for name in fixtures {
         let path = package_dir().join(format!("fixtures/invalid/{name}.yaml"));
