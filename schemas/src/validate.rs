@@ -177,6 +177,11 @@ fn child<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
     }
 }
 
+/// The value of `key` in mapping `node`, when written and not null.
+fn written<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
+    child(node, key).filter(|value| value.value != Value::Null)
+}
+
 fn decode_document(path: &Path, node: &Node) -> SpecDocument {
     let mut cx = Decoder::new(path);
     report_duplicate_keys(node, &FieldPath::root(), &mut cx);
@@ -374,10 +379,27 @@ fn check_body(
         let logs_mb = u64::from(max_files) * u64::from(max_file_size_mb);
         let disk_mb = body.effective_disk_size_mb();
         if logs_mb >= disk_mb {
-            let (location, field_path) = match child(node, "logs") {
-                Some(logs) => (logs.location, task_path.field("logs")),
-                None => match child(body_node, "ephemeralDisk") {
-                    Some(disk) => (disk.location, path.field("ephemeralDisk")),
+            // What was written: the logs' one written field or their block, else the
+            // disk's size or its block.
+            let (location, field_path) = match written(node, "logs") {
+                Some(logs) => {
+                    let fields: Vec<&str> = ["maxFiles", "maxFileSizeMB"]
+                        .into_iter()
+                        .filter(|f| written(logs, f).is_some())
+                        .collect();
+                    match fields[..] {
+                        [field] => (
+                            node_location(logs, field),
+                            task_path.field("logs").field(field),
+                        ),
+                        _ => (logs.location, task_path.field("logs")),
+                    }
+                }
+                None => match written(body_node, "ephemeralDisk") {
+                    Some(disk) => match written(disk, "sizeMB") {
+                        Some(size) => (size.location, path.field("ephemeralDisk").field("sizeMB")),
+                        None => (disk.location, path.field("ephemeralDisk")),
+                    },
                     None => (node.location, task_path.field("logs")),
                 },
             };
