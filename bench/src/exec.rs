@@ -107,6 +107,7 @@ async fn stead_round(
         data_dir: data.clone(),
         allow_root: true,
         supervisor,
+        task_open_files: None,
     };
     let store = MemoryStore::default();
     let start_agent = |config: ExecDriverConfig| {

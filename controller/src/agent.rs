@@ -323,10 +323,11 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     // Held until the process exits, after the runtime's last work (a shutdown cut short
     // gives it a moment): no second agent may take the data dir over before then.
     let _lock = lock_data_dir(&settings.data_dir)?;
+    let task_open_files = raise_open_files_limit();
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    match runtime.block_on(run(settings)) {
+    match runtime.block_on(run(settings, task_open_files)) {
         Ok(()) => Ok(0),
         Err(AgentError::CutShort) => {
             // Prompt exit: work still on the runtime's blocking threads (a store write, an
@@ -412,10 +413,35 @@ fn start_api(
         .map_err(AgentError::Runtime)
 }
 
+/// The soft limit of open files raised to the hard one: the agent holds a pipe or a pidfd
+/// per task, a socket per API client and the store's files, and a host's default soft
+/// limit (1024) is below what a node of a few thousand tasks needs. Returns the soft
+/// limit it had, which supervisors and tasks keep; `None` when nothing changed.
+fn raise_open_files_limit() -> Option<u64> {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let limit = getrlimit(Resource::Nofile);
+    let soft = limit.current?;
+    if limit.maximum.is_some_and(|hard| hard <= soft) {
+        return None;
+    }
+    let raised = Rlimit {
+        current: limit.maximum,
+        maximum: limit.maximum,
+    };
+    match setrlimit(Resource::Nofile, raised) {
+        Ok(()) => Some(soft),
+        Err(error) => {
+            tracing::warn!(%error, soft, "cannot raise the limit of open files");
+            None
+        }
+    }
+}
+
 /// Runs the agent (the caller holds the data dir's lock) until SIGINT or SIGTERM, then
 /// shuts it down (detach or drain); a second SIGINT or SIGTERM during the shutdown ends
-/// it at once with [`AgentError::CutShort`].
-async fn run(settings: Settings) -> Result<(), AgentError> {
+/// it at once with [`AgentError::CutShort`]. Tasks start with `task_open_files` as their
+/// soft limit of open files, when given.
+async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), AgentError> {
     // systemd's notification socket; the watchdog pings start now, readiness comes later.
     let notifier = crate::sdnotify::start();
     // Tasks get absolute paths, whatever the agent's working directory.
@@ -432,6 +458,7 @@ async fn run(settings: Settings) -> Result<(), AgentError> {
     let exec = settings.exec_driver.then(|| {
         let config = ExecDriverConfig {
             allow_root: settings.allow_root,
+            task_open_files,
             ..ExecDriverConfig::new(&data_dir)
         };
         let exec = Arc::new(ExecDriver::new(config, clock));

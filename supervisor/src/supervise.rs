@@ -188,7 +188,8 @@ pub fn main() -> ExitCode {
     close_inherited_descriptors();
     let mut argv = std::env::args_os().skip(1).peekable();
     if argv.peek().is_some_and(|first| first == "--zygote") {
-        return crate::zygote::serve();
+        let _ = argv.next();
+        return crate::zygote::serve(argv);
     }
     if argv.peek().is_some_and(|first| first == "--version") {
         // What a packaging check can run: the binary loads and says which it is.

@@ -34,8 +34,34 @@ use crate::supervise;
 /// The largest request accepted; the agent's socket buffer bounds what it can send.
 const MAX_REQUEST: usize = 1 << 20;
 
-/// Serves start requests on stdin until the agent closes it.
-pub(crate) fn serve() -> ExitCode {
+/// Sets this server's soft limit of open files, which every supervisor and task it
+/// starts inherits: the agent raised its own, and tasks get the one it started with.
+fn keep_open_files(open_files: u64) {
+    use rustix::process::{Resource, Rlimit, getrlimit, setrlimit};
+    let hard = getrlimit(Resource::Nofile).maximum;
+    let soft = hard.map_or(open_files, |hard| open_files.min(hard));
+    let _ = setrlimit(
+        Resource::Nofile,
+        Rlimit {
+            current: Some(soft),
+            maximum: hard,
+        },
+    );
+}
+
+/// Serves start requests on stdin until the agent closes it. `--open-files=N` (the
+/// agent's soft limit of open files before it raised its own) is the one supervisors
+/// and tasks start with; any other argument is a usage error (exit 2).
+pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode {
+    for arg in args {
+        match arg.to_str().and_then(|a| a.strip_prefix("--open-files=")) {
+            Some(value) => match value.parse::<u64>() {
+                Ok(open_files) => keep_open_files(open_files),
+                Err(_) => return ExitCode::from(2),
+            },
+            None => return ExitCode::from(2),
+        }
+    }
     // Terminal signals aimed at the agent's process group do not stop starting tasks.
     let _ = rustix::process::setsid();
     // Once here, for every supervisor this server forks.

@@ -660,6 +660,7 @@ async fn a_start_the_fork_server_has_no_process_to_fork_for_fails_recoverably() 
             data_dir: data.path().to_owned(),
             allow_root: true,
             supervisor: wrapper,
+            task_open_files: None,
         },
         stead_controller::clock::Clock::system(),
     );

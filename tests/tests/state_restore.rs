@@ -493,3 +493,35 @@ fn a_new_node_whose_store_cannot_be_created_stops_the_tasks_it_started_and_exits
         );
     }
 }
+
+/// The soft and hard limits of open files of `pid`, from `/proc/<pid>/limits`.
+fn open_files_limits(pid: u32) -> (String, String) {
+    let limits = std::fs::read_to_string(format!("/proc/{pid}/limits")).expect("limits");
+    let line = limits
+        .lines()
+        .find(|l| l.starts_with("Max open files"))
+        .expect("a Max open files line");
+    let fields: Vec<&str> = line.split_whitespace().collect();
+    (fields[3].to_owned(), fields[4].to_owned())
+}
+
+#[test]
+fn the_agent_raises_its_own_limit_of_open_files_and_its_tasks_keep_the_one_it_started_with() {
+    let token = format!("stead-nofile-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("");
+    dirs.write_spec("web", &service_spec("web", &format!("{token}-web.")));
+    let agent = dirs.start_after("ulimit -Sn 512");
+    let task = wait_for("web runs", Duration::from_secs(10), || {
+        running_pid(&agent, "web")
+    });
+    let (soft, hard) = open_files_limits(agent.child.id());
+    assert_eq!(soft, hard, "the agent's soft limit is its hard one");
+    assert_ne!(soft, "512");
+    assert_eq!(
+        open_files_limits(task),
+        ("512".to_owned(), hard),
+        "the task starts as a process started beside the agent would"
+    );
+    agent.terminate();
+}

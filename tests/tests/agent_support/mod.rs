@@ -99,10 +99,16 @@ impl AgentDirs {
     /// Starts the agent with `signals` (shell names: `INT HUP`) ignored, as a script's
     /// background job or `nohup` would, and waits until its API answers.
     pub fn start_ignoring(&self, signals: &str) -> Agent {
+        self.start_after(&format!("trap '' {signals}"))
+    }
+
+    /// Starts the agent from a shell after `prelude` (`ulimit -Sn 512`, say), as a
+    /// wrapper script would, and waits until its API answers.
+    pub fn start_after(&self, prelude: &str) -> Agent {
         let mut shell = Command::new("/bin/sh");
         shell
             .arg("-c")
-            .arg(format!("trap '' {signals}; exec \"$0\" \"$@\""))
+            .arg(format!("{prelude}; exec \"$0\" \"$@\""))
             .arg(agent_binary());
         self.start_with(shell, &supervisor_binary())
     }

@@ -40,6 +40,7 @@ pub fn exec_driver(data_dir: &Path, allow_root: bool) -> ExecDriver {
         data_dir: data_dir.to_owned(),
         allow_root,
         supervisor: supervisor(),
+        task_open_files: None,
     };
     ExecDriver::new(config, Clock::system())
 }

@@ -76,6 +76,10 @@ pub struct ExecDriverConfig {
     pub allow_root: bool,
     /// The `stead-supervisor` binary.
     pub supervisor: PathBuf,
+    /// The soft limit of open files (`RLIMIT_NOFILE`) supervisors and tasks start with:
+    /// the agent's own before it raised it for itself, so a task gets what any process
+    /// started on the host gets. `None` leaves them the agent's.
+    pub task_open_files: Option<u64>,
 }
 
 impl ExecDriverConfig {
@@ -85,6 +89,7 @@ impl ExecDriverConfig {
             data_dir: data_dir.into(),
             allow_root: false,
             supervisor: default_supervisor_path(),
+            task_open_files: None,
         }
     }
 }
@@ -296,7 +301,7 @@ impl ExecDriver {
     /// that its start overlaps the agent's own; a server that fails to start is logged
     /// and tried again by that first start.
     pub fn prepare(&self) {
-        if let Err(error) = self.inner.zygote.prepare(&self.inner.config.supervisor) {
+        if let Err(error) = self.inner.zygote.prepare(&self.inner.config) {
             tracing::warn!(error = %error, supervisor = %self.inner.config.supervisor.display(), "cannot start the fork server yet");
         }
     }
@@ -529,7 +534,7 @@ impl Inner {
         );
         let reports = self
             .zygote
-            .launch(&self.config.supervisor, &message)
+            .launch(&self.config, &message)
             .await
             .map_err(|source| ExecError::Spawn {
                 path: self.config.supervisor.clone(),

@@ -9,7 +9,6 @@
 use std::io::{self, IoSlice};
 use std::mem::MaybeUninit;
 use std::os::fd::{AsFd, OwnedFd};
-use std::path::Path;
 use std::process::Stdio;
 use std::sync::{Arc, Mutex, PoisonError};
 
@@ -21,6 +20,8 @@ use tokio::io::Interest;
 use tokio::io::unix::AsyncFd;
 use tokio::net::unix::pipe;
 use tokio::process::Child;
+
+use super::ExecDriverConfig;
 
 /// A running fork server.
 struct Server {
@@ -45,7 +46,7 @@ pub(super) fn register(fd: OwnedFd, interest: Interest) -> io::Result<AsyncFd<Ow
 }
 
 impl Server {
-    fn spawn(supervisor: &Path) -> io::Result<Server> {
+    fn spawn(config: &ExecDriverConfig) -> io::Result<Server> {
         let (ours, theirs) = socketpair(
             AddressFamily::UNIX,
             SocketType::SEQPACKET,
@@ -54,8 +55,12 @@ impl Server {
         )?;
         // The server blocks on its end; only ours is non-blocking.
         rustix::fs::fcntl_setfl(&theirs, rustix::fs::OFlags::empty())?;
-        let child = tokio::process::Command::new(supervisor)
-            .arg("--zygote")
+        let mut command = tokio::process::Command::new(&config.supervisor);
+        command.arg("--zygote");
+        if let Some(open_files) = config.task_open_files {
+            command.arg(format!("--open-files={open_files}"));
+        }
+        let child = command
             .stdin(Stdio::from(theirs))
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -96,19 +101,19 @@ impl Server {
 }
 
 impl Zygote {
-    fn server(&self, supervisor: &Path) -> io::Result<Arc<Server>> {
+    fn server(&self, config: &ExecDriverConfig) -> io::Result<Arc<Server>> {
         let mut slot = self.server.lock().unwrap_or_else(PoisonError::into_inner);
         if let Some(server) = &*slot {
             return Ok(Arc::clone(server));
         }
-        let server = Arc::new(Server::spawn(supervisor)?);
+        let server = Arc::new(Server::spawn(config)?);
         *slot = Some(Arc::clone(&server));
         Ok(server)
     }
 
     /// Starts the server unless it runs.
-    pub(super) fn prepare(&self, supervisor: &Path) -> io::Result<()> {
-        self.server(supervisor).map(drop)
+    pub(super) fn prepare(&self, config: &ExecDriverConfig) -> io::Result<()> {
+        self.server(config).map(drop)
     }
 
     /// Forgets `dead` (unless another start already replaced it).
@@ -132,7 +137,7 @@ impl Zygote {
     /// reports on. A server that died is started again, once.
     pub(super) async fn launch(
         &self,
-        supervisor: &Path,
+        config: &ExecDriverConfig,
         request: &[u8],
     ) -> io::Result<pipe::Receiver> {
         let (read, write) = std::io::pipe()?;
@@ -140,7 +145,7 @@ impl Zygote {
         let write = OwnedFd::from(write);
         let mut retried = false;
         loop {
-            let server = self.server(supervisor)?;
+            let server = self.server(config)?;
             match server.send(request, &write).await {
                 Ok(()) => return Ok(receiver),
                 Err(error) if !retried && is_gone(&error) => {
