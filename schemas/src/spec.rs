@@ -510,21 +510,26 @@ fn check_label_key(s: &str) -> Result<(), String> {
 }
 
 checked_string!(
-    /// An environment variable name: `[A-Za-z_][A-Za-z0-9_]*`, not starting with `STEAD_`.
+    /// An environment variable name: anything a process's environment can carry (not
+    /// empty, no `=`, no NUL byte), such as `PORT` or Nomad's `discovery.type`, but not
+    /// starting with `STEAD_`, which the agent sets.
     EnvName,
-    json_schema!({ "type": "string", "pattern": "^[A-Za-z_][A-Za-z0-9_]*$" }),
+    json_schema!({ "type": "string", "pattern": "^[^=\\x00]+$" }),
     check_env_name
 );
 
 fn check_env_name(s: &str) -> Result<(), String> {
-    let valid = s
-        .chars()
-        .next()
-        .is_some_and(|c| c.is_ascii_alphabetic() || c == '_')
-        && s.chars().all(|c| c.is_ascii_alphanumeric() || c == '_');
-    if !valid {
+    if s.is_empty() {
+        return Err("environment variable name is empty".to_owned());
+    }
+    if s.contains('=') {
         return Err(format!(
-            "environment variable name {s:?} is invalid; use letters, digits and '_', not starting with a digit"
+            "environment variable name {s:?} holds '=', which would end the name in the task's environment"
+        ));
+    }
+    if s.contains('\0') {
+        return Err(format!(
+            "environment variable name {s:?} holds a NUL byte, which an environment cannot carry"
         ));
     }
     if s.starts_with("STEAD_") {
@@ -681,11 +686,21 @@ mod tests {
     }
 
     #[test]
-    fn env_names_reserve_the_stead_prefix() {
-        assert!("PORT".parse::<EnvName>().is_ok());
-        assert!("_x1".parse::<EnvName>().is_ok());
-        assert!("1X".parse::<EnvName>().is_err());
-        assert!("STEAD_ALLOC_ID".parse::<EnvName>().is_err());
+    fn env_names_are_what_an_environment_carries_but_the_stead_prefix() {
+        for ok in [
+            "PORT",
+            "_x1",
+            "1X",
+            "discovery.type",
+            "a-b",
+            "STEAD",
+            "stead_x",
+        ] {
+            assert!(ok.parse::<EnvName>().is_ok(), "{ok}");
+        }
+        for bad in ["", "A=B", "=", "NUL\0", "STEAD_ALLOC_ID", "STEAD_"] {
+            assert!(bad.parse::<EnvName>().is_err(), "{bad:?}");
+        }
     }
 
     #[test]

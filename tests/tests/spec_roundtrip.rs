@@ -185,13 +185,54 @@ fn label_key() -> BoxedStrategy<LabelKey> {
 
 fn env_name() -> BoxedStrategy<EnvName> {
     const TRICKY: &[&str] = &[
-        "_", "true", "false", "null", "NULL", "Yes", "no", "ON", "y", "N", "e1", "E5", "inf",
-        "NaN", "STEAD", "stead_x", "Stead_X", "_STEAD_X", "STEADY",
+        "_",
+        "true",
+        "false",
+        "null",
+        "NULL",
+        "Yes",
+        "no",
+        "ON",
+        "y",
+        "N",
+        "e1",
+        "E5",
+        "inf",
+        "NaN",
+        "STEAD",
+        "stead_x",
+        "Stead_X",
+        "_STEAD_X",
+        "STEADY",
+        "1X",
+        "007",
+        "1e3",
+        "0x1F",
+        "discovery.type",
+        "a-b",
+        "a b",
+        " lead",
+        "trail ",
+        "- x",
+        "a: b",
+        "#x",
+        "?",
+        "~",
+        "&a",
+        "*a",
+        "!t",
+        "[]",
+        "{}",
+        "é",
+        "\t",
     ];
     prop_oneof![
         1 => prop::sample::select(TRICKY).prop_map(str::to_owned),
-        3 => "[A-Za-z_][A-Za-z0-9_]{0,20}".prop_filter("STEAD_ is reserved", |s| !s.starts_with("STEAD_")),
+        2 => "[A-Za-z_][A-Za-z0-9_]{0,20}",
+        // Printable ASCII but '='.
+        1 => "[ -<>-~]{1,16}",
     ]
+    .prop_filter("STEAD_ is reserved", |s| !s.starts_with("STEAD_"))
     .prop_map(|s| s.parse().expect("generated env names are valid"))
     .boxed()
 }
