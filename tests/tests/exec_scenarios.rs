@@ -352,7 +352,8 @@ async fn a_start_in_flight_at_a_crash_is_run_once_again_with_the_earlier_run_sto
     })
     .await;
     let new = h.pid("inflight", "t").expect("a pid");
-    assert_eq!(processes_of_alloc(&alloc_id), [new], "exactly one run");
+    // A process on its way out may still be listed for a moment; two runs never settle.
+    eventually("exactly one run", || processes_of_alloc(&alloc_id) == [new]).await;
     h.drain().await;
 }
 
