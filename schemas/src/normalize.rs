@@ -74,7 +74,7 @@ impl RestartPolicy {
     }
 
     /// The problems of this policy (Nomad's rules, plus `maxDelay ≥ delay` and, in mode
-    /// `fail`, the doubled delays fitting in the interval), as `(field, message)` pairs.
+    /// `fail`, `attempts × maxDelay ≤ interval`), as `(field, message)` pairs.
     pub fn problems(&self) -> Vec<(&'static str, String)> {
         self.problems_with_causes()
             .into_iter()
@@ -115,20 +115,23 @@ impl RestartPolicy {
         } else if self.mode == RestartMode::Fail
             && let Some(max_delay) = self.max_delay
             && max_delay > self.delay
-            && self.doubled_delays_nanos() > self.interval.get().as_nanos()
+            && max_delay.get().saturating_mul(self.attempts) > self.interval.get()
         {
-            // The restart tracker doubles the delay from the second restart on, and
-            // counts attempts in a window that starts over after `interval`: delays that
-            // add up to more than the window let the count start over before it passes
-            // `attempts`, so the task would restart forever instead of failing.
+            // The restart tracker doubles the delay per consecutive restart up to
+            // `maxDelay`, and brings it back to `delay` only after a run of a whole
+            // interval; the attempts are counted in a window that starts over after
+            // `interval`. A task that has restarted often enough (say it crashed a few
+            // times after long, but not whole-interval, runs) waits `maxDelay` before every
+            // restart, so `attempts × maxDelay` must fit in the window: else its count starts
+            // over before it passes `attempts`, and it restarts forever instead of failing.
             problems.push((
                 &["maxDelay", "attempts", "delay", "interval", "mode"],
                 format!(
-                    "{} attempts with the delay doubling from {} up to maxDelay {max_delay} ({}) wait {} in all, longer than the interval of {}, so mode \"fail\" is never reached; lower maxDelay or attempts, or lengthen the interval",
-                    self.attempts,
+                    "the delay doubles from {} up to maxDelay {max_delay} and stays there until the task runs for a whole interval, so {} attempts may wait {} ({} × {max_delay}), longer than the interval of {}, and mode \"fail\" would never be reached; lower maxDelay or attempts, or lengthen the interval",
                     self.delay,
-                    self.doubled_delays_text(),
-                    duration_from_nanos(self.doubled_delays_nanos()),
+                    self.attempts,
+                    Duration::from(max_delay.get().saturating_mul(self.attempts)),
+                    self.attempts,
                     self.interval
                 ),
             ));
@@ -146,52 +149,6 @@ impl RestartPolicy {
         }
         problems
     }
-
-    /// The base delay of restart `n` (from 0) of a run of consecutive restarts, without
-    /// jitter: `delay`, or with `maxDelay` set, `delay × 2^n` capped at `maxDelay` (a
-    /// `maxDelay` below `delay` counts as `delay`), as the restart tracker computes it.
-    fn doubled_delay_nanos(&self, n: u32) -> u128 {
-        let delay = self.delay.get().as_nanos();
-        let Some(max_delay) = self.max_delay else {
-            return delay;
-        };
-        let cap = max_delay.get().as_nanos().max(delay);
-        let factor = 1u128.checked_shl(n).unwrap_or(u128::MAX);
-        delay.saturating_mul(factor).min(cap)
-    }
-
-    /// The sum of the delays of the first `attempts` consecutive restarts, in nanoseconds.
-    fn doubled_delays_nanos(&self) -> u128 {
-        let mut total: u128 = 0;
-        let mut n: u32 = 0;
-        // The delay reaches its cap within 128 doublings (or stays 0); the rest are equal.
-        while n < self.attempts && n < 128 {
-            total = total.saturating_add(self.doubled_delay_nanos(n));
-            n += 1;
-        }
-        let rest = u128::from(self.attempts - n);
-        total.saturating_add(self.doubled_delay_nanos(n).saturating_mul(rest))
-    }
-
-    /// The delays of the first `attempts` consecutive restarts, as `15s, 30s, 1m0s`
-    /// (the first four, then `…`).
-    fn doubled_delays_text(&self) -> String {
-        const SHOWN: u32 = 4;
-        let mut parts: Vec<String> = (0..self.attempts.min(SHOWN))
-            .map(|n| duration_from_nanos(self.doubled_delay_nanos(n)).to_string())
-            .collect();
-        if self.attempts > SHOWN {
-            parts.push("…".to_owned());
-        }
-        parts.join(", ")
-    }
-}
-
-/// `nanos` as a duration, saturating at `u64::MAX` seconds.
-fn duration_from_nanos(nanos: u128) -> Duration {
-    let secs = u64::try_from(nanos / 1_000_000_000).unwrap_or(u64::MAX);
-    let subsec = u32::try_from(nanos % 1_000_000_000).expect("below one second");
-    Duration::from(std::time::Duration::new(secs, subsec))
 }
 
 impl AllocBody {
@@ -426,26 +383,28 @@ mod tests {
     }
 
     #[test]
-    fn in_mode_fail_the_doubled_delays_must_fit_in_the_interval() {
+    fn in_mode_fail_attempts_at_the_grown_delay_must_fit_in_the_interval() {
         let fields =
             |p: RestartPolicy| p.problems().into_iter().map(|(f, _)| f).collect::<Vec<_>>();
         let doubling = |attempts, interval, delay, max_delay, mode| RestartPolicy {
             max_delay: Some(Duration::from_secs(max_delay)),
             ..policy(attempts, interval, delay, mode)
         };
-        // 15s, 30s, 1m: 1m45s for 3 attempts in 1m; the count would start over first.
+        // Not even a first crash loop fits: 15s, 30s, 1m is 1m45s for 3 attempts in 1m.
         assert_eq!(
             fields(doubling(3, 60, 15, 3600, RestartMode::Fail)),
             ["maxDelay"]
         );
-        // 15s, 30s: 45s fits.
-        assert!(fields(doubling(2, 60, 15, 3600, RestartMode::Fail)).is_empty());
-        // 15s, 20s, 20s: capped at maxDelay, 55s fits.
-        assert!(fields(doubling(3, 60, 15, 20, RestartMode::Fail)).is_empty());
-        // 10s, 20s, 30s: exactly the interval fits, as `attempts × delay` does.
-        assert!(fields(doubling(3, 60, 10, 30, RestartMode::Fail)).is_empty());
+        // A first crash loop fits (5s, 10s, 25s), but once the delay has grown to 25s
+        // (after short runs that do not reset it) 3 × 25s does not.
         assert_eq!(
-            fields(doubling(3, 59, 10, 30, RestartMode::Fail)),
+            fields(doubling(3, 60, 5, 25, RestartMode::Fail)),
+            ["maxDelay"]
+        );
+        // 3 × 20s: exactly the interval fits, as `attempts × delay` does.
+        assert!(fields(doubling(3, 60, 5, 20, RestartMode::Fail)).is_empty());
+        assert_eq!(
+            fields(doubling(3, 59, 5, 20, RestartMode::Fail)),
             ["maxDelay"]
         );
         // Mode delay never fails, so it has nothing to reach.
@@ -455,30 +414,16 @@ mod tests {
             fields(doubling(5, 60, 15, 3600, RestartMode::Fail)),
             ["delay"]
         );
-        // Huge counts are summed without looping over every attempt.
-        let mut many = policy(u32::MAX, 10, 0, RestartMode::Fail);
-        many.delay = Duration::from(std::time::Duration::from_nanos(1));
-        many.max_delay = Some(Duration::from(std::time::Duration::from_nanos(2)));
-        assert!(
-            fields(many).is_empty(),
-            "1ns + 2ns × (2^32 - 2) is about 8.6s"
+        // A maxDelay below the delay is reported as such, not as a grown delay.
+        assert_eq!(
+            fields(doubling(3, 60, 10, 5, RestartMode::Fail)),
+            ["maxDelay"]
         );
-        many.interval = Duration::from_secs(5);
-        assert_eq!(fields(many), ["maxDelay"]);
-    }
-
-    #[test]
-    fn the_doubled_delays_grow_from_the_base_delay_as_the_tracker_grows_them() {
-        let p = RestartPolicy {
-            max_delay: Some(Duration::from_secs(75)),
-            ..policy(6, 3600, 10, RestartMode::Fail)
-        };
-        let secs: Vec<u128> = (0..6)
-            .map(|n| p.doubled_delay_nanos(n) / 1_000_000_000)
-            .collect();
-        assert_eq!(secs, [10, 20, 40, 75, 75, 75]);
-        assert_eq!(p.doubled_delays_nanos(), 295 * 1_000_000_000);
-        assert_eq!(p.doubled_delays_text(), "10s, 20s, 40s, 1m15s, …");
+        // Huge counts saturate.
+        assert_eq!(
+            fields(doubling(u32::MAX, 3600, 0, 3600, RestartMode::Fail)),
+            ["maxDelay"]
+        );
     }
 
     #[test]
