@@ -468,8 +468,14 @@ fn daemonset_api_requires_the_token_of_a_secret_mounted_read_only() {
     let mount = mount_at(container, token_file.parent().expect("token dir"));
     assert_eq!(mount["readOnly"], true, "the token is mounted read-only");
     let volume = volume(pod, &mount["name"]);
-    let secret = of_kind(&documents, "Secret");
-    assert_eq!(volume["secret"]["secretName"], secret["metadata"]["name"]);
+    // The Secret is made apart from this file (its header says how), so applying the
+    // file again never resets the token; the pods wait for it rather than run without.
+    assert!(
+        documents.iter().all(|d| d["kind"] != "Secret"),
+        "a Secret in the manifest is reset by every apply"
+    );
+    assert_eq!(volume["secret"]["secretName"], "stead-token");
+    assert_ne!(volume["secret"]["optional"], true, "the pods wait for it");
     assert!(
         volume["secret"].get("items").is_none(),
         "every key is a file"
@@ -478,9 +484,11 @@ fn daemonset_api_requires_the_token_of_a_secret_mounted_read_only() {
         .file_name()
         .and_then(|name| name.to_str())
         .expect("a file name");
+    let header = read(&deploy("kubernetes/daemonset.yaml"));
     assert!(
-        secret["stringData"].get(key).is_some() || secret["data"].get(key).is_some(),
-        "the Secret has the key {key}"
+        header.contains("create secret generic stead-token")
+            && header.contains(&format!("--from-literal={key}=")),
+        "the manifest says how to make the Secret with the key {key}"
     );
     // The agent's user reads the file: as another user, or through the pod's fsGroup.
     let mode = volume["secret"]["defaultMode"].as_u64().unwrap_or(0o644);

@@ -190,7 +190,6 @@ fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
     text
 }
 
-/// `stead node status`.
 /// `stead node health`: the overall status, then each part with whether it works.
 pub(crate) fn health(style: Style, health: &HealthStatus) -> String {
     let mut text = key_values(&[("Status", health.status.clone())]);
@@ -213,6 +212,7 @@ pub(crate) fn health(style: Style, health: &HealthStatus) -> String {
     text
 }
 
+/// `stead node status`.
 pub(crate) fn node_status(style: Style, node: &NodeStatus) -> String {
     let allocs = ["running", "pending", "complete", "failed"]
         .iter()
