@@ -115,22 +115,23 @@ impl RestartPolicy {
         } else if self.mode == RestartMode::Fail
             && let Some(max_delay) = self.max_delay
             && max_delay > self.delay
-            && max_delay.get().saturating_mul(self.attempts) > self.interval.get()
+            && longest_wait(max_delay.get(), self.attempts) >= self.interval.get()
         {
             // The restart tracker doubles the delay per consecutive restart up to
             // `maxDelay`, and brings it back to `delay` only after a run of a whole
             // interval; the attempts are counted in a window that starts over after
             // `interval`. A task that has restarted often enough (say it crashed a few
-            // times after long, but not whole-interval, runs) waits `maxDelay` before every
-            // restart, so `attempts × maxDelay` must fit in the window: else its count starts
-            // over before it passes `attempts`, and it restarts forever instead of failing.
+            // times after long, but not whole-interval, runs) waits `maxDelay` plus a jitter
+            // of up to a quarter before every restart, so those waits must end inside the
+            // window, which starts over at exactly `interval`: else its count starts over
+            // before it passes `attempts`, and it restarts forever instead of failing.
             problems.push((
                 &["maxDelay", "attempts", "delay", "interval", "mode"],
                 format!(
-                    "the delay doubles from {} up to maxDelay {max_delay} and stays there until the task runs for a whole interval, so {} attempts may wait {} ({} × {max_delay}), longer than the interval of {}, and mode \"fail\" would never be reached; lower maxDelay or attempts, or lengthen the interval",
+                    "the delay doubles from {} up to maxDelay {max_delay} and stays there until the task runs for a whole interval, so {} attempts may wait up to {} ({} × {max_delay}, plus a jitter of up to a quarter), not less than the interval of {}, and mode \"fail\" would never be reached; lower maxDelay or attempts, or lengthen the interval",
                     self.delay,
                     self.attempts,
-                    Duration::from(max_delay.get().saturating_mul(self.attempts)),
+                    Duration::from(longest_wait(max_delay.get(), self.attempts)),
                     self.attempts,
                     self.interval
                 ),
@@ -149,6 +150,12 @@ impl RestartPolicy {
         }
         problems
     }
+}
+
+/// The longest `attempts` restarts at a delay of `delay` may wait in all: each waits
+/// the delay plus a jitter of up to a quarter of it (the restart tracker's).
+fn longest_wait(delay: std::time::Duration, attempts: u32) -> std::time::Duration {
+    delay.saturating_mul(attempts).saturating_mul(5) / 4
 }
 
 impl AllocBody {
@@ -401,11 +408,17 @@ mod tests {
             fields(doubling(3, 60, 5, 25, RestartMode::Fail)),
             ["maxDelay"]
         );
-        // 3 × 20s: exactly the interval fits, as `attempts × delay` does.
-        assert!(fields(doubling(3, 60, 5, 20, RestartMode::Fail)).is_empty());
+        // 3 × 16s plus a quarter is the 1m window exactly, which starts over at 1m: the
+        // count would start over too. 3 × 15s plus a quarter (56.25s) ends inside it.
         assert_eq!(
-            fields(doubling(3, 59, 5, 20, RestartMode::Fail)),
+            fields(doubling(3, 60, 5, 16, RestartMode::Fail)),
             ["maxDelay"]
+        );
+        assert!(fields(doubling(3, 60, 5, 15, RestartMode::Fail)).is_empty());
+        assert_eq!(
+            fields(doubling(3, 60, 5, 20, RestartMode::Fail)),
+            ["maxDelay"],
+            "3 × 20s is the interval, which jitter only lengthens"
         );
         // Mode delay never fails, so it has nothing to reach.
         assert!(fields(doubling(3, 60, 15, 3600, RestartMode::Delay)).is_empty());
