@@ -232,8 +232,12 @@ impl AllocDir {
         }
         // Traversable whatever the umask (a service's may be 0027): tasks that run as
         // another user reach their own dirs through it by absolute path, and cannot list
-        // the other allocs.
-        make_dir(root, 0o711, None)?;
+        // the other allocs. A symlink an operator put there (to a larger disk, say) is
+        // theirs to set up, and is followed as it is.
+        let linked = fs::symlink_metadata(root).is_ok_and(|m| m.file_type().is_symlink());
+        if !linked {
+            make_dir(root, 0o711, None)?;
+        }
         make_dir(&self.path, 0o755, None)?;
         make_dir(&self.shared(), 0o755, None)?;
         make_dir(&self.data(), 0o777, None)?;
@@ -413,6 +417,33 @@ mod tests {
         fs::set_permissions(&task_dir.secrets, Permissions::from_mode(0o755)).expect("chmod");
         alloc.build_task(&task, None).expect("rebuilt");
         assert_eq!(mode(&task_dir.secrets), 0o700);
+    }
+
+    #[test]
+    fn an_allocs_dir_linked_elsewhere_by_the_operator_is_followed_as_it_is() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let elsewhere = tempfile::tempdir().expect("tempdir");
+        fs::set_permissions(elsewhere.path(), Permissions::from_mode(0o750)).expect("chmod");
+        std::os::unix::fs::symlink(elsewhere.path(), data.path().join("allocs")).expect("link");
+        let dirs = AllocDirs::new(data.path());
+        let alloc = dirs.alloc(&alloc_id());
+        let task: Name = "server".parse().expect("valid");
+        let task_dir = alloc
+            .build_task(&task, None)
+            .expect("built through the link");
+        assert!(
+            elsewhere
+                .path()
+                .join(alloc_id().as_str())
+                .join("server")
+                .is_dir()
+        );
+        assert!(task_dir.dir.is_dir());
+        assert_eq!(
+            mode(elsewhere.path()),
+            0o750,
+            "the operator's dir is left as set"
+        );
     }
 
     #[test]

@@ -226,7 +226,7 @@ fn the_api_answers_while_a_drain_waits_out_a_kill_timeout() {
 fn a_second_sigterm_ends_a_drain_at_once_and_the_next_agent_finishes_it_then_runs_again() {
     let marker = marker("second");
     let _cleanup = KillOnDrop(marker.clone());
-    let (dirs, mut agent, pid) = draining_agent(&marker, "3s");
+    let (dirs, mut agent, pid) = draining_agent(&marker, "15s");
     send(&agent, rustix::process::Signal::TERM);
     until_shutting_down(&agent);
     until_killing(&mut agent);
