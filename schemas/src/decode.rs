@@ -249,40 +249,82 @@ where
     }
 }
 
+/// How many duplicate keys one document reports one by one; the rest are counted in one
+/// more diagnostic, so a file of thousands of repeats does not flood the log and the
+/// alloc's `specError` at every listing.
+const MAX_DUPLICATE_REPORTS: usize = 20;
+
 /// Reports every key that repeats an earlier key of its mapping, anywhere under `node`,
-/// at the repeated key, with the path of its entry and where the first one is.
+/// at the repeated key, with the path of its entry and where the first one is: the first
+/// [`MAX_DUPLICATE_REPORTS`] one by one, then how many more there are.
 ///
 /// The parser lets duplicates through so that one costs only its own document; keys are
 /// compared as the decoder reads them (by their text), so no repeat is silently ignored.
+/// A mapping reached again through an alias repeats nothing new: each repeat is reported
+/// once, at its own place.
 pub(crate) fn report_duplicate_keys(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) {
-    match &node.value {
-        Value::Mapping(entries) => {
-            let mut first: HashMap<String, Location> = HashMap::with_capacity(entries.len());
-            for (key, value) in entries {
-                let text = key.value.key_text();
-                let entry_path = path.key(&text);
-                let scalar = !matches!(key.value, Value::Sequence(_) | Value::Mapping(_));
-                if scalar {
-                    match first.get(&text) {
-                        Some(at) => cx.report(
-                            key.location,
-                            &entry_path,
-                            format!("duplicate key (first at {at})"),
-                        ),
-                        None => {
-                            first.insert(text, key.location);
+    let mut reports = DuplicateReports::default();
+    reports.walk(node, path, cx);
+    if reports.unreported > 0 {
+        cx.report(
+            node.location,
+            path,
+            format!(
+                "and {} more duplicate keys in this document",
+                reports.unreported
+            ),
+        );
+    }
+}
+
+/// What [`report_duplicate_keys`] has reported so far.
+#[derive(Default)]
+struct DuplicateReports {
+    /// The repeated keys reported, by location.
+    reported: std::collections::HashSet<Location>,
+    /// The repeats found past the limit.
+    unreported: usize,
+}
+
+impl DuplicateReports {
+    fn walk(&mut self, node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) {
+        match &node.value {
+            Value::Mapping(entries) => {
+                let mut first: HashMap<String, Location> = HashMap::with_capacity(entries.len());
+                for (key, value) in entries {
+                    let text = key.value.key_text();
+                    let entry_path = path.key(&text);
+                    let scalar = !matches!(key.value, Value::Sequence(_) | Value::Mapping(_));
+                    if scalar {
+                        match first.get(&text) {
+                            Some(at) => self.found(key.location, *at, &entry_path, cx),
+                            None => {
+                                first.insert(text, key.location);
+                            }
                         }
                     }
+                    self.walk(value, &entry_path, cx);
                 }
-                report_duplicate_keys(value, &entry_path, cx);
             }
-        }
-        Value::Sequence(items) => {
-            for (i, item) in items.iter().enumerate() {
-                report_duplicate_keys(item, &path.index(i), cx);
+            Value::Sequence(items) => {
+                for (i, item) in items.iter().enumerate() {
+                    self.walk(item, &path.index(i), cx);
+                }
             }
+            _ => {}
         }
-        _ => {}
+    }
+
+    fn found(&mut self, at: Location, first: Location, path: &FieldPath, cx: &mut Decoder<'_>) {
+        // The same key met again through an alias: reported where it is written, once.
+        if at == first || !self.reported.insert(at) {
+            return;
+        }
+        if self.reported.len() > MAX_DUPLICATE_REPORTS {
+            self.unreported += 1;
+        } else {
+            cx.report(at, path, format!("duplicate key (first at {first})"));
+        }
     }
 }
 
