@@ -723,23 +723,28 @@ fn make_recipes_fail_when_a_command_piped_into_tee_fails() {
         makefile.contains("| tee "),
         "the bench recipe pipes its report into tee"
     );
-    let probe = match std::process::Command::new("make")
-        .args(["--no-print-directory", "--file", "Makefile", "--eval"])
-        .arg("pipefail-probe: ; false | tee /dev/null")
-        .arg("pipefail-probe")
-        .current_dir(workspace_dir())
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .status()
-    {
-        Ok(status) => status,
+    let probe = |recipe: &str| {
+        std::process::Command::new("make")
+            .args(["--no-print-directory", "--file", "Makefile", "--eval"])
+            .arg(format!("pipefail-probe: ; {recipe}"))
+            .arg("pipefail-probe")
+            .current_dir(workspace_dir())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .status()
+    };
+    // The control: the same recipe with a command that succeeds passes, so a failure
+    // below is the pipe's, not make's.
+    match probe("true | tee /dev/null") {
+        Ok(status) => assert!(status.success(), "the control recipe fails: {status}"),
         Err(error) => {
             println!("skipped the recipe check: no make ({error})");
             return;
         }
-    };
+    }
+    let failing = probe("false | tee /dev/null").expect("make runs");
     assert!(
-        !probe.success(),
+        !failing.success(),
         "a recipe whose piped command fails passes: the Makefile's shell lacks pipefail"
     );
 }

@@ -27,8 +27,8 @@ use super::ExecDriverConfig;
 struct Server {
     socket: AsyncFd<OwnedFd>,
     pid: Option<u32>,
-    /// Held so tokio reaps the server when it exits.
-    _child: Child,
+    /// Held so tokio reaps the server when it exits, and to say how it ended.
+    child: Mutex<Child>,
 }
 
 /// The fork server, started when first needed and again if it died.
@@ -71,7 +71,7 @@ impl Server {
         Ok(Server {
             socket: register(ours, Interest::WRITABLE)?,
             pid: child.id(),
-            _child: child,
+            child: Mutex::new(child),
         })
     }
 
@@ -116,8 +116,23 @@ impl Zygote {
         self.server(config).map(drop)
     }
 
-    /// Forgets `dead` (unless another start already replaced it).
+    /// Forgets `dead` (unless another start already replaced it), saying how it ended: a
+    /// server that exits at once, start after start, is one that refuses its command
+    /// line (a supervisor binary of another version, say).
     fn forget(&self, dead: &Arc<Server>) {
+        let status = dead
+            .child
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .try_wait();
+        match status {
+            Ok(Some(status)) => {
+                tracing::warn!(pid = ?dead.pid, %status, "the supervisors' fork server exited; starting another")
+            }
+            _ => {
+                tracing::warn!(pid = ?dead.pid, "the supervisors' fork server is gone; starting another")
+            }
+        }
         let mut slot = self.server.lock().unwrap_or_else(PoisonError::into_inner);
         if slot.as_ref().is_some_and(|s| Arc::ptr_eq(s, dead)) {
             *slot = None;
