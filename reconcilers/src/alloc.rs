@@ -720,6 +720,16 @@ mod tests {
                 .map(|e| e.event_type.as_str())
                 .collect()
         }
+
+        /// The type and message of `task`'s events from the `from`th on.
+        fn messages(&self, task: &str, from: usize) -> Vec<(&'static str, &str)> {
+            self.state.tasks[&name(task)]
+                .events
+                .iter()
+                .skip(from)
+                .map(|e| (e.event_type.as_str(), e.message.as_str()))
+                .collect()
+        }
     }
 
     const LIFECYCLE: &str = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: init, driver: mock, config: {}, lifecycle: {hook: prestart}}\n    - {name: proxy, driver: mock, config: {}, lifecycle: {hook: prestart, sidecar: true}}\n    - {name: main, driver: mock, config: {}, leader: true}\n    - {name: other, driver: mock, config: {}}\n    - {name: after, driver: mock, config: {}, lifecycle: {hook: poststart}}\n    - {name: cleanup, driver: mock, config: {}, lifecycle: {hook: poststop}}\n";
@@ -1265,15 +1275,8 @@ mod tests {
         sim.now = at(1_000);
         assert_eq!(sim.step(), Some(at(6_000)));
         assert!(sim.log.is_empty(), "{:?}", sim.log);
-        let main = &sim.state.tasks[&name("main")];
-        let messages: Vec<(&str, &str)> = main
-            .events
-            .iter()
-            .skip(3)
-            .map(|e| (e.event_type.as_str(), e.message.as_str()))
-            .collect();
         assert_eq!(
-            messages,
+            sim.messages("main", 3),
             [
                 ("Killing", "Sent interrupt. Waiting 5s before force killing"),
                 (
@@ -1305,15 +1308,8 @@ mod tests {
         assert_eq!(sim.step(), Some(at(3_000)));
         sim.now = at(3_000);
         sim.settle();
-        let main = &sim.state.tasks[&name("main")];
-        let messages: Vec<(&str, &str)> = main
-            .events
-            .iter()
-            .skip(3)
-            .map(|e| (e.event_type.as_str(), e.message.as_str()))
-            .collect();
         assert_eq!(
-            messages,
+            sim.messages("main", 3),
             [
                 (
                     "Waiting for shutdown delay",
