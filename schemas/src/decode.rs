@@ -641,7 +641,7 @@ fn check_no_nul(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> bool {
 }
 
 /// The value of `key` in mapping `node`, when present.
-fn field_node<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
+pub(crate) fn field_node<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
     match &node.value {
         Value::Mapping(entries) => entries
             .iter()

@@ -3,7 +3,9 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
-use crate::decode::{Decode, Decoder, Fields, decode_tasks, node_location, report_duplicate_keys};
+use crate::decode::{
+    Decode, Decoder, Fields, decode_tasks, field_node, node_location, report_duplicate_keys,
+};
 use crate::diagnostic::{Diagnostic, FieldPath, Location};
 use crate::normalize::{AllocId, Revision};
 use crate::spec::*;
@@ -163,23 +165,13 @@ pub fn parse_spec_file(path: &Path, source: &str) -> SpecFile {
 }
 
 fn name_location(document: &Node) -> Option<Location> {
-    let metadata = child(document, "metadata")?;
+    let metadata = field_node(document, "metadata")?;
     Some(node_location(metadata, "name"))
-}
-
-fn child<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
-    match &node.value {
-        Value::Mapping(entries) => entries
-            .iter()
-            .find(|(k, _)| k.value.key_text() == key)
-            .map(|(_, v)| v),
-        _ => None,
-    }
 }
 
 /// The value of `key` in mapping `node`, when written and not null.
 fn written<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
-    child(node, key).filter(|value| value.value != Value::Null)
+    field_node(node, key).filter(|value| value.value != Value::Null)
 }
 
 fn decode_document(path: &Path, node: &Node) -> SpecDocument {
@@ -187,7 +179,7 @@ fn decode_document(path: &Path, node: &Node) -> SpecDocument {
     report_duplicate_keys(node, &FieldPath::root(), &mut cx);
     let spec = decode_alloc(node, &mut cx);
     let name = spec.as_ref().map(|s| s.metadata.name.clone()).or_else(|| {
-        let name = child(child(node, "metadata")?, "name")?;
+        let name = field_node(field_node(node, "metadata")?, "name")?;
         match &name.value {
             Value::String(s) => s.parse().ok(),
             _ => None,
@@ -303,7 +295,7 @@ fn check_body(
     cx: &mut Decoder<'_>,
 ) -> bool {
     let before = cx.diagnostics.len();
-    let tasks_node = child(body_node, "tasks");
+    let tasks_node = field_node(body_node, "tasks");
     let task_node = |index: usize| match tasks_node.map(|n| &n.value) {
         Some(Value::Sequence(items)) => items.get(index),
         _ => None,
@@ -311,7 +303,8 @@ fn check_body(
 
     // The group's restart policy, over the type's defaults.
     if let Some(restart) = &body.restart {
-        let restart_node = child(body_node, "restart").expect("restart decoded from this node");
+        let restart_node =
+            field_node(body_node, "restart").expect("restart decoded from this node");
         for (causes, message) in body.group_restart_policy().problems_with_causes() {
             let field = written_field(restart, causes);
             cx.report(
@@ -365,7 +358,7 @@ fn check_body(
         }
         // A task's own restart block is checked as it applies: over the group's policy.
         if let Some(restart) = &task.restart {
-            let restart_node = child(node, "restart").expect("restart decoded from this node");
+            let restart_node = field_node(node, "restart").expect("restart decoded from this node");
             for (causes, message) in task.restart_policy(body).problems_with_causes() {
                 let field = written_field(restart, causes);
                 cx.report(
