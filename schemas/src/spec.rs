@@ -541,26 +541,44 @@ fn check_env_name(s: &str) -> Result<(), String> {
 }
 
 checked_string!(
-    /// A user to run as: a POSIX user name or a numeric uid.
+    /// A user to run as: a name, as the passwd file spells it, or a numeric uid. Names are
+    /// held to what the passwd format and a lookup can carry (systemd's relaxed rule), not
+    /// to one distribution's `useradd` pattern: `john.doe` and `Svc` are real accounts.
     UserName,
-    json_schema!({ "type": "string", "pattern": "^([a-z_][a-z0-9_-]{0,31}|[0-9]+)$" }),
+    json_schema!({ "type": "string", "pattern": "^[^-:/,\\s][^:/,\\s]{0,255}$" }),
     check_user_name
 );
 
 fn check_user_name(s: &str) -> Result<(), String> {
-    let numeric =
-        !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) && s.parse::<u32>().is_ok();
-    let named = !s.is_empty()
-        && s.len() <= 32
-        && (s.as_bytes()[0].is_ascii_lowercase() || s.as_bytes()[0] == b'_')
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'_' | b'-'));
-    if numeric || named {
-        Ok(())
+    if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
+        return match s.parse::<u32>() {
+            Ok(_) => Ok(()),
+            Err(_) => Err(format!(
+                "user {s:?} is invalid: a numeric uid is below 2^32"
+            )),
+        };
+    }
+    let why = if s.is_empty() {
+        Some("it is empty")
+    } else if s.len() > 256 {
+        Some("it is longer than 256 bytes")
+    } else if s == "." || s == ".." {
+        Some("it is a path component")
+    } else if s.starts_with('-') {
+        Some("it starts with '-'")
+    } else if s
+        .chars()
+        .any(|c| c.is_whitespace() || c.is_control() || matches!(c, ':' | '/' | ','))
+    {
+        Some("it holds whitespace, a control character, ':', '/' or ','")
     } else {
-        Err(format!(
-            "user {s:?} is invalid; use a user name (lowercase letters, digits, '_' and '-') or a numeric uid"
-        ))
+        None
+    };
+    match why {
+        None => Ok(()),
+        Some(why) => Err(format!(
+            "user {s:?} is invalid: {why}; use the account's name or a numeric uid"
+        )),
     }
 }
 
@@ -701,6 +719,38 @@ mod tests {
         for bad in ["", "A=B", "=", "NUL\0", "STEAD_ALLOC_ID", "STEAD_"] {
             assert!(bad.parse::<EnvName>().is_err(), "{bad:?}");
         }
+    }
+
+    #[test]
+    fn user_names_are_what_the_passwd_file_can_hold_or_a_numeric_uid() {
+        for ok in [
+            "web",
+            "john.doe",
+            "Svc",
+            "_apt",
+            "build-01",
+            "0",
+            "65534",
+            "4294967295",
+        ] {
+            assert!(ok.parse::<UserName>().is_ok(), "{ok}");
+        }
+        for bad in [
+            "",
+            "Web User",
+            "a:b",
+            "a/b",
+            "a,b",
+            "-x",
+            ".",
+            "..",
+            "tab\t",
+            "4294967296",
+        ] {
+            assert!(bad.parse::<UserName>().is_err(), "{bad:?}");
+        }
+        let long = "u".repeat(257);
+        assert!(long.parse::<UserName>().is_err());
     }
 
     #[test]
