@@ -692,6 +692,11 @@ impl Node {
         self.store_health().failures
     }
 
+    /// Whether the node's shutdown (detach or drain) has begun.
+    pub fn is_shutting_down(&self) -> bool {
+        self.shared.shutting_down.load(Ordering::Relaxed)
+    }
+
     /// Failed store writes and the allocs whose records are behind.
     pub fn store_health(&self) -> StoreHealthReport {
         let health = self

@@ -136,7 +136,8 @@ pub struct DeviceHolder {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct HealthStatus {
-    /// `ok` when every part is healthy, else `degraded`.
+    /// `shutting down` once the agent's shutdown (detach or drain) has begun; else `ok`
+    /// when every part is healthy, `degraded` when one is not.
     pub status: String,
     /// Each part (`store`, `driver.<name>`), by name.
     pub components: BTreeMap<String, ComponentHealth>,

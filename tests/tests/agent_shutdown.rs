@@ -200,6 +200,10 @@ fn the_api_answers_while_a_drain_waits_out_a_kill_timeout() {
         .try_get("/v1/health")
         .expect("the health endpoint answers");
     assert_eq!(code, 200, "{body}");
+    assert!(
+        body.contains("\"status\":\"shutting down\""),
+        "the health says the agent is stopping: {body}"
+    );
     // The workers only stop by now: a restart is refused, not left unanswered.
     let (code, body) = agent
         .post("/v1/allocs/stubborn/restart")

@@ -350,8 +350,16 @@ pub(super) async fn health(State(state): State<ApiState>) -> Response {
         );
     }
     let healthy = components.values().all(|c| c.healthy);
+    // Still 200: a liveness probe must not kill an agent that is stopping its tasks.
+    let status = if state.node().is_shutting_down() {
+        "shutting down"
+    } else if healthy {
+        "ok"
+    } else {
+        "degraded"
+    };
     let body = HealthStatus {
-        status: if healthy { "ok" } else { "degraded" }.to_owned(),
+        status: status.to_owned(),
         components,
     };
     json_response(StatusCode::OK, &body)
