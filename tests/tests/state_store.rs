@@ -53,6 +53,26 @@ fn service(name: &str) -> ValidSpec {
     )
 }
 
+/// A node on a RocksDB store behind a [`FaultyStore`] in a temporary dir, with `web`
+/// running; the temporary dir and the mock driver are returned to be kept alive.
+async fn web_on_a_faulty_store() -> (
+    tempfile::TempDir,
+    Arc<RocksDbStore>,
+    FaultyStore,
+    MockDriver,
+    Node,
+) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    let rocks = open(dir.path());
+    let faulty = FaultyStore::new(rocks.clone());
+    let clock = clock();
+    let mock = MockDriver::new(clock);
+    let node = node(Arc::new(faulty.clone()), &mock, clock);
+    node.apply(service("web"));
+    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    (dir, rocks, faulty, mock, node)
+}
+
 fn running(node: &Node, name: &str) -> bool {
     node.status(name)
         .is_some_and(|s| s.tasks.get("t").is_some_and(|t| t.state == "running"))
@@ -94,14 +114,7 @@ async fn an_idle_node_with_100_running_allocs_performs_no_rocksdb_writes_over_10
 
 #[tokio::test(start_paused = true)]
 async fn failed_writes_keep_tasks_running_degrade_the_store_and_recover_by_themselves() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let rocks = open(dir.path());
-    let faulty = FaultyStore::new(rocks.clone());
-    let clock = clock();
-    let mock = MockDriver::new(clock);
-    let node = node(Arc::new(faulty.clone()), &mock, clock);
-    node.apply(service("web"));
-    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    let (_dir, rocks, faulty, _mock, node) = web_on_a_faulty_store().await;
     assert!(node.store_health().is_healthy());
 
     faulty.set_failing(true);
@@ -136,14 +149,7 @@ async fn failed_writes_keep_tasks_running_degrade_the_store_and_recover_by_thems
 
 #[tokio::test(start_paused = true)]
 async fn a_detach_writes_the_latest_state_at_once_even_while_a_retry_backs_off() {
-    let dir = tempfile::tempdir().expect("temp dir");
-    let rocks = open(dir.path());
-    let faulty = FaultyStore::new(rocks.clone());
-    let clock = clock();
-    let mock = MockDriver::new(clock);
-    let node = node(Arc::new(faulty.clone()), &mock, clock);
-    node.apply(service("web"));
-    assert!(node.wait_until(DEADLINE, |n| running(n, "web")).await);
+    let (_dir, rocks, faulty, _mock, node) = web_on_a_faulty_store().await;
 
     faulty.set_failing(true);
     node.restart("web", None).await.expect("restart accepted");
