@@ -966,14 +966,20 @@ mod tests {
             .collect()
     }
 
-    #[test]
-    fn a_stop_restored_without_the_start_it_cancelled_finishes_and_the_alloc_is_terminal() {
+    /// One task whose start is in flight when the alloc is stopped: the stop cancels it.
+    fn stopped_while_starting() -> Sim {
         let mut sim = Sim::new(ONE_TASK);
         assert_eq!(starts_of_one_pass(&mut sim), ["main"]);
         sim.desired.run = false;
         sim.now = at(100);
         let plan = sim.state.reconcile(&sim.desired, sim.now);
         assert_eq!(plan.effects, [Effect::CancelStart { task: name("main") }]);
+        sim
+    }
+
+    #[test]
+    fn a_stop_restored_without_the_start_it_cancelled_finishes_and_the_alloc_is_terminal() {
+        let mut sim = stopped_while_starting();
         // The agent left before the start was answered; the next one restores the task
         // with no handle, so with no process, as the controller's restore leaves it.
         sim.state
@@ -1351,12 +1357,7 @@ mod tests {
 
     #[test]
     fn a_stop_that_a_start_outran_reads_killing_when_the_signal_is_sent() {
-        let mut sim = Sim::new(ONE_TASK);
-        assert_eq!(starts_of_one_pass(&mut sim), ["main"]);
-        sim.desired.run = false;
-        sim.now = at(100);
-        let plan = sim.state.reconcile(&sim.desired, sim.now);
-        assert_eq!(plan.effects, [Effect::CancelStart { task: name("main") }]);
+        let mut sim = stopped_while_starting();
         // The driver answered before the cancellation reached it.
         sim.observe(&name("main"), Observation::Started);
         sim.settle();
