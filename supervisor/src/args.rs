@@ -10,20 +10,22 @@
 //! `KEY=VALUE` entries each ended by a NUL byte, or in the fork server's request
 //! ([`crate::protocol::encode_request`]).
 
-use std::ffi::{OsStr, OsString};
-use std::path::PathBuf;
+use alloc::borrow::ToOwned;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
 
 /// Everything the supervisor needs besides the environment.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SupervisorArgs {
-    /// The task dir: the supervisor's and the task's working directory.
-    pub task_dir: PathBuf,
+    /// The task dir: the supervisor's and the task's working directory. Paths are bytes,
+    /// as the kernel takes them.
+    pub task_dir: Vec<u8>,
     /// The supervisor's private directory (`<task>/.stead`), where it leaves its records.
-    pub control_dir: PathBuf,
+    pub control_dir: Vec<u8>,
     /// The id of this run; names the record files. Lowercase hex.
     pub run: String,
     /// The directory of the log files (`<alloc>/alloc/logs`).
-    pub log_dir: PathBuf,
+    pub log_dir: Vec<u8>,
     /// The task's name: the log files are `<name>.stdout.N` and `<name>.stderr.N`.
     pub name: String,
     /// How many files of each stream are kept; at least 1.
@@ -39,9 +41,9 @@ pub struct SupervisorArgs {
     /// empty: none. Resolved by the agent: the supervisor looks nothing up.
     pub groups: Vec<u32>,
     /// The program: a path (relative to the task dir) or a name looked up in the task's `PATH`.
-    pub command: OsString,
+    pub command: Vec<u8>,
     /// The program's arguments.
-    pub args: Vec<OsString>,
+    pub args: Vec<Vec<u8>>,
 }
 
 /// A command line the supervisor cannot use.
@@ -80,16 +82,16 @@ pub enum ArgsError {
 
 impl SupervisorArgs {
     /// The command line, without the program name.
-    pub fn to_args(&self) -> Vec<OsString> {
-        let mut out: Vec<OsString> = Vec::with_capacity(20 + self.args.len());
-        let mut flag = |name: &str, value: OsString| {
+    pub fn to_args(&self) -> Vec<Vec<u8>> {
+        let mut out: Vec<Vec<u8>> = Vec::with_capacity(20 + self.args.len());
+        let mut flag = |name: &str, value: Vec<u8>| {
             out.push(name.into());
             out.push(value);
         };
-        flag("--dir", self.task_dir.clone().into_os_string());
-        flag("--control", self.control_dir.clone().into_os_string());
+        flag("--dir", self.task_dir.clone());
+        flag("--control", self.control_dir.clone());
         flag("--run", self.run.clone().into());
-        flag("--logs", self.log_dir.clone().into_os_string());
+        flag("--logs", self.log_dir.clone());
         flag("--name", self.name.clone().into());
         flag("--max-files", self.max_files.to_string().into());
         flag("--max-file-size", self.max_file_size.to_string().into());
@@ -110,7 +112,7 @@ impl SupervisorArgs {
     }
 
     /// Parses a command line (without the program name).
-    pub fn parse(args: impl IntoIterator<Item = OsString>) -> Result<Self, ArgsError> {
+    pub fn parse(args: impl IntoIterator<Item = Vec<u8>>) -> Result<Self, ArgsError> {
         let mut args = args.into_iter();
         let mut task_dir = None;
         let mut control_dir = None;
@@ -126,18 +128,18 @@ impl SupervisorArgs {
             let Some(flag) = args.next() else {
                 return Err(ArgsError::NoCommand);
             };
-            if flag == "--" {
+            if flag == b"--" {
                 break;
             }
-            let flag = flag.to_string_lossy().into_owned();
+            let flag = String::from_utf8_lossy(&flag).into_owned();
             let value = args
                 .next()
                 .ok_or_else(|| ArgsError::MissingValue { flag: flag.clone() })?;
             match flag.as_str() {
-                "--dir" => task_dir = Some(PathBuf::from(value)),
-                "--control" => control_dir = Some(PathBuf::from(value)),
+                "--dir" => task_dir = Some(value),
+                "--control" => control_dir = Some(value),
                 "--run" => run = Some(text(&flag, &value, is_run_id)?),
-                "--logs" => log_dir = Some(PathBuf::from(value)),
+                "--logs" => log_dir = Some(value),
                 "--name" => name = Some(text(&flag, &value, is_log_name)?),
                 "--max-files" => max_files = Some(number::<u32>(&flag, &value)?),
                 "--max-file-size" => max_file_size = Some(number::<u64>(&flag, &value)?),
@@ -197,13 +199,22 @@ fn is_log_name(s: &str) -> bool {
             .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
 }
 
-fn text(flag: &str, value: &OsStr, valid: fn(&str) -> bool) -> Result<String, ArgsError> {
-    match value.to_str() {
+/// `value` as text, when it is UTF-8.
+fn utf8(value: &[u8]) -> Option<&str> {
+    core::str::from_utf8(value).ok()
+}
+
+fn invalid(flag: &str, value: &[u8]) -> ArgsError {
+    ArgsError::InvalidValue {
+        flag: flag.to_owned(),
+        value: String::from_utf8_lossy(value).into_owned(),
+    }
+}
+
+fn text(flag: &str, value: &[u8], valid: fn(&str) -> bool) -> Result<String, ArgsError> {
+    match utf8(value) {
         Some(s) if valid(s) => Ok(s.to_owned()),
-        _ => Err(ArgsError::InvalidValue {
-            flag: flag.to_owned(),
-            value: value.to_string_lossy().into_owned(),
-        }),
+        _ => Err(invalid(flag, value)),
     }
 }
 
@@ -211,12 +222,9 @@ fn text(flag: &str, value: &OsStr, valid: fn(&str) -> bool) -> Result<String, Ar
 const MAX_GROUPS: usize = 65_536;
 
 /// A comma-separated list of group ids; empty for an empty value.
-fn group_list(flag: &str, value: &OsStr) -> Result<Vec<u32>, ArgsError> {
-    let invalid = || ArgsError::InvalidValue {
-        flag: flag.to_owned(),
-        value: value.to_string_lossy().into_owned(),
-    };
-    let text = value.to_str().ok_or_else(invalid)?;
+fn group_list(flag: &str, value: &[u8]) -> Result<Vec<u32>, ArgsError> {
+    let invalid = || invalid(flag, value);
+    let text = utf8(value).ok_or_else(invalid)?;
     if text.is_empty() {
         return Ok(Vec::new());
     }
@@ -230,19 +238,17 @@ fn group_list(flag: &str, value: &OsStr) -> Result<Vec<u32>, ArgsError> {
     Ok(groups)
 }
 
-fn number<T: std::str::FromStr>(flag: &str, value: &OsStr) -> Result<T, ArgsError> {
-    value
-        .to_str()
+fn number<T: core::str::FromStr>(flag: &str, value: &[u8]) -> Result<T, ArgsError> {
+    utf8(value)
         .and_then(|s| s.parse().ok())
-        .ok_or_else(|| ArgsError::InvalidValue {
-            flag: flag.to_owned(),
-            value: value.to_string_lossy().into_owned(),
-        })
+        .ok_or_else(|| invalid(flag, value))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use alloc::vec;
+    use std::prelude::rust_2024::*;
 
     fn sample() -> SupervisorArgs {
         SupervisorArgs {
@@ -282,9 +288,9 @@ mod tests {
         let line = sample().to_args();
         let at = line
             .iter()
-            .position(|arg| arg == "--groups")
+            .position(|arg| arg == b"--groups")
             .expect("a --groups flag");
-        assert_eq!(line[at + 1], "65534,44,109");
+        assert_eq!(line[at + 1], b"65534,44,109");
         let parse = |groups: &str| {
             SupervisorArgs::parse(
                 [
@@ -298,7 +304,7 @@ mod tests {
                 .into_iter()
                 .chain(["--dir", "/t", "--control", "/t/.stead", "--run", "ab"])
                 .chain(["--logs", "/l", "--name", "t", "--", "true"])
-                .map(OsString::from),
+                .map(|arg| arg.as_bytes().to_vec()),
             )
             .map(|args| args.groups)
         };
@@ -323,7 +329,8 @@ mod tests {
 
     #[test]
     fn malformed_command_lines_are_refused_with_the_flag() {
-        let parse = |args: &[&str]| SupervisorArgs::parse(args.iter().map(OsString::from));
+        let parse =
+            |args: &[&str]| SupervisorArgs::parse(args.iter().map(|arg| arg.as_bytes().to_vec()));
         assert_eq!(
             parse(&["--run"]),
             Err(ArgsError::MissingValue {

@@ -6,20 +6,13 @@
 //! process reaches the descriptor. Several exits may share one notification (standard
 //! signals do not queue): whoever reads it reaps with `WNOHANG` until nothing is left.
 
-use std::io;
-use std::os::fd::{AsFd, AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
+use rustix::fd::{AsFd, BorrowedFd, OwnedFd};
+use rustix::io::Errno;
+
+use crate::sys::{self, MaskHow, SignalSet};
 
 /// The set holding `SIGCHLD` alone.
-#[allow(unsafe_code)]
-pub(crate) fn child_signal_set() -> libc::sigset_t {
-    // SAFETY: a zeroed `sigset_t` is valid storage, and is initialised by `sigemptyset`.
-    unsafe {
-        let mut set: libc::sigset_t = std::mem::zeroed();
-        libc::sigemptyset(&mut set);
-        libc::sigaddset(&mut set, libc::SIGCHLD);
-        set
-    }
-}
+pub(crate) const CHILD_SIGNAL: SignalSet = SignalSet::of(linux_raw_sys::general::SIGCHLD);
 
 /// `SIGCHLD`, blocked in the calling thread and read from a `signalfd`.
 pub(crate) struct ChildSignals {
@@ -30,21 +23,11 @@ impl ChildSignals {
     /// Blocks `SIGCHLD` and opens the descriptor (non-blocking, close-on-exec). A child
     /// started after this inherits the blocked mask: whoever execs must unblock it first
     /// ([`crate::spawn`] does).
-    #[allow(unsafe_code)]
-    pub(crate) fn new() -> io::Result<ChildSignals> {
-        let set = child_signal_set();
-        // SAFETY: a mask call on an initialised set; the descriptor `signalfd` returns
-        // is owned from here on.
-        unsafe {
-            libc::pthread_sigmask(libc::SIG_BLOCK, &set, std::ptr::null_mut());
-            let fd = libc::signalfd(-1, &set, libc::SFD_CLOEXEC | libc::SFD_NONBLOCK);
-            if fd == -1 {
-                return Err(io::Error::last_os_error());
-            }
-            Ok(ChildSignals {
-                fd: OwnedFd::from_raw_fd(fd),
-            })
-        }
+    pub(crate) fn new() -> Result<ChildSignals, Errno> {
+        sys::sigprocmask(MaskHow::Block, CHILD_SIGNAL)?;
+        Ok(ChildSignals {
+            fd: sys::signalfd(CHILD_SIGNAL)?,
+        })
     }
 
     /// Consumes the pending notifications; the caller then reaps with `WNOHANG`.
@@ -57,14 +40,11 @@ impl ChildSignals {
     /// and the parent's descriptor closed.
     #[allow(unsafe_code)]
     pub(crate) fn leave(&self) {
-        let set = child_signal_set();
-        // SAFETY: a mask call on an initialised set; the descriptor is the parent's copy
-        // in this forked child, which never returns to the parent's loop, so nothing else
-        // closes or uses it.
-        unsafe {
-            libc::pthread_sigmask(libc::SIG_UNBLOCK, &set, std::ptr::null_mut());
-            libc::close(self.fd.as_raw_fd());
-        }
+        use rustix::fd::AsRawFd;
+        let _ = sys::sigprocmask(MaskHow::Unblock, CHILD_SIGNAL);
+        // SAFETY: the descriptor is the parent's copy in this forked child, which never
+        // returns to the parent's loop, so nothing else closes or uses it.
+        unsafe { rustix::io::close(self.fd.as_raw_fd()) };
     }
 }
 

@@ -25,13 +25,30 @@
 //! The library holds the formats both sides share (arguments, protocol lines, record
 //! files, log file names), so they are defined once.
 
+#![no_std]
+
+extern crate alloc;
+// Under these names in the manifest: the same crates without their `std` features.
+extern crate rustix_no_std as rustix;
+#[cfg(all(feature = "std", not(test)))]
+extern crate std;
+extern crate thiserror_no_std as thiserror;
+// The tests run on the standard library, with its prelude and macros.
+#[cfg(test)]
+#[macro_use]
+extern crate std;
+
 pub mod args;
 mod children;
+pub mod error;
+mod file;
 pub mod logs;
 pub mod proc;
 pub mod protocol;
 mod spawn;
 mod supervise;
+mod sys;
 mod zygote;
 
 pub use supervise::main;
+pub use sys::exit;

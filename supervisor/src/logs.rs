@@ -8,10 +8,16 @@
 //! [`LINE_SLACK`]. Only a line longer than that is split. A restarted task appends to
 //! the newest file.
 
-use std::fs::{self, File, OpenOptions};
-use std::io::{self, Write};
-use std::os::unix::fs::{FileExt, OpenOptionsExt};
-use std::path::{Path, PathBuf};
+use alloc::borrow::ToOwned;
+use alloc::format;
+use alloc::string::String;
+use alloc::vec::Vec;
+
+use rustix::fd::OwnedFd;
+use rustix::fs::OFlags;
+use rustix::io::Errno;
+
+use crate::file;
 
 /// How far a file may grow past its limit to finish a line begun in it.
 pub const LINE_SLACK: u64 = 64 * 1024;
@@ -41,14 +47,13 @@ pub fn file_name(task: &str, stream: Stream, index: u64) -> String {
 }
 
 /// The indices of `task`'s `stream` files in `dir`, ascending; empty when there are none.
-pub fn indices(dir: &Path, task: &str, stream: Stream) -> io::Result<Vec<u64>> {
+pub fn indices(dir: &[u8], task: &str, stream: Stream) -> Result<Vec<u64>, Errno> {
     let prefix = format!("{task}.{}.", stream.as_str());
-    let mut found: Vec<u64> = match fs::read_dir(dir) {
-        Ok(entries) => entries
-            .filter_map(Result::ok)
-            .filter_map(|entry| {
-                let name = entry.file_name();
-                let index = name.to_str()?.strip_prefix(&prefix)?;
+    let mut found: Vec<u64> = match file::list(dir) {
+        Ok(names) => names
+            .iter()
+            .filter_map(|name| {
+                let index = core::str::from_utf8(name).ok()?.strip_prefix(&prefix)?;
                 // Only canonical numbers: `01` is not a log file of ours.
                 if index.len() > 1 && index.starts_with('0') {
                     return None;
@@ -56,7 +61,7 @@ pub fn indices(dir: &Path, task: &str, stream: Stream) -> io::Result<Vec<u64>> {
                 index.parse().ok()
             })
             .collect(),
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Vec::new(),
+        Err(Errno::NOENT) => Vec::new(),
         Err(error) => return Err(error),
     };
     found.sort_unstable();
@@ -66,13 +71,13 @@ pub fn indices(dir: &Path, task: &str, stream: Stream) -> io::Result<Vec<u64>> {
 /// The writer of one stream's files.
 #[derive(Debug)]
 pub struct Rotator {
-    dir: PathBuf,
+    dir: Vec<u8>,
     task: String,
     stream: Stream,
     max_files: u64,
     max_size: u64,
     index: u64,
-    file: File,
+    file: OwnedFd,
     size: u64,
     /// Whether the file ends at a line boundary (it is empty or its last byte is `\n`).
     at_line_start: bool,
@@ -82,29 +87,26 @@ impl Rotator {
     /// Opens the newest file of `task`'s `stream` in `dir` for appending (creating file 0
     /// when there is none), and deletes files beyond `max_files`.
     pub fn open(
-        dir: &Path,
+        dir: &[u8],
         task: &str,
         stream: Stream,
         max_files: u32,
         max_size: u64,
-    ) -> io::Result<Rotator> {
+    ) -> Result<Rotator, Errno> {
         let existing = indices(dir, task, stream)?;
         let index = existing.last().copied().unwrap_or(0);
-        let path = dir.join(file_name(task, stream, index));
-        let file = OpenOptions::new()
-            .create(true)
-            .read(true)
-            .append(true)
-            .mode(0o640)
-            .open(&path)?;
-        let size = file.metadata()?.len();
+        let path = file::join(dir, file_name(task, stream, index).as_bytes());
+        let file = file::open(&path, OFlags::CREATE | OFlags::RDWR | OFlags::APPEND, 0o640)?;
+        let size = rustix::fs::fstat(&file)?.st_size.unsigned_abs();
         let at_line_start = size == 0 || {
             let mut last = [0u8];
-            file.read_exact_at(&mut last, size - 1)?;
+            if rustix::io::pread(&file, &mut last, size - 1)? != 1 {
+                return Err(Errno::IO);
+            }
             last[0] == b'\n'
         };
         let rotator = Rotator {
-            dir: dir.to_owned(),
+            dir: dir.to_vec(),
             task: task.to_owned(),
             stream,
             max_files: u64::from(max_files.max(1)),
@@ -129,11 +131,15 @@ impl Rotator {
 
     fn remove(&self, index: u64) {
         // A file already gone (removed by hand) is what we wanted.
-        let _ = fs::remove_file(self.dir.join(file_name(&self.task, self.stream, index)));
+        let path = file::join(
+            &self.dir,
+            file_name(&self.task, self.stream, index).as_bytes(),
+        );
+        let _ = rustix::fs::unlink(path);
     }
 
-    fn append(&mut self, data: &[u8]) -> io::Result<()> {
-        self.file.write_all(data)?;
+    fn append(&mut self, data: &[u8]) -> Result<(), Errno> {
+        file::write_all(&self.file, data)?;
         self.size += data.len() as u64;
         if let Some(last) = data.last() {
             self.at_line_start = *last == b'\n';
@@ -141,15 +147,17 @@ impl Rotator {
         Ok(())
     }
 
-    fn rotate(&mut self) -> io::Result<()> {
+    fn rotate(&mut self) -> Result<(), Errno> {
         let index = self.index + 1;
-        let path = self.dir.join(file_name(&self.task, self.stream, index));
-        self.file = OpenOptions::new()
-            .create(true)
-            .write(true)
-            .truncate(true)
-            .mode(0o640)
-            .open(&path)?;
+        let path = file::join(
+            &self.dir,
+            file_name(&self.task, self.stream, index).as_bytes(),
+        );
+        self.file = file::open(
+            &path,
+            OFlags::CREATE | OFlags::WRONLY | OFlags::TRUNC,
+            0o640,
+        )?;
         self.index = index;
         self.size = 0;
         self.at_line_start = true;
@@ -160,7 +168,7 @@ impl Rotator {
     }
 
     /// Writes `data`, rotating as the module documentation describes.
-    pub fn write(&mut self, mut data: &[u8]) -> io::Result<()> {
+    pub fn write(&mut self, mut data: &[u8]) -> Result<(), Errno> {
         while !data.is_empty() {
             let room =
                 usize::try_from(self.max_size.saturating_sub(self.size)).unwrap_or(usize::MAX);
@@ -204,9 +212,17 @@ impl Rotator {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+    use std::os::unix::ffi::OsStrExt;
+    use std::path::Path;
+    use std::prelude::rust_2024::*;
+
+    fn bytes(dir: &Path) -> &[u8] {
+        dir.as_os_str().as_bytes()
+    }
 
     fn files(dir: &Path) -> Vec<(u64, String)> {
-        indices(dir, "t", Stream::Stdout)
+        indices(bytes(dir), "t", Stream::Stdout)
             .expect("listable")
             .into_iter()
             .map(|i| {
@@ -220,7 +236,8 @@ mod tests {
     #[test]
     fn files_rotate_at_line_ends_and_only_the_newest_are_kept() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut rotator = Rotator::open(dir.path(), "t", Stream::Stdout, 3, 10).expect("opens");
+        let mut rotator =
+            Rotator::open(bytes(dir.path()), "t", Stream::Stdout, 3, 10).expect("opens");
         // Ten lines of four bytes, written in odd chunks.
         let text: String = (0..10).map(|i| format!("ab{i}\n")).collect();
         for chunk in text.as_bytes().chunks(3) {
@@ -240,7 +257,8 @@ mod tests {
     #[test]
     fn a_line_that_does_not_fit_starts_the_next_file() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut rotator = Rotator::open(dir.path(), "t", Stream::Stdout, 5, 10).expect("opens");
+        let mut rotator =
+            Rotator::open(bytes(dir.path()), "t", Stream::Stdout, 5, 10).expect("opens");
         rotator.write(b"1234567\n").expect("written");
         rotator.write(b"abcdef\n").expect("written");
         assert_eq!(
@@ -252,7 +270,8 @@ mod tests {
     #[test]
     fn a_line_begun_in_a_file_is_finished_there_and_only_overlong_lines_split() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut rotator = Rotator::open(dir.path(), "t", Stream::Stdout, 5, 10).expect("opens");
+        let mut rotator =
+            Rotator::open(bytes(dir.path()), "t", Stream::Stdout, 5, 10).expect("opens");
         rotator.write(b"12345678").expect("written");
         rotator.write(b"9abc\nxy\n").expect("written");
         assert_eq!(
@@ -268,14 +287,16 @@ mod tests {
     #[test]
     fn a_restarted_writer_appends_to_the_newest_file() {
         let dir = tempfile::tempdir().expect("tempdir");
-        let mut first = Rotator::open(dir.path(), "t", Stream::Stdout, 2, 100).expect("opens");
+        let mut first =
+            Rotator::open(bytes(dir.path()), "t", Stream::Stdout, 2, 100).expect("opens");
         first.write(b"one\n").expect("written");
         drop(first);
-        let mut second = Rotator::open(dir.path(), "t", Stream::Stdout, 2, 100).expect("opens");
+        let mut second =
+            Rotator::open(bytes(dir.path()), "t", Stream::Stdout, 2, 100).expect("opens");
         second.write(b"two\n").expect("written");
         assert_eq!(files(dir.path()), [(0, "one\ntwo\n".to_owned())]);
         assert_eq!(
-            indices(dir.path(), "t", Stream::Stderr).expect("listable"),
+            indices(bytes(dir.path()), "t", Stream::Stderr).expect("listable"),
             Vec::<u64>::new()
         );
     }

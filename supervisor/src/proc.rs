@@ -2,8 +2,12 @@
 //! processes below it. (The agent reads `/proc` through the `procfs` crate; the
 //! supervisor keeps its dependencies, and so its memory, small.)
 
-use std::fs;
-use std::io;
+use alloc::format;
+use alloc::vec::Vec;
+
+use rustix::io::Errno;
+
+use crate::file;
 
 /// The fields of `/proc/<pid>/stat` the supervisor uses.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -30,9 +34,12 @@ pub fn parse_stat(text: &str) -> Option<Stat> {
 }
 
 /// The stat of process `pid`.
-pub fn stat(pid: u32) -> io::Result<Stat> {
-    let text = fs::read_to_string(format!("/proc/{pid}/stat"))?;
-    parse_stat(&text).ok_or_else(|| io::Error::new(io::ErrorKind::InvalidData, text))
+pub fn stat(pid: u32) -> Result<Stat, Errno> {
+    let bytes = file::read(format!("/proc/{pid}/stat").as_bytes())?;
+    core::str::from_utf8(&bytes)
+        .ok()
+        .and_then(parse_stat)
+        .ok_or(Errno::INVAL)
 }
 
 /// The start time of process `pid`, in clock ticks since boot; `None` when it is gone.
@@ -42,14 +49,17 @@ pub fn start_time(pid: u32) -> Option<u64> {
 
 /// The children of `pid`, from `/proc/<pid>/task/*/children` (every thread's).
 pub fn children(pid: u32) -> Vec<u32> {
-    let Ok(threads) = fs::read_dir(format!("/proc/{pid}/task")) else {
+    let tasks = format!("/proc/{pid}/task");
+    let Ok(threads) = file::list(tasks.as_bytes()) else {
         return Vec::new();
     };
     let mut out = Vec::new();
-    for thread in threads.filter_map(Result::ok) {
-        let mut path = thread.path();
-        path.push("children");
-        if let Ok(text) = fs::read_to_string(&path) {
+    for thread in threads {
+        let mut path = file::join(tasks.as_bytes(), &thread);
+        path.extend_from_slice(b"/children");
+        if let Ok(bytes) = file::read(&path)
+            && let Ok(text) = core::str::from_utf8(&bytes)
+        {
             out.extend(
                 text.split_ascii_whitespace()
                     .filter_map(|p| p.parse::<u32>().ok()),
@@ -77,6 +87,7 @@ pub fn descendants(pid: u32) -> Vec<u32> {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::prelude::rust_2024::*;
 
     #[test]
     fn stat_parsing_survives_names_with_spaces_and_parentheses() {

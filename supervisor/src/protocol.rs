@@ -16,13 +16,16 @@
 //!   the directory) when no agent heard the `exited` line: an agent that heard it keeps
 //!   the exit in its own store, and the sync (~12 ms here) stays off the restart path.
 
-use std::ffi::OsString;
-use std::fs;
-use std::io::{self, Write};
-use std::os::unix::ffi::{OsStrExt, OsStringExt};
-use std::path::{Path, PathBuf};
+use alloc::borrow::ToOwned;
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+
+use rustix::fs::OFlags;
+use rustix::io::Errno;
 
 use crate::args::{ArgsError, SupervisorArgs};
+use crate::file;
 
 /// How a task ended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -171,57 +174,65 @@ pub struct RunRecord {
     pub task_start: u64,
 }
 
-/// The path of the exit record of `run`.
-pub fn exit_record_path(control_dir: &Path, run: &str) -> PathBuf {
-    control_dir.join(format!("{run}.exit"))
+/// The file name of the exit record of `run`.
+fn exit_record_name(run: &str) -> String {
+    format!("{run}.exit")
 }
 
-/// The path of the run record of `run`.
-pub fn run_record_path(control_dir: &Path, run: &str) -> PathBuf {
-    control_dir.join(format!("{run}.run"))
+/// The file name of the run record of `run`.
+fn run_record_name(run: &str) -> String {
+    format!("{run}.run")
 }
 
 /// Writes `contents` to `path` through a temporary file and a rename, so readers see the
 /// whole file or none; with `durable`, the data and the rename reach the disk first.
-fn write_atomically(path: &Path, contents: &str, durable: bool) -> io::Result<()> {
-    let tmp = path.with_extension("tmp");
-    let mut file = fs::File::create(&tmp)?;
-    file.write_all(contents.as_bytes())?;
+fn write_atomically(dir: &[u8], name: &str, contents: &str, durable: bool) -> Result<(), Errno> {
+    let path = file::join(dir, name.as_bytes());
+    let mut tmp = path.clone();
+    tmp.extend_from_slice(b".tmp");
+    let out = file::open(&tmp, OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC, 0o666)?;
+    file::write_all(&out, contents.as_bytes())?;
     if durable {
-        file.sync_data()?;
+        rustix::fs::fdatasync(&out)?;
     }
-    drop(file);
-    fs::rename(&tmp, path)?;
-    if durable && let Some(dir) = path.parent() {
-        fs::File::open(dir)?.sync_all()?;
+    drop(out);
+    rustix::fs::rename(&tmp, &path)?;
+    if durable {
+        rustix::fs::fsync(file::open(dir, OFlags::RDONLY | OFlags::DIRECTORY, 0)?)?;
     }
     Ok(())
 }
 
 /// Records how run `run` ended; with `durable`, synced to the disk before returning.
 pub fn write_exit_record(
-    control_dir: &Path,
+    control_dir: &[u8],
     run: &str,
     status: ExitStatus,
     durable: bool,
-) -> io::Result<()> {
+) -> Result<(), Errno> {
     let text = format!(
         "stead-exit 1\ncode {}\nsignal {}\n",
         status.code,
         signal_text(status.signal)
     );
-    write_atomically(&exit_record_path(control_dir, run), &text, durable)
+    write_atomically(control_dir, &exit_record_name(run), &text, durable)
 }
 
 /// Records which processes run `run`. Neither synced nor renamed into place: it only
 /// matters while the machine is up, and a reader that finds it half-written (a crash
 /// within one small `write`) skips it as malformed.
-pub fn write_run_record(control_dir: &Path, run: &str, record: RunRecord) -> io::Result<()> {
+pub fn write_run_record(control_dir: &[u8], run: &str, record: RunRecord) -> Result<(), Errno> {
     let text = format!(
         "stead-run 1\nsupervisor {} {}\ntask {} {}\n",
         record.supervisor_pid, record.supervisor_start, record.task_pid, record.task_start
     );
-    fs::write(run_record_path(control_dir, run), text)
+    let path = file::join(control_dir, run_record_name(run).as_bytes());
+    let out = file::open(
+        &path,
+        OFlags::WRONLY | OFlags::CREATE | OFlags::TRUNC,
+        0o666,
+    )?;
+    file::write_all(out, text.as_bytes())
 }
 
 /// The lines of a record after its header, as `(key, value)`.
@@ -278,56 +289,102 @@ pub fn parse_run_record(text: &str) -> Result<RunRecord, ProtocolError> {
     })
 }
 
-/// A record file that could not be read.
-#[derive(Debug, thiserror::Error)]
-pub enum RecordError {
-    /// Reading the file failed.
-    #[error("reading {path}")]
-    Read {
-        /// The file.
-        path: PathBuf,
-        /// Why.
-        #[source]
-        source: io::Error,
-    },
-    /// The file does not follow the protocol.
-    #[error("reading {path}")]
-    Malformed {
-        /// The file.
-        path: PathBuf,
-        /// What is wrong.
-        #[source]
-        source: ProtocolError,
-    },
-}
+/// The agent's side: the records read through `std::path`.
+#[cfg(any(test, feature = "std"))]
+mod read {
+    use std::fs;
+    use std::io;
+    use std::path::{Path, PathBuf};
 
-/// The exit record of `run`; `None` while the run has not ended (or never started).
-pub fn read_exit_record(control_dir: &Path, run: &str) -> Result<Option<ExitStatus>, RecordError> {
-    let path = exit_record_path(control_dir, run);
-    match fs::read_to_string(&path) {
-        Ok(text) => parse_exit_record(&text)
-            .map(Some)
-            .map_err(|source| RecordError::Malformed { path, source }),
-        Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(RecordError::Read { path, source }),
+    use alloc::borrow::ToOwned;
+    use alloc::string::String;
+    use alloc::vec::Vec;
+
+    use super::{ExitStatus, ProtocolError, RunRecord, exit_record_name, parse_exit_record};
+    use super::{parse_run_record, run_record_name};
+
+    /// The path of the exit record of `run`.
+    pub fn exit_record_path(control_dir: &Path, run: &str) -> PathBuf {
+        control_dir.join(exit_record_name(run))
+    }
+
+    /// The path of the run record of `run`.
+    pub fn run_record_path(control_dir: &Path, run: &str) -> PathBuf {
+        control_dir.join(run_record_name(run))
+    }
+
+    /// A record file that could not be read.
+    #[derive(Debug, thiserror::Error)]
+    pub enum RecordError {
+        /// Reading the file failed.
+        #[error("reading {}", path.display())]
+        Read {
+            /// The file.
+            path: PathBuf,
+            /// Why.
+            #[source]
+            source: io::Error,
+        },
+        /// The file does not follow the protocol.
+        #[error("reading {}", path.display())]
+        Malformed {
+            /// The file.
+            path: PathBuf,
+            /// What is wrong.
+            #[source]
+            source: ProtocolError,
+        },
+    }
+
+    /// The exit record of `run`; `None` while the run has not ended (or never started).
+    pub fn read_exit_record(
+        control_dir: &Path,
+        run: &str,
+    ) -> Result<Option<ExitStatus>, RecordError> {
+        let path = exit_record_path(control_dir, run);
+        match fs::read_to_string(&path) {
+            Ok(text) => parse_exit_record(&text)
+                .map(Some)
+                .map_err(|source| RecordError::Malformed { path, source }),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => Ok(None),
+            Err(source) => Err(RecordError::Read { path, source }),
+        }
+    }
+
+    /// Every run record in `control_dir`, by run id; unreadable ones are skipped.
+    pub fn read_run_records(control_dir: &Path) -> Vec<(String, RunRecord)> {
+        let Ok(entries) = fs::read_dir(control_dir) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter_map(|entry| {
+                let name = entry.file_name();
+                let run = name.to_str()?.strip_suffix(".run")?;
+                if !crate::args::is_run_id(run) {
+                    return None;
+                }
+                let text = fs::read_to_string(entry.path()).ok()?;
+                Some((run.to_owned(), parse_run_record(&text).ok()?))
+            })
+            .collect()
     }
 }
 
-/// Every run record in `control_dir`, by run id; unreadable ones are skipped.
-pub fn read_run_records(control_dir: &Path) -> Vec<(String, RunRecord)> {
-    let Ok(entries) = fs::read_dir(control_dir) else {
-        return Vec::new();
-    };
+#[cfg(any(test, feature = "std"))]
+pub use read::{
+    RecordError, exit_record_path, read_exit_record, read_run_records, run_record_path,
+};
+
+/// The task's environment: `(key, value)` pairs of bytes.
+pub type Environment = Vec<(Vec<u8>, Vec<u8>)>;
+
+/// `KEY=VALUE` entries as pairs; an entry without `=` is left out.
+pub(crate) fn environment_entries<'a>(entries: impl Iterator<Item = &'a [u8]>) -> Environment {
     entries
-        .filter_map(Result::ok)
         .filter_map(|entry| {
-            let name = entry.file_name();
-            let run = name.to_str()?.strip_suffix(".run")?;
-            if !crate::args::is_run_id(run) {
-                return None;
-            }
-            let text = fs::read_to_string(entry.path()).ok()?;
-            Some((run.to_owned(), parse_run_record(&text).ok()?))
+            let eq = entry.iter().position(|b| *b == b'=')?;
+            Some((entry[..eq].to_vec(), entry[eq + 1..].to_vec()))
         })
         .collect()
 }
@@ -356,7 +413,7 @@ pub fn encode_request<'a>(
     out.extend_from_slice(argv.len().to_string().as_bytes());
     out.push(0);
     for arg in &argv {
-        out.extend_from_slice(arg.as_bytes());
+        out.extend_from_slice(arg);
         out.push(0);
     }
     for (key, value) in environment {
@@ -369,36 +426,28 @@ pub fn encode_request<'a>(
 }
 
 /// Reads a request written by [`encode_request`].
-pub fn decode_request(
-    bytes: &[u8],
-) -> Result<(SupervisorArgs, Vec<(OsString, OsString)>), RequestError> {
+pub fn decode_request(bytes: &[u8]) -> Result<(SupervisorArgs, Environment), RequestError> {
     let body = bytes.strip_suffix(b"\0").ok_or(RequestError::Malformed)?;
     let mut fields = body.split(|b| *b == 0);
     let count: usize = fields
         .next()
-        .and_then(|f| std::str::from_utf8(f).ok()?.parse().ok())
+        .and_then(|f| core::str::from_utf8(f).ok()?.parse().ok())
         .ok_or(RequestError::Malformed)?;
     let mut argv = Vec::with_capacity(count);
     for _ in 0..count {
         let arg = fields.next().ok_or(RequestError::Malformed)?;
-        argv.push(OsString::from_vec(arg.to_vec()));
+        argv.push(arg.to_vec());
     }
     let args = SupervisorArgs::parse(argv).map_err(RequestError::Args)?;
-    let environment = fields
-        .filter_map(|entry| {
-            let eq = entry.iter().position(|b| *b == b'=')?;
-            Some((
-                OsString::from_vec(entry[..eq].to_vec()),
-                OsString::from_vec(entry[eq + 1..].to_vec()),
-            ))
-        })
-        .collect();
-    Ok((args, environment))
+    Ok((args, environment_entries(fields)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::fs;
+    use std::os::unix::ffi::OsStrExt;
+    use std::prelude::rust_2024::*;
 
     #[test]
     fn report_lines_round_trip() {
@@ -444,7 +493,7 @@ mod tests {
             code: 130,
             signal: None,
         };
-        write_exit_record(dir.path(), "ab", status, true).expect("written");
+        write_exit_record(dir.path().as_os_str().as_bytes(), "ab", status, true).expect("written");
         assert_eq!(
             read_exit_record(dir.path(), "ab").expect("readable"),
             Some(status)
@@ -455,7 +504,7 @@ mod tests {
             task_pid: 11,
             task_start: 21,
         };
-        write_run_record(dir.path(), "cd", run).expect("written");
+        write_run_record(dir.path().as_os_str().as_bytes(), "cd", run).expect("written");
         fs::write(dir.path().join("zz.run"), "garbage").expect("written");
         assert_eq!(read_run_records(dir.path()), [("cd".to_owned(), run)]);
         fs::write(exit_record_path(dir.path(), "ef"), "stead-exit 1\ncode x\n").expect("written");
@@ -488,8 +537,8 @@ mod tests {
             .into_iter()
             .map(|(k, v)| {
                 (
-                    k.into_string().expect("utf-8"),
-                    v.into_string().expect("utf-8"),
+                    String::from_utf8(k).expect("utf-8"),
+                    String::from_utf8(v).expect("utf-8"),
                 )
             })
             .collect();

@@ -1,32 +1,38 @@
-//! Starts the task the way `posix_spawn` does: `clone(CLONE_VM | CLONE_VFORK)`, so the
-//! supervisor's address space is neither copied nor faulted in page by page, and the
-//! supervisor sleeps until the task has `exec`ed.
+//! Starts the task: a `fork` of the supervisor (a small process: few pages to copy), which
+//! sets the task's session, ids, descriptors and signal mask and `exec`s it; a
+//! close-on-exec pipe tells the supervisor whether the `exec` happened.
 //!
-//! `posix_spawn` itself cannot be used: the task needs `PR_SET_PDEATHSIG`, which no spawn
-//! attribute sets. `std::process::Command` forks as soon as a `pre_exec` closure is
-//! given. Everything the child needs (paths, `argv`, `envp`) is built before the clone,
-//! so the child only makes system calls: it shares the supervisor's memory and must not
-//! allocate, lock or unwind.
+//! `posix_spawn` cannot be used: the task needs `PR_SET_PDEATHSIG`, which no spawn
+//! attribute sets, and the supervisor links no C library. Everything the child needs
+//! (paths, `argv`, `envp`) is built before the fork, so the child only makes system
+//! calls: the same code also runs in a multi-threaded test process, where a forked child
+//! must not allocate or lock.
 
-use std::ffi::{CString, OsStr, OsString};
-use std::io;
-use std::os::fd::{AsRawFd, OwnedFd, RawFd};
-use std::os::unix::ffi::OsStrExt;
-use std::ptr;
+use alloc::ffi::CString;
+use alloc::vec;
+use alloc::vec::Vec;
+use core::fmt;
 
-use rustix::process::Pid;
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::fs::OFlags;
+use rustix::io::{Errno, FdFlags};
+use rustix::pipe::{PipeFlags, pipe_with};
+use rustix::process::{Gid, Pid, Signal, Uid};
 
-/// The child's stack: it runs a handful of system-call wrappers and nothing else.
-const CHILD_STACK: usize = 64 * 1024;
+use crate::error::OsError;
+use crate::file;
+use crate::protocol::Environment;
+use crate::sys::{self, MaskHow, SignalSet};
+
 /// Where a program without a `/` is looked for when the task's environment has no
 /// `PATH` (glibc's `execvp` default).
 const DEFAULT_PATH: &[u8] = b"/bin:/usr/bin";
 
 /// What the task is started with.
 pub(crate) struct TaskCommand<'a> {
-    pub program: &'a OsStr,
-    pub args: &'a [OsString],
-    pub environment: &'a [(OsString, OsString)],
+    pub program: &'a [u8],
+    pub args: &'a [Vec<u8>],
+    pub environment: &'a Environment,
     pub uid: Option<u32>,
     pub gid: Option<u32>,
     /// The supplementary groups set when the task switches user (`uid` set) and the
@@ -38,47 +44,77 @@ pub(crate) struct TaskCommand<'a> {
     pub stderr: OwnedFd,
 }
 
-/// Everything the child reads, built by the parent; the child writes only `error`.
-struct Child {
-    candidates: Vec<CString>,
-    argv: Vec<*const libc::c_char>,
-    envp: Vec<*const libc::c_char>,
-    stdin: RawFd,
-    stdout: RawFd,
-    stderr: RawFd,
-    uid: Option<u32>,
-    gid: Option<u32>,
-    /// The supplementary groups, as the kernel takes them (built before the clone).
-    groups: Vec<libc::gid_t>,
-    parent: libc::pid_t,
-    /// The signal mask the task starts with: the supervisor's, `SIGCHLD` unblocked.
-    mask: libc::sigset_t,
-    /// The errno of the step that failed, 0 when the child reached `exec`.
-    error: libc::c_int,
+/// Why the task was not started.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum SpawnError {
+    /// A NUL byte in the program, an argument or the environment.
+    Nul,
+    /// A system call failed (`exec` included).
+    Os(OsError),
 }
 
-fn c_string(bytes: &[u8]) -> io::Result<CString> {
-    CString::new(bytes).map_err(|_| {
-        io::Error::new(
-            io::ErrorKind::InvalidInput,
-            "a NUL byte in the command, an argument or the environment",
+impl SpawnError {
+    /// Whether the program is missing or may not be run: trying again will not help.
+    pub(crate) fn is_permanent(self) -> bool {
+        matches!(
+            self,
+            SpawnError::Nul | SpawnError::Os(OsError(Errno::NOENT | Errno::ACCESS | Errno::PERM))
         )
-    })
+    }
+}
+
+impl From<Errno> for SpawnError {
+    fn from(errno: Errno) -> SpawnError {
+        SpawnError::Os(OsError(errno))
+    }
+}
+
+impl fmt::Display for SpawnError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            SpawnError::Nul => {
+                f.write_str("a NUL byte in the command, an argument or the environment")
+            }
+            SpawnError::Os(error) => error.fmt(f),
+        }
+    }
+}
+
+impl core::error::Error for SpawnError {}
+
+/// Everything the child reads, built by the parent before the fork.
+struct Child {
+    candidates: Vec<CString>,
+    argv: Vec<*const u8>,
+    envp: Vec<*const u8>,
+    stdin: OwnedFd,
+    stdout: OwnedFd,
+    stderr: OwnedFd,
+    uid: Option<Uid>,
+    gid: Option<Gid>,
+    /// The supplementary groups, as the kernel takes them.
+    groups: Vec<Gid>,
+    parent: Option<Pid>,
+    /// The signal mask the task starts with: the supervisor's, `SIGCHLD` unblocked.
+    mask: SignalSet,
+}
+
+fn c_string(bytes: &[u8]) -> Result<CString, SpawnError> {
+    CString::new(bytes).map_err(|_| SpawnError::Nul)
 }
 
 /// The paths `program` is tried at, in order, as `execvp` searches them.
-fn candidates(program: &OsStr, environment: &[(OsString, OsString)]) -> io::Result<Vec<CString>> {
-    let program = program.as_bytes();
+fn candidates(program: &[u8], environment: &Environment) -> Result<Vec<CString>, SpawnError> {
     if program.is_empty() {
-        return Err(io::ErrorKind::NotFound.into());
+        return Err(Errno::NOENT.into());
     }
     if program.contains(&b'/') {
         return Ok(vec![c_string(program)?]);
     }
     let path = environment
         .iter()
-        .find(|(key, _)| key == "PATH")
-        .map_or(DEFAULT_PATH, |(_, value)| value.as_bytes());
+        .find(|(key, _)| key == b"PATH")
+        .map_or(DEFAULT_PATH, |(_, value)| value.as_slice());
     path.split(|b| *b == b':')
         .map(|dir| {
             // An empty entry is the current directory.
@@ -92,268 +128,181 @@ fn candidates(program: &OsStr, environment: &[(OsString, OsString)]) -> io::Resu
         .collect()
 }
 
-/// The child's stack: an anonymous mapping, unmapped on drop.
-struct Stack {
-    base: *mut libc::c_void,
-}
-
-impl Stack {
-    #[allow(unsafe_code)]
-    fn map() -> io::Result<Stack> {
-        // SAFETY: a fresh private anonymous mapping; nothing else refers to it.
-        let base = unsafe {
-            libc::mmap(
-                ptr::null_mut(),
-                CHILD_STACK,
-                libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_STACK | libc::MAP_NORESERVE,
-                -1,
-                0,
-            )
-        };
-        if base == libc::MAP_FAILED {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Stack { base })
-    }
-
-    /// The stack's top (it grows down), 16-byte aligned as every ABI wants.
-    fn top(&self) -> *mut libc::c_void {
-        self.base.wrapping_byte_add(CHILD_STACK)
-    }
-}
-
-impl Drop for Stack {
-    #[allow(unsafe_code)]
-    fn drop(&mut self) {
-        // SAFETY: the mapping is ours and no longer used: `CLONE_VFORK` returned only
-        // once the child had exec'ed or exited.
-        unsafe {
-            libc::munmap(self.base, CHILD_STACK);
-        }
-    }
-}
-
 /// Starts the task in its own session, dying with the supervisor, as `uid`/`gid` with
-/// `groups`, with
-/// `/dev/null` as stdin; returns its pid once it has `exec`ed.
+/// `groups`, with `/dev/null` as stdin; returns its pid once it has `exec`ed.
 #[allow(unsafe_code)]
-pub(crate) fn spawn(command: TaskCommand<'_>) -> io::Result<Pid> {
+pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
     let candidates = candidates(command.program, command.environment)?;
-    let args: Vec<CString> = std::iter::once(command.program)
-        .chain(command.args.iter().map(OsString::as_os_str))
-        .map(|arg| c_string(arg.as_bytes()))
-        .collect::<io::Result<_>>()?;
+    let args: Vec<CString> = core::iter::once(command.program)
+        .chain(command.args.iter().map(Vec::as_slice))
+        .map(c_string)
+        .collect::<Result<_, _>>()?;
     let environment: Vec<CString> = command
         .environment
         .iter()
         .map(|(key, value)| {
             let mut entry = Vec::with_capacity(key.len() + 1 + value.len());
-            entry.extend_from_slice(key.as_bytes());
+            entry.extend_from_slice(key);
             entry.push(b'=');
-            entry.extend_from_slice(value.as_bytes());
+            entry.extend_from_slice(value);
             c_string(&entry)
         })
-        .collect::<io::Result<_>>()?;
-    let null = std::fs::File::open("/dev/null")?;
-    let mut child = Child {
+        .collect::<Result<_, _>>()?;
+    let pointers = |strings: &[CString]| -> Vec<*const u8> {
+        strings
+            .iter()
+            .map(|s| s.as_ptr().cast::<u8>())
+            .chain(core::iter::once(core::ptr::null()))
+            .collect()
+    };
+    // The supervisor blocks `SIGCHLD` to read it from a descriptor; the task starts with
+    // it unblocked, as any program expects.
+    let mask = sys::sigprocmask(MaskHow::Block, SignalSet::default())?
+        .without(linux_raw_sys::general::SIGCHLD);
+    let child = Child {
+        argv: pointers(&args),
+        envp: pointers(&environment),
         candidates,
-        argv: args
-            .iter()
-            .map(|a| a.as_ptr())
-            .chain(std::iter::once(ptr::null()))
-            .collect(),
-        envp: environment
-            .iter()
-            .map(|e| e.as_ptr())
-            .chain(std::iter::once(ptr::null()))
-            .collect(),
-        stdin: null.as_raw_fd(),
-        stdout: command.stdout.as_raw_fd(),
-        stderr: command.stderr.as_raw_fd(),
-        uid: command.uid,
-        gid: command.gid,
+        stdin: file::open(b"/dev/null", OFlags::RDONLY, 0)?,
+        stdout: command.stdout,
+        stderr: command.stderr,
+        uid: command.uid.map(Uid::from_raw),
+        gid: command.gid.map(Gid::from_raw),
         groups: command
             .groups
             .iter()
-            .map(|&gid| libc::gid_t::from(gid))
+            .map(|&gid| Gid::from_raw(gid))
             .collect(),
-        parent: std::process::id().try_into().unwrap_or(0),
-        // SAFETY: an all-zero `sigset_t` is a valid (empty) set; it is overwritten below.
-        mask: unsafe { std::mem::zeroed() },
-        error: 0,
+        parent: Some(rustix::process::getpid()),
+        mask,
     };
-    // Mapped, not allocated: only the pages the child touches (one or two) are ever
-    // faulted in, and they are gone again once it has exec'ed, where a heap buffer would
-    // stay dirty in every supervisor.
-    let stack = Stack::map()?;
-    let top = stack.top();
-    let pid;
-    let clone_error;
-    // SAFETY: every signal is blocked around the clone, as `posix_spawn` does, so no
-    // handler of the supervisor runs on the child's stack in the shared address space;
-    // the child sets the task's mask before `exec`. `child` points to a live `Child` that
-    // nothing else touches until the clone returns, and `run_child` only makes system
-    // calls and writes its `error`.
-    unsafe {
-        let mut all: libc::sigset_t = std::mem::zeroed();
-        libc::sigfillset(&mut all);
-        let mut saved: libc::sigset_t = std::mem::zeroed();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &all, &mut saved);
-        // The supervisor blocks `SIGCHLD` to read it from a descriptor; the task starts
-        // with it unblocked, as any program expects.
-        child.mask = saved;
-        libc::sigdelset(&mut child.mask, libc::SIGCHLD);
-        pid = libc::clone(
-            run_child,
-            top,
-            libc::CLONE_VM | libc::CLONE_VFORK | libc::SIGCHLD,
-            (&raw mut child).cast(),
-        );
-        clone_error = io::Error::last_os_error();
-        libc::pthread_sigmask(libc::SIG_SETMASK, &saved, ptr::null_mut());
-    }
-    drop(null);
-    drop(stack);
-    if pid == -1 {
-        return Err(clone_error);
-    }
-    // SAFETY: the child is gone from this memory (exec'ed or exited); this thread is the
-    // only one that reads the field. Volatile, so the read is not assumed unchanged.
-    let error = unsafe { ptr::read_volatile(&raw const child.error) };
-    if error != 0 {
-        // The child exited without exec: reap it, so it is no zombie.
-        let _ = rustix::process::waitpid(Pid::from_raw(pid), rustix::process::WaitOptions::empty());
-        return Err(io::Error::from_raw_os_error(error));
-    }
-    Pid::from_raw(pid).ok_or_else(|| io::Error::other("clone returned pid 0"))
-}
-
-/// The child, between the clone and the `exec`: system calls only.
-#[allow(unsafe_code)]
-extern "C" fn run_child(context: *mut libc::c_void) -> libc::c_int {
-    // SAFETY: `context` is the parent's `Child`, alive and unaliased while the parent is
-    // suspended by `CLONE_VFORK`.
-    let child = unsafe { &mut *context.cast::<Child>() };
-    // SAFETY: each call is a thin wrapper of one system call, async-signal-safe, on
-    // descriptors and C strings the parent keeps alive.
-    let error = unsafe { prepare_and_exec(child) };
-    // SAFETY: a volatile write the parent reads after the child is gone; then the child
-    // leaves without running any of the parent's exit handlers.
-    unsafe {
-        ptr::write_volatile(&raw mut child.error, error);
-        libc::_exit(127)
-    }
-}
-
-/// Sets the child up and executes the task; returns the errno of what failed.
-#[allow(unsafe_code)]
-unsafe fn prepare_and_exec(child: &Child) -> libc::c_int {
-    let errno = || {
-        io::Error::last_os_error()
-            .raw_os_error()
-            .unwrap_or(libc::EINVAL)
-    };
-    // SAFETY: see `run_child`; every pointer is the parent's, alive until exec.
-    unsafe {
-        // The supervisor ignores SIGPIPE (the Rust runtime does); the task must not
-        // inherit that through exec. The child has its own copy of the dispositions.
-        libc::signal(libc::SIGPIPE, libc::SIG_DFL);
-        for (fd, target) in [(child.stdin, 0), (child.stdout, 1), (child.stderr, 2)] {
-            let done = if fd == target {
-                libc::fcntl(fd, libc::F_SETFD, 0)
-            } else {
-                libc::dup2(fd, target)
-            };
-            if done == -1 {
-                return errno();
+    // Close-on-exec: the read end sees EOF once the child has exec'ed, or the errno of
+    // the step that failed.
+    let (status_read, status_write) = pipe_with(PipeFlags::CLOEXEC)?;
+    // SAFETY: the child makes only system calls on what `child` holds, built above, and
+    // leaves through `exec` or `exit`.
+    match unsafe { sys::fork() }? {
+        None => {
+            drop(status_read);
+            let errno = prepare_and_exec(&child);
+            let _ = rustix::io::write(&status_write, &errno.raw_os_error().to_ne_bytes());
+            sys::exit(127)
+        }
+        Some(pid) => {
+            drop(status_write);
+            drop(child);
+            let mut errno = [0u8; 4];
+            let mut got = 0;
+            while got < errno.len() {
+                match rustix::io::read(&status_read, &mut errno[got..]) {
+                    Ok(0) => break,
+                    Ok(n) => got += n,
+                    Err(Errno::INTR) => {}
+                    Err(_) => break,
+                }
             }
+            if got == 0 {
+                return Ok(pid);
+            }
+            // The child exited without exec: reap it, so it is no zombie.
+            let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
+            Err(Errno::from_raw_os_error(i32::from_ne_bytes(errno)).into())
         }
-        if libc::setsid() == -1 {
-            return errno();
+    }
+}
+
+/// Puts `fd` at `target` (0, 1 or 2) without close-on-exec.
+fn install(fd: &OwnedFd, target: i32) -> Result<(), Errno> {
+    use rustix::fd::AsRawFd;
+    if fd.as_raw_fd() == target {
+        return rustix::io::fcntl_setfd(fd, FdFlags::empty());
+    }
+    match target {
+        0 => rustix::stdio::dup2_stdin(fd.as_fd()),
+        1 => rustix::stdio::dup2_stdout(fd.as_fd()),
+        _ => rustix::stdio::dup2_stderr(fd.as_fd()),
+    }
+}
+
+/// In the child: sets it up and executes the task; returns the errno of what failed.
+#[allow(unsafe_code)]
+fn prepare_and_exec(child: &Child) -> Errno {
+    let steps = || -> Result<(), Errno> {
+        // The supervisor ignores SIGPIPE (it writes to an agent that may be gone); the
+        // task must not inherit that through exec.
+        sys::set_ignored(linux_raw_sys::general::SIGPIPE, false)?;
+        install(&child.stdin, 0)?;
+        install(&child.stdout, 1)?;
+        install(&child.stderr, 2)?;
+        rustix::process::setsid()?;
+        // Per-thread system calls, as the kernel has them: the process has one thread.
+        // The groups first, while the child may still set them; then the group, then
+        // the user, which gives up the right to change either. Switching user from root
+        // replaces root's supplementary groups with the user's (`initgroups` does the
+        // same); a supervisor that is not root cannot set them, and only runs tasks as
+        // its own user.
+        if child.uid.is_some() && rustix::process::getuid().is_root() {
+            rustix::thread::set_thread_groups(&child.groups)?;
         }
-        // Raw system calls: glibc's wrappers would signal the supervisor's other threads
-        // to change their ids too, from a process that only shares their memory. The
-        // groups first, while the child may still set them; then the group, then the
-        // user, which gives up the right to change either.
-        // Switching user from root replaces root's supplementary groups with the user's
-        // (`initgroups` does the same); a supervisor that is not root cannot set them,
-        // and only runs tasks as its own user.
-        if child.uid.is_some()
-            && libc::getuid() == 0
-            && libc::syscall(
-                libc::SYS_setgroups,
-                child.groups.len(),
-                child.groups.as_ptr(),
-            ) == -1
-        {
-            return errno();
+        if let Some(gid) = child.gid {
+            rustix::thread::set_thread_gid(gid)?;
         }
-        if let Some(gid) = child.gid
-            && libc::syscall(libc::SYS_setgid, libc::c_long::from(gid)) == -1
-        {
-            return errno();
-        }
-        if let Some(uid) = child.uid
-            && libc::syscall(libc::SYS_setuid, libc::c_long::from(uid)) == -1
-        {
-            return errno();
+        if let Some(uid) = child.uid {
+            rustix::thread::set_thread_uid(uid)?;
         }
         // After the ids: the kernel clears the parent-death signal when the credentials
         // change, so set before them it would be gone for every task that switches user.
-        // Any process may set its own.
-        if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL as libc::c_ulong) == -1 {
-            return errno();
-        }
+        rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
         // The supervisor died before the prctl: nobody would reap or log the task, and
         // no signal will come.
-        if libc::getppid() != child.parent {
-            return libc::EPIPE;
+        if rustix::process::getppid() != child.parent {
+            return Err(Errno::PIPE);
         }
-        libc::pthread_sigmask(libc::SIG_SETMASK, &child.mask, ptr::null_mut());
+        sys::sigprocmask(MaskHow::Set, child.mask)?;
         // Only stdin, stdout and stderr reach the task: whatever else is open here
         // without close-on-exec (the supervisor's own descriptors have it) is marked so.
-        // `CLOSE_RANGE_CLOEXEC` came with Linux 5.11; an older kernel refuses it
-        // (`ENOSYS` or `EINVAL`), and listing `/proc/self/fd` instead would allocate, so
+        // `CLOSE_RANGE_CLOEXEC` came with Linux 5.11; an older kernel refuses it, and
         // there the task inherits them as before.
-        libc::syscall(
-            libc::SYS_close_range,
-            libc::c_uint::from(3u8),
-            libc::c_uint::MAX,
-            libc::CLOSE_RANGE_CLOEXEC,
-        );
-        // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one
-        // is remembered, so it is the error when nothing else is found.
-        let mut denied = false;
-        let mut last = libc::ENOENT;
-        for path in &child.candidates {
-            libc::execve(path.as_ptr(), child.argv.as_ptr(), child.envp.as_ptr());
-            last = errno();
-            match last {
-                libc::EACCES => denied = true,
-                libc::ENOENT | libc::ENOTDIR | libc::ESTALE | libc::ENODEV | libc::ETIMEDOUT => {}
-                _ => return last,
-            }
-        }
-        if denied { libc::EACCES } else { last }
+        let _ = sys::close_range_from(3, true);
+        Ok(())
+    };
+    if let Err(errno) = steps() {
+        return errno;
     }
+    // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one is
+    // remembered, so it is the error when nothing else is found.
+    let mut denied = false;
+    let mut last = Errno::NOENT;
+    for path in &child.candidates {
+        // SAFETY: `argv` and `envp` are null-terminated arrays of pointers into
+        // `CString`s the parent built, alive in this copy of its memory.
+        last = unsafe { sys::execve(path, child.argv.as_ptr(), child.envp.as_ptr()) };
+        match last {
+            Errno::ACCESS => denied = true,
+            Errno::NOENT | Errno::NOTDIR | Errno::STALE | Errno::NODEV | Errno::TIMEDOUT => {}
+            _ => return last,
+        }
+    }
+    if denied { Errno::ACCESS } else { last }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use alloc::string::{String, ToString};
+    use std::prelude::rust_2024::*;
 
-    fn env(pairs: &[(&str, &str)]) -> Vec<(OsString, OsString)> {
+    fn env(pairs: &[(&str, &str)]) -> Environment {
         pairs
             .iter()
-            .map(|(k, v)| (OsString::from(k), OsString::from(v)))
+            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
             .collect()
     }
 
     #[test]
     fn a_program_with_a_slash_is_taken_as_it_is_and_others_are_searched_on_the_tasks_path() {
         let found = |program: &str, pairs: &[(&str, &str)]| -> Vec<String> {
-            candidates(OsStr::new(program), &env(pairs))
+            candidates(program.as_bytes(), &env(pairs))
                 .expect("candidates")
                 .into_iter()
                 .map(|c| c.into_string().expect("utf-8"))
@@ -369,8 +318,8 @@ mod tests {
 
     #[test]
     fn a_nul_byte_or_an_empty_program_is_refused_before_anything_runs() {
-        assert!(candidates(OsStr::new(""), &[]).is_err());
-        assert!(candidates(OsStr::new("a\0b"), &[]).is_err());
+        assert!(candidates(b"", &Vec::new()).is_err());
+        assert_eq!(candidates(b"a\0b", &Vec::new()), Err(SpawnError::Nul));
     }
 
     fn pipe() -> (OwnedFd, OwnedFd) {
@@ -390,12 +339,12 @@ mod tests {
         program: &str,
         args: &[&str],
         environment: &[(&str, &str)],
-    ) -> (io::Result<Pid>, std::fs::File) {
+    ) -> (Result<Pid, SpawnError>, std::fs::File) {
         let (read, write) = pipe();
         let (_err_read, err_write) = pipe();
-        let args: Vec<OsString> = args.iter().map(OsString::from).collect();
+        let args: Vec<Vec<u8>> = args.iter().map(|arg| arg.as_bytes().to_vec()).collect();
         let spawned = spawn(TaskCommand {
-            program: OsStr::new(program),
+            program: program.as_bytes(),
             args: &args,
             environment: &env(environment),
             uid: None,
@@ -482,7 +431,7 @@ mod tests {
         let (_err_read, err_write) = pipe();
         let args = ["-c".into(), "grep '^Groups:' /proc/self/status".into()];
         let pid = spawn(TaskCommand {
-            program: OsStr::new("/bin/sh"),
+            program: b"/bin/sh",
             args: &args,
             environment: &env(&[("PATH", "/usr/bin:/bin")]),
             uid: Some(65534),
@@ -508,6 +457,7 @@ mod tests {
         let (spawned, _stdout) =
             spawn_with("stead-no-such-program", &[], &[("PATH", "/usr/bin:/bin")]);
         let error = spawned.expect_err("nothing to run");
-        assert_eq!(error.kind(), io::ErrorKind::NotFound);
+        assert_eq!(error, SpawnError::Os(OsError(Errno::NOENT)));
+        assert!(error.is_permanent());
     }
 }

@@ -5,13 +5,12 @@
 //! the orphans the supervisor adopts as a subreaper. Nothing wakes the supervisor while
 //! its task is quiet, and it runs no second thread.
 
-use std::ffi::OsString;
-use std::io;
-use std::os::fd::OwnedFd;
-use std::os::unix::ffi::OsStringExt;
-use std::process::ExitCode;
+use alloc::string::{String, ToString};
+use alloc::vec::Vec;
+use core::mem::MaybeUninit;
 
 use rustix::event::{PollFd, PollFlags, Timespec, poll};
+use rustix::fd::OwnedFd;
 use rustix::fs::OFlags;
 use rustix::io::Errno;
 use rustix::pipe::{PipeFlags, pipe_with};
@@ -19,10 +18,12 @@ use rustix::process::{Pid, Signal, WaitOptions, WaitStatus};
 
 use crate::args::{ArgsError, SupervisorArgs};
 use crate::children::ChildSignals;
+use crate::error::OsError;
 use crate::logs::{Rotator, Stream};
 use crate::proc;
-use crate::protocol::{self, ExitStatus, Report, RunRecord};
-use crate::spawn::{self, TaskCommand};
+use crate::protocol::{self, Environment, ExitStatus, Report, RunRecord};
+use crate::spawn::{self, SpawnError, TaskCommand};
+use crate::sys;
 
 /// The size of the read buffer for the task's output.
 const READ_BUFFER: usize = 16 * 1024;
@@ -35,14 +36,14 @@ enum StartError {
     #[error("invalid supervisor command line")]
     Args(#[source] ArgsError),
     #[error("reading the task's environment from stdin")]
-    Environment(#[source] io::Error),
+    Environment(#[source] OsError),
     #[error("the agent closed stdin before the end of the task's environment")]
     TruncatedEnvironment,
     #[error("entering the task dir {dir}")]
     TaskDir {
         dir: String,
         #[source]
-        source: io::Error,
+        source: OsError,
     },
     #[error("opening the {stream} log of task {task} in {dir}")]
     Logs {
@@ -50,18 +51,18 @@ enum StartError {
         task: String,
         dir: String,
         #[source]
-        source: io::Error,
+        source: OsError,
     },
     #[error("creating pipes")]
-    Pipe(#[source] io::Error),
+    Pipe(#[source] OsError),
     #[error("starting {command:?}")]
     Spawn {
         command: String,
         #[source]
-        source: io::Error,
+        source: SpawnError,
     },
     #[error("watching for the task's exit (signalfd)")]
-    ChildSignals(#[source] io::Error),
+    ChildSignals(#[source] OsError),
 }
 
 impl StartError {
@@ -69,17 +70,19 @@ impl StartError {
     fn recoverable(&self) -> bool {
         match self {
             StartError::Args(_) | StartError::TruncatedEnvironment => false,
-            StartError::Spawn { source, .. } => !matches!(
-                source.kind(),
-                io::ErrorKind::NotFound | io::ErrorKind::PermissionDenied
-            ),
+            StartError::Spawn { source, .. } => !source.is_permanent(),
             _ => true,
         }
     }
 }
 
+/// A path or command for a message.
+fn lossy(bytes: &[u8]) -> String {
+    String::from_utf8_lossy(bytes).into_owned()
+}
+
 /// `error: cause: cause`, on one line.
-fn error_chain(error: &dyn std::error::Error) -> String {
+fn error_chain(error: &dyn core::error::Error) -> String {
     let mut text = error.to_string();
     let mut source = error.source();
     while let Some(cause) = source {
@@ -93,132 +96,86 @@ fn error_chain(error: &dyn std::error::Error) -> String {
 /// Writes `report` to the agent; false when the agent is gone (EPIPE), which is no
 /// error.
 pub(crate) fn send(report: &Report) -> bool {
-    let line = report.to_line();
-    let mut bytes = line.as_bytes();
-    while !bytes.is_empty() {
-        match rustix::io::write(rustix::stdio::stdout(), bytes) {
-            Ok(n) => bytes = &bytes[n..],
-            Err(Errno::INTR) => {}
-            Err(_) => return false,
-        }
-    }
-    true
+    crate::file::write_all(crate::file::stdout(), report.to_line().as_bytes()).is_ok()
 }
 
 /// Resets every signal the supervisor inherited as ignored to its default, `SIGPIPE`
-/// aside (the Rust runtime ignores it here on purpose; the task gets it back at its
-/// start). Ignored signals survive `exec`, and a shell started with `SIGINT` ignored
-/// cannot trap it: an agent launched in the background of a script (where `SIGINT` and
-/// `SIGQUIT` are ignored) or under `nohup` (`SIGHUP`) would pass that on to every task,
-/// whose `killSignal` would then do nothing. Tasks start as from a clean init.
-///
-/// Through the raw system call for every signal: glibc's `posix_spawn`, which started
-/// this process, also leaves the signals glibc keeps for itself (32 and 33) ignored, and
-/// glibc's `sigaction` refuses to touch those.
-#[allow(unsafe_code)]
+/// aside (the supervisor ignores it: it writes to an agent that may be gone; the task
+/// gets it back at its start). Ignored signals survive `exec`, and a shell started with
+/// `SIGINT` ignored cannot trap it: an agent launched in the background of a script
+/// (where `SIGINT` and `SIGQUIT` are ignored) or under `nohup` (`SIGHUP`) would pass that
+/// on to every task, whose `killSignal` would then do nothing. Tasks start as from a
+/// clean init. Every signal, the C library's own (32 and 33) included.
 pub(crate) fn default_signal_dispositions() {
-    /// The kernel's `struct sigaction` (x86-64 and aarch64 both have `sa_restorer`);
-    /// all zero is `SIG_DFL`.
-    #[repr(C)]
-    #[derive(Default)]
-    struct KernelSigaction {
-        handler: usize,
-        flags: libc::c_ulong,
-        restorer: usize,
-        mask: u64,
-    }
-    /// The kernel's signal numbers run from 1 to 64.
-    const SIGNALS: i32 = 64;
-    let mask_size = std::mem::size_of::<u64>();
-    let default = KernelSigaction::default();
-    for signal in 1..=SIGNALS {
-        if matches!(signal, libc::SIGKILL | libc::SIGSTOP | libc::SIGPIPE) {
+    use linux_raw_sys::general::{SIGKILL, SIGPIPE, SIGSTOP};
+    for signal in 1..=sys::SIGNALS {
+        if matches!(signal, SIGKILL | SIGSTOP | SIGPIPE) {
             continue;
         }
-        let mut current = KernelSigaction::default();
-        // SAFETY: `rt_sigaction` reads and writes the kernel's layout, which
-        // `KernelSigaction` is, with an 8-byte signal mask; no handler is installed.
-        unsafe {
-            if libc::syscall(
-                libc::SYS_rt_sigaction,
-                signal,
-                std::ptr::null::<KernelSigaction>(),
-                &raw mut current,
-                mask_size,
-            ) == 0
-                && current.handler == libc::SIG_IGN
-            {
-                libc::syscall(
-                    libc::SYS_rt_sigaction,
-                    signal,
-                    &raw const default,
-                    std::ptr::null_mut::<KernelSigaction>(),
-                    mask_size,
-                );
-            }
+        if sys::is_ignored(signal) == Some(true) {
+            let _ = sys::set_ignored(signal, false);
         }
     }
 }
 
-/// Closes every descriptor above stderr that the process inherited. The agent starts
-/// the fork server with stdin, stdout and stderr only, but a descriptor the agent itself
-/// inherited without close-on-exec (from a shell, a service manager, a test harness)
-/// reaches the server too, and every supervisor it forks would hold it for as long as
-/// its task runs. Called first thing, before this process opens anything.
-/// `close_range` came with Linux 5.9; on an older kernel they stay open.
-#[allow(unsafe_code)]
-fn close_inherited_descriptors() {
-    let no_flags: libc::c_uint = 0;
-    // SAFETY: nothing in this process uses a descriptor above 2 yet: this runs before
-    // anything is opened, and the standard library opens nothing at start.
-    unsafe {
-        libc::syscall(
-            libc::SYS_close_range,
-            libc::c_uint::from(3u8),
-            libc::c_uint::MAX,
-            no_flags,
-        );
-    }
-}
-
-/// The supervisor's entry point: `--zygote` serves start requests as a fork server,
-/// `--version` prints the version; anything else is one supervisor's command line, with
-/// the environment on stdin.
-pub fn main() -> ExitCode {
-    close_inherited_descriptors();
-    let mut argv = std::env::args_os().skip(1).peekable();
-    if argv.peek().is_some_and(|first| first == "--zygote") {
+/// The supervisor's entry point, with its whole command line (`args[0]` is the program):
+/// `--zygote` serves start requests as a fork server, `--version` prints the version;
+/// anything else is one supervisor's command line, with the environment on stdin.
+/// Returns the exit code.
+pub fn main(args: Vec<Vec<u8>>) -> u8 {
+    // Every descriptor above stderr that the process inherited is closed first thing,
+    // before it opens anything: the agent starts the fork server with stdin, stdout and
+    // stderr only, but a descriptor the agent itself inherited without close-on-exec
+    // (from a shell, a service manager, a test harness) reaches the server too, and every
+    // supervisor it forks would hold it for as long as its task runs. `close_range` came
+    // with Linux 5.9; on an older kernel they stay open.
+    let _ = sys::close_range_from(3, false);
+    // A report to an agent that is gone must fail with EPIPE, not kill the supervisor.
+    let _ = sys::set_ignored(linux_raw_sys::general::SIGPIPE, true);
+    let mut argv = args.into_iter().skip(1).peekable();
+    if argv.peek().is_some_and(|first| first == b"--zygote") {
         let _ = argv.next();
         return crate::zygote::serve(argv);
     }
-    if argv.peek().is_some_and(|first| first == "--version") {
+    if argv.peek().is_some_and(|first| first == b"--version") {
         // What a packaging check can run: the binary loads and says which it is.
-        println!("stead-supervisor {}", env!("CARGO_PKG_VERSION"));
-        return ExitCode::SUCCESS;
+        let line = concat!("stead-supervisor ", env!("CARGO_PKG_VERSION"), "\n");
+        return match crate::file::write_all(crate::file::stdout(), line.as_bytes()) {
+            Ok(()) => 0,
+            Err(_) => 1,
+        };
     }
     default_signal_dispositions();
     let started = SupervisorArgs::parse(argv)
         .map_err(StartError::Args)
         .and_then(|args| Ok((read_environment()?, args)));
     match started {
-        Ok((environment, args)) => ExitCode::from(run(&args, environment)),
+        Ok((environment, args)) => run(&args, environment),
         Err(error) => {
             let _ = send(&Report::Failed {
                 recoverable: error.recoverable(),
                 message: error_chain(&error),
             });
-            ExitCode::from(2)
+            2
         }
     }
 }
 
+/// This process's pid, as the protocol writes it.
+fn my_pid() -> u32 {
+    rustix::process::getpid()
+        .as_raw_nonzero()
+        .get()
+        .unsigned_abs()
+}
+
 /// Runs one supervisor to its end: starts the task, reports on stdout, supervises it,
 /// records its exit. Returns the supervisor's exit code.
-pub(crate) fn run(args: &SupervisorArgs, environment: Vec<(OsString, OsString)>) -> u8 {
+pub(crate) fn run(args: &SupervisorArgs, environment: Environment) -> u8 {
     // Out of the agent's session: the agent's terminal and process group signals (and
     // its death) do not reach the supervisor.
     let _ = rustix::process::setsid();
-    let mut running = match start(args, environment) {
+    let mut running = match start(args, &environment) {
         Ok(running) => running,
         Err(error) => {
             let _ = send(&Report::Failed {
@@ -228,11 +185,12 @@ pub(crate) fn run(args: &SupervisorArgs, environment: Vec<(OsString, OsString)>)
             return 1;
         }
     };
+    drop(environment);
     // An agent gone by now finds the run by its run record.
     let _ = send(&Report::Started {
         task_pid: running.task_pid.as_raw_nonzero().get().unsigned_abs(),
         task_start: running.task_start,
-        supervisor_pid: std::process::id(),
+        supervisor_pid: my_pid(),
         supervisor_start: running.supervisor_start,
     });
     let status = running.supervise();
@@ -264,34 +222,18 @@ struct Running {
 }
 
 /// Reads the task's environment: `KEY=VALUE\0` entries, ended by an empty entry.
-fn read_environment() -> Result<Vec<(OsString, OsString)>, StartError> {
-    let mut input = Vec::new();
-    let mut chunk = [0u8; 4096];
-    loop {
-        match rustix::io::read(rustix::stdio::stdin(), &mut chunk) {
-            Ok(0) => break,
-            Ok(n) => input.extend_from_slice(&chunk[..n]),
-            Err(Errno::INTR) => {}
-            Err(error) => return Err(StartError::Environment(error.into())),
-        }
-    }
+fn read_environment() -> Result<Environment, StartError> {
+    let input = crate::file::read_to_end(crate::file::stdin())
+        .map_err(|error| StartError::Environment(error.into()))?;
     // The end marker: an empty entry, so the input ends with "\0\0" (or is just "\0").
     let body = match input.strip_suffix(b"\0") {
         Some(b"") => &b""[..],
         Some(rest) if rest.ends_with(b"\0") => rest,
         _ => return Err(StartError::TruncatedEnvironment),
     };
-    Ok(body
-        .split(|b| *b == 0)
-        .filter(|entry| !entry.is_empty())
-        .filter_map(|entry| {
-            let eq = entry.iter().position(|b| *b == b'=')?;
-            Some((
-                OsString::from_vec(entry[..eq].to_vec()),
-                OsString::from_vec(entry[eq + 1..].to_vec()),
-            ))
-        })
-        .collect())
+    Ok(protocol::environment_entries(
+        body.split(|b| *b == 0).filter(|entry| !entry.is_empty()),
+    ))
 }
 
 fn open_output(args: &SupervisorArgs, stream: Stream) -> Result<Rotator, StartError> {
@@ -305,40 +247,38 @@ fn open_output(args: &SupervisorArgs, stream: Stream) -> Result<Rotator, StartEr
     .map_err(|source| StartError::Logs {
         stream: stream.as_str(),
         task: args.name.clone(),
-        dir: args.log_dir.display().to_string(),
-        source,
+        dir: lossy(&args.log_dir),
+        source: source.into(),
     })
 }
 
 fn nonblocking_pipe() -> Result<(OwnedFd, OwnedFd), StartError> {
-    let (read, write) = pipe_with(PipeFlags::CLOEXEC).map_err(|e| StartError::Pipe(e.into()))?;
-    rustix::fs::fcntl_setfl(&read, OFlags::NONBLOCK).map_err(|e| StartError::Pipe(e.into()))?;
+    let pipe_error = |error: Errno| StartError::Pipe(error.into());
+    let (read, write) = pipe_with(PipeFlags::CLOEXEC).map_err(pipe_error)?;
+    rustix::fs::fcntl_setfl(&read, OFlags::NONBLOCK).map_err(pipe_error)?;
     Ok((read, write))
 }
 
-fn start(
-    args: &SupervisorArgs,
-    environment: Vec<(OsString, OsString)>,
-) -> Result<Running, StartError> {
+fn start(args: &SupervisorArgs, environment: &Environment) -> Result<Running, StartError> {
     let me = rustix::process::getpid();
     // Orphans of the task (daemonised grandchildren included) become our children, so
     // they stay visible and killable.
     let _ = rustix::process::set_child_subreaper(Some(me));
-    std::env::set_current_dir(&args.task_dir).map_err(|source| StartError::TaskDir {
-        dir: args.task_dir.display().to_string(),
-        source,
+    rustix::process::chdir(args.task_dir.as_slice()).map_err(|source| StartError::TaskDir {
+        dir: lossy(&args.task_dir),
+        source: source.into(),
     })?;
     let stdout_log = open_output(args, Stream::Stdout)?;
     let stderr_log = open_output(args, Stream::Stderr)?;
     let (stdout_read, stdout_write) = nonblocking_pipe()?;
     let (stderr_read, stderr_write) = nonblocking_pipe()?;
     // Before the task exists, so that no exit of it goes unseen.
-    let children = ChildSignals::new().map_err(StartError::ChildSignals)?;
+    let children = ChildSignals::new().map_err(|error| StartError::ChildSignals(error.into()))?;
 
     let task_pid = spawn::spawn(TaskCommand {
         program: &args.command,
         args: &args.args,
-        environment: &environment,
+        environment,
         uid: args.uid,
         gid: args.gid,
         groups: &args.groups,
@@ -346,19 +286,19 @@ fn start(
         stderr: stderr_write,
     })
     .map_err(|source| StartError::Spawn {
-        command: args.command.to_string_lossy().into_owned(),
+        command: lossy(&args.command),
         source,
     })?;
     let task_raw = task_pid.as_raw_nonzero().get().unsigned_abs();
     // Nothing reaps the task before the poll loop, so its stat is there.
     let task_start = proc::start_time(task_raw).unwrap_or(0);
-    let supervisor_start = proc::start_time(std::process::id()).unwrap_or(0);
+    let supervisor_start = proc::start_time(my_pid()).unwrap_or(0);
     // Only for an agent that died before it learnt of this run; not fatal.
     let _ = protocol::write_run_record(
         &args.control_dir,
         &args.run,
         RunRecord {
-            supervisor_pid: std::process::id(),
+            supervisor_pid: my_pid(),
             supervisor_start,
             task_pid: task_raw,
             task_start,
@@ -423,7 +363,7 @@ impl Running {
     /// timeout it returns at once, as nothing could end that wait.
     fn poll_once(
         &mut self,
-        buffer: &mut [u8],
+        buffer: &mut [MaybeUninit<u8>],
         watch_children: bool,
         timeout: Option<&Timespec>,
     ) -> (usize, Option<ExitStatus>) {
@@ -431,26 +371,34 @@ impl Running {
         let mut exit = None;
         let mut readable = [false; 3];
         {
-            let mut fds: Vec<PollFd<'_>> = Vec::with_capacity(3);
-            let mut slots = Vec::with_capacity(3);
+            let mut fds: [Option<PollFd<'_>>; 3] = [None, None, None];
+            let mut slots = [0usize; 3];
+            let mut count = 0;
             for (slot, output) in self.outputs.iter().enumerate() {
                 if let Some(pipe) = &output.pipe {
-                    fds.push(PollFd::new(pipe, PollFlags::IN));
-                    slots.push(slot);
+                    fds[count] = Some(PollFd::new(pipe, PollFlags::IN));
+                    slots[count] = slot;
+                    count += 1;
                 }
             }
             if watch_children {
-                fds.push(PollFd::new(&self.children, PollFlags::IN));
-                slots.push(2);
+                fds[count] = Some(PollFd::new(&self.children, PollFlags::IN));
+                slots[count] = 2;
+                count += 1;
             }
-            if fds.is_empty() && timeout.is_none() {
+            if count == 0 && timeout.is_none() {
                 return (0, None);
             }
-            match poll(&mut fds, timeout) {
+            let mut polled: [PollFd<'_>; 3] = core::array::from_fn(|i| {
+                fds[i].take().unwrap_or_else(|| {
+                    PollFd::from_borrowed_fd(crate::file::stdin(), PollFlags::empty())
+                })
+            });
+            match poll(&mut polled[..count], timeout) {
                 Ok(n) => ready = n,
                 Err(_) => return (0, None),
             }
-            for (fd, slot) in fds.iter().zip(slots) {
+            for (fd, slot) in polled[..count].iter().zip(slots) {
                 if !fd.revents().is_empty() {
                     readable[slot] = true;
                 }
@@ -487,15 +435,18 @@ impl Running {
     /// loop here waits in `poll` between its rounds, also when the task closed its
     /// outputs: the task's exit (or a leftover's) wakes it, a timeout ends it.
     fn supervise(&mut self) -> ExitStatus {
-        let mut buffer = vec![0u8; READ_BUFFER];
+        // Allocated, never zeroed: only the pages output was ever read into cost memory
+        // (a quiet task's supervisor never touches it).
+        let mut storage: Vec<u8> = Vec::with_capacity(READ_BUFFER);
+        let buffer = storage.spare_capacity_mut();
         let status = loop {
-            if let (_, Some(status)) = self.poll_once(&mut buffer, true, None) {
+            if let (_, Some(status)) = self.poll_once(buffer, true, None) {
                 break status;
             }
         };
         // Whatever the task left behind (background children, daemons that reparented
         // to us) dies with it, as with a container's init.
-        let me = std::process::id();
+        let me = my_pid();
         let round = timeout_ms(5);
         for _ in 0..2_000 {
             reap_exited();
@@ -512,14 +463,14 @@ impl Running {
                 }
             }
             // Until a killed leftover is reaped, or output comes, or the round is over.
-            self.poll_once(&mut buffer, true, Some(&round));
+            self.poll_once(buffer, true, Some(&round));
         }
         reap_exited();
         // Every writer is dead: read to EOF (or until nothing came for a while, if some
         // process outside the tree holds a copy of a pipe).
         let idle = timeout_ms(DRAIN_IDLE_MS);
         while self.outputs.iter().any(|o| o.pipe.is_some()) {
-            if self.poll_once(&mut buffer, false, Some(&idle)).0 == 0 {
+            if self.poll_once(buffer, false, Some(&idle)).0 == 0 {
                 break;
             }
         }
@@ -529,18 +480,18 @@ impl Running {
 
 impl Output {
     /// Reads what is available; closes the pipe at EOF or on error.
-    fn drain(&mut self, buffer: &mut [u8]) {
+    fn drain(&mut self, buffer: &mut [MaybeUninit<u8>]) {
         let Some(pipe) = &self.pipe else { return };
         for _ in 0..64 {
             match rustix::io::read(pipe, &mut *buffer) {
-                Ok(0) => {
+                Ok(([], _)) => {
                     self.pipe = None;
                     return;
                 }
-                Ok(n) => {
+                Ok((read, _)) => {
                     // A log that cannot be written (a full disk) loses output; it never
                     // blocks the task.
-                    let _ = self.rotator.write(&buffer[..n]);
+                    let _ = self.rotator.write(read);
                 }
                 Err(Errno::AGAIN) => return,
                 Err(Errno::INTR) => {}
@@ -556,10 +507,14 @@ impl Output {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::io;
+    use std::prelude::rust_2024::*;
 
     /// A started task whose stdout and stderr the task has both closed, as after its
     /// exit; its pid is never waited for.
     fn running_with_every_output_closed(log_dir: &std::path::Path) -> Running {
+        use std::os::unix::ffi::OsStrExt;
+        let log_dir = log_dir.as_os_str().as_bytes();
         let closed = |stream| Output {
             pipe: None,
             rotator: Rotator::open(log_dir, "t", stream, 1, 1024).expect("log opens"),
@@ -607,7 +562,7 @@ mod tests {
         // once made that loop spin on a core while a killed leftover was dying.
         let dir = tempfile::tempdir().expect("tempdir");
         let mut running = running_with_every_output_closed(dir.path());
-        let mut buffer = vec![0u8; 64];
+        let mut buffer = [MaybeUninit::uninit(); 64];
         let timer = timer_firing_in(30);
         let (ready, exit) = running.poll_once(&mut buffer, false, Some(&timeout_ms(60)));
         assert_eq!((ready, exit), (0, None));
@@ -624,7 +579,7 @@ mod tests {
         let log_dir = dir.path().to_owned();
         std::thread::spawn(move || {
             let mut running = running_with_every_output_closed(&log_dir);
-            let mut buffer = vec![0u8; 64];
+            let mut buffer = [MaybeUninit::uninit(); 64];
             let _ = done.send(running.poll_once(&mut buffer, false, None));
         });
         let outcome = returned.recv_timeout(std::time::Duration::from_secs(30));

@@ -15,21 +15,26 @@
 //! socket (the agent left); the supervisors it forked keep running, reparented to the
 //! nearest subreaper or init, which reaps them from then on.
 
-use std::ffi::OsString;
-use std::io::{self, IoSliceMut};
-use std::mem::MaybeUninit;
-use std::os::fd::{AsFd, OwnedFd};
-use std::process::ExitCode;
+use alloc::borrow::ToOwned;
+use alloc::format;
+use alloc::string::{String, ToString};
+use alloc::vec;
+use alloc::vec::Vec;
+use core::mem::MaybeUninit;
 
 use rustix::event::{PollFd, PollFlags, poll};
-use rustix::io::Errno;
-use rustix::net::{RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recvmsg};
+use rustix::fd::{AsFd, OwnedFd};
+use rustix::fs::OFlags;
+use rustix::io::{Errno, IoSliceMut};
+use rustix::net::{
+    RecvAncillaryBuffer, RecvAncillaryMessage, RecvFlags, ReturnFlags, recv, recvmsg,
+};
 use rustix::process::{Pid, WaitOptions};
 
 use crate::args::SupervisorArgs;
 use crate::children::ChildSignals;
-use crate::protocol::{self, Report};
-use crate::supervise;
+use crate::protocol::{self, Environment, Report};
+use crate::{file, supervise, sys};
 
 /// The largest request accepted; the agent's socket buffer bounds what it can send.
 const MAX_REQUEST: usize = 1 << 20;
@@ -51,29 +56,31 @@ fn keep_open_files(open_files: u64) {
 
 /// Serves start requests on stdin until the agent closes it. `--open-files=N` (the
 /// agent's soft limit of open files before it raised its own) is the one supervisors
-/// and tasks start with; any other argument is a usage error (exit 2).
-pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode {
+/// and tasks start with; any other argument is a usage error (exit 2). Returns the exit
+/// code.
+pub(crate) fn serve(args: impl Iterator<Item = Vec<u8>>) -> u8 {
     for arg in args {
-        match arg.to_str().and_then(|a| a.strip_prefix("--open-files=")) {
+        let value = core::str::from_utf8(&arg)
+            .ok()
+            .and_then(|a| a.strip_prefix("--open-files="));
+        match value {
             Some(value) => match value.parse::<u64>() {
                 Ok(open_files) => keep_open_files(open_files),
-                Err(_) => return ExitCode::from(2),
+                Err(_) => return 2,
             },
-            None => return ExitCode::from(2),
+            None => return 2,
         }
     }
     // Terminal signals aimed at the agent's process group do not stop starting tasks.
     let _ = rustix::process::setsid();
     // Once here, for every supervisor this server forks.
-    crate::supervise::default_signal_dispositions();
+    supervise::default_signal_dispositions();
     let Ok(children) = ChildSignals::new() else {
-        return ExitCode::from(1);
+        return 1;
     };
-    // Untouched pages cost nothing; a request touches only as much as it is long.
-    let mut buffer = vec![0u8; MAX_REQUEST];
     loop {
         let (request, exited) = {
-            let stdin = rustix::stdio::stdin();
+            let stdin = crate::file::stdin();
             let mut fds = [
                 PollFd::new(&stdin, PollFlags::IN),
                 PollFd::new(&children, PollFlags::IN),
@@ -81,7 +88,7 @@ pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode 
             match poll(&mut fds, None) {
                 Ok(_) => (!fds[0].revents().is_empty(), !fds[1].revents().is_empty()),
                 Err(Errno::INTR) => continue,
-                Err(_) => return ExitCode::from(1),
+                Err(_) => return 1,
             }
         };
         if exited {
@@ -92,10 +99,23 @@ pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode 
         if !request {
             continue;
         }
+        // The request's length first (a peek, which takes nothing off the socket), so the
+        // buffer is as large as the request and no larger: every page this server ever
+        // touched is copied into the page tables of each supervisor it forks.
+        let length = match recv(
+            crate::file::stdin(),
+            &mut [0u8; 0][..],
+            RecvFlags::PEEK | RecvFlags::TRUNC,
+        ) {
+            Ok((_, length)) => length,
+            Err(Errno::INTR) => continue,
+            Err(_) => return 1,
+        };
+        let mut buffer = vec![0u8; length.clamp(1, MAX_REQUEST)];
         let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
         let mut control = RecvAncillaryBuffer::new(&mut space);
         let received = recvmsg(
-            rustix::stdio::stdin(),
+            crate::file::stdin(),
             &mut [IoSliceMut::new(&mut buffer)],
             &mut control,
             RecvFlags::CMSG_CLOEXEC,
@@ -103,7 +123,7 @@ pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode 
         let message = match received {
             Ok(message) => message,
             Err(Errno::INTR) => continue,
-            Err(_) => return ExitCode::from(1),
+            Err(_) => return 1,
         };
         let report: Option<OwnedFd> = control.drain().find_map(|message| match message {
             RecvAncillaryMessage::ScmRights(mut fds) => fds.next(),
@@ -111,7 +131,7 @@ pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode 
         });
         let Some(report) = report else {
             if message.bytes == 0 {
-                return ExitCode::SUCCESS; // the agent closed the socket
+                return 0; // the agent closed the socket
             }
             continue; // a request without a pipe has no one to answer
         };
@@ -119,7 +139,9 @@ pub(crate) fn serve(args: impl Iterator<Item = std::ffi::OsString>) -> ExitCode 
             answer(&report, false, "the start request is too large".to_owned());
             continue;
         }
-        match protocol::decode_request(&buffer[..message.bytes]) {
+        let decoded = protocol::decode_request(&buffer[..message.bytes]);
+        drop(buffer);
+        match decoded {
             Ok((args, environment)) => fork_supervisor(&args, environment, report, &children),
             Err(error) => answer(&report, false, error.to_string()),
         }
@@ -142,36 +164,31 @@ fn answer(report: &OwnedFd, recoverable: bool, message: String) {
 /// there was no memory for one (`ENOMEM`). Nothing in the request makes a fork fail, so
 /// these are worth the restart policy's retry, as a failed task spawn is
 /// ([`crate::supervise`]).
-fn fork_failure_is_recoverable(error: &io::Error) -> bool {
-    matches!(error.raw_os_error(), Some(libc::EAGAIN | libc::ENOMEM))
+fn fork_failure_is_recoverable(error: Errno) -> bool {
+    matches!(error, Errno::AGAIN | Errno::NOMEM)
 }
 
 /// `fork()`: `None` in the child, the child's pid in the parent.
 #[allow(unsafe_code)]
-fn fork() -> io::Result<Option<Pid>> {
+fn fork() -> Result<Option<Pid>, Errno> {
     // SAFETY: the fork server is single-threaded (it never starts a thread), so the
     // child is a whole copy: no lock or allocator state is held by a thread that does not
     // exist in the child, and the child may go on running ordinary Rust code.
-    let pid = unsafe { libc::fork() };
-    match pid {
-        -1 => Err(io::Error::last_os_error()),
-        0 => Ok(None),
-        pid => Ok(Pid::from_raw(pid)),
-    }
+    unsafe { sys::fork() }
 }
 
 /// Forks the supervisor of one run.
 fn fork_supervisor(
     args: &SupervisorArgs,
-    environment: Vec<(OsString, OsString)>,
+    environment: Environment,
     report: OwnedFd,
     children: &ChildSignals,
 ) {
     match fork() {
         Err(error) => answer(
             &report,
-            fork_failure_is_recoverable(&error),
-            format!("forking the supervisor: {error}"),
+            fork_failure_is_recoverable(error),
+            format!("forking the supervisor: {}", crate::error::OsError(error)),
         ),
         Ok(Some(_)) => {}
         Ok(None) => {
@@ -183,38 +200,33 @@ fn fork_supervisor(
 
 /// Turns a fresh fork into the supervisor of `args`: stdin (the server's socket) becomes
 /// `/dev/null`, stdout the report pipe.
-fn become_supervisor(
-    args: &SupervisorArgs,
-    environment: Vec<(OsString, OsString)>,
-    report: OwnedFd,
-) -> ! {
-    match std::fs::File::open("/dev/null") {
+fn become_supervisor(args: &SupervisorArgs, environment: Environment, report: OwnedFd) -> ! {
+    match file::open(b"/dev/null", OFlags::RDONLY, 0) {
         Ok(null) => {
             let _ = rustix::stdio::dup2_stdin(null.as_fd());
         }
-        Err(_) => std::process::exit(1),
+        Err(_) => sys::exit(1),
     }
     if rustix::stdio::dup2_stdout(&report).is_err() {
-        std::process::exit(1);
+        sys::exit(1);
     }
     drop(report);
-    std::process::exit(i32::from(supervise::run(args, environment)))
+    sys::exit(supervise::run(args, environment))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::prelude::rust_2024::*;
 
     #[test]
     fn a_fork_that_failed_for_want_of_processes_or_memory_is_recoverable_and_others_are_not() {
-        let failed = |errno| fork_failure_is_recoverable(&io::Error::from_raw_os_error(errno));
         assert!(
-            failed(libc::EAGAIN),
+            fork_failure_is_recoverable(Errno::AGAIN),
             "out of processes: pids.max or RLIMIT_NPROC"
         );
-        assert!(failed(libc::ENOMEM), "out of memory");
-        assert!(!failed(libc::ENOSYS));
-        assert!(!fork_failure_is_recoverable(&io::Error::other("no errno")));
+        assert!(fork_failure_is_recoverable(Errno::NOMEM), "out of memory");
+        assert!(!fork_failure_is_recoverable(Errno::NOSYS));
     }
 
     #[test]
@@ -228,7 +240,7 @@ mod tests {
             );
             drop(write);
             let mut line = String::new();
-            io::Read::read_to_string(&mut std::fs::File::from(read), &mut line).expect("read");
+            std::io::Read::read_to_string(&mut std::fs::File::from(read), &mut line).expect("read");
             assert_eq!(
                 Report::parse(&line).expect("a report line"),
                 Report::Failed {

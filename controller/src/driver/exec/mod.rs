@@ -33,9 +33,9 @@ mod user;
 mod zygote;
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::ffi::OsString;
 use std::fmt;
 use std::io;
+use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError};
@@ -514,19 +514,20 @@ impl Inner {
         self.clean_stale_runs(&task_dir);
 
         let run = format!("{:016x}", fastrand::u64(..));
+        let path_bytes = |path: &Path| path.as_os_str().as_bytes().to_vec();
         let supervisor_args = SupervisorArgs {
-            task_dir: task_dir.dir.clone(),
-            control_dir: task_dir.control.clone(),
+            task_dir: path_bytes(&task_dir.dir),
+            control_dir: path_bytes(&task_dir.control),
             run: run.clone(),
-            log_dir: alloc_dir.logs(),
+            log_dir: path_bytes(&alloc_dir.logs()),
             name: request.task.to_string(),
             max_files: request.logs.max_files,
             max_file_size: u64::from(request.logs.max_file_size_mb) * 1024 * 1024,
             uid: account.as_ref().map(|a| a.uid),
             gid: account.as_ref().map(|a| a.gid),
             groups: account.map(|a| a.groups).unwrap_or_default(),
-            command: OsString::from(&config.command),
-            args: args.iter().map(OsString::from).collect(),
+            command: config.command.clone().into_bytes(),
+            args: args.iter().map(|arg| arg.clone().into_bytes()).collect(),
         };
         let message = protocol::encode_request(
             &supervisor_args,
