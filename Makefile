@@ -12,9 +12,11 @@ SPECS ?= deploy/examples
 
 # The same build as `make test` (every target of the workspace), so the two share one
 # compile of RocksDB's C++; a narrower selection unifies features differently and
-# would compile it again.
+# would compile it again. The supervisor, which builds only through the release script,
+# goes next to target/debug/stead, where the agent looks for it.
 run: deps
 	$(CARGO) build --locked --workspace --all-targets
+	STEAD_BUILD_PROFILE=dev CARGO="$(CARGO)" scripts/build-release.sh target/debug stead-supervisor
 	target/debug/stead validate $(SPECS)
 	target/debug/stead agent --config deploy/dev-agent.yaml --specs $(SPECS)
 
@@ -27,15 +29,19 @@ fmt-check:
 	$(CARGO) fmt --all -- --check
 
 # Clippy only type-checks: nothing links, so RocksDB's C++ (minutes of compiling) is not
-# built for it; ROCKSDB_LIB_DIR tells librocksdb-sys's build script to skip it.
+# built for it; ROCKSDB_LIB_DIR tells librocksdb-sys's build script to skip it. The
+# supervisor binary, which workspace builds skip, is checked the way the release script
+# builds it: with its runtime, and without unwinding (`-C panic=abort` reaches only the
+# supervisor's own crates).
 clippy:
 	ROCKSDB_LIB_DIR=$(CURDIR)/target $(CARGO) clippy --locked --workspace --all-targets -- -D warnings
+	$(CARGO) clippy --locked -p stead-supervisor --bin stead-supervisor --features runtime -- -D warnings -C panic=abort
 
 unit:
 	scripts/cargo-test-summary.sh --locked --workspace
 
-# The shipped binaries, `stead` and its supervisor (static-pie on GNU/Linux), in one
-# directory: target/dist.
+# The shipped binaries, `stead` and its supervisor (a static executable without a C
+# library), in one directory: target/dist.
 release: deps
 	CARGO="$(CARGO)" scripts/build-release.sh target/dist
 

@@ -4,14 +4,17 @@
 # stead-controller (the `stead` binary) and stead-supervisor; the benchmarks add
 # stead-bench. STEAD_BUILD_PROFILE picks another cargo profile (default: release).
 #
-# On GNU/Linux the supervisor is linked static (static-pie where the target has it)
-# against glibc's own libc.a: one supervisor runs per task, forked from the fork server,
-# and without libc.so and the dynamic loader mapped in each of them a fork copies fewer
-# mappings and a supervisor faults in fewer pages (ARCHITECTURE.md has the figures). It
-# calls nothing of glibc's that loads modules at run time (no user or host name
-# lookups). The agent stays dynamically linked: a `listen` host name goes through
-# glibc's NSS, which a static binary cannot load reliably. Without libc.a the supervisor
-# is linked dynamically, with a warning; STEAD_REQUIRE_STATIC=1 makes that an error.
+# The supervisor is a freestanding static executable: no C library, no `std`, no program
+# interpreter (its runtime is supervisor/src/main.rs, its link arguments
+# supervisor/build.rs). One supervisor runs per task, forked from the fork server, and
+# with nothing but its own code mapped each one faults in few pages (ARCHITECTURE.md
+# has the figures). It builds for Linux on x86_64 and aarch64, with its `runtime`
+# feature and `-C panic=abort` (it has no unwinder) on that one crate: `cargo rustc`
+# passes the flag to it alone, whatever RUSTFLAGS or a config's rustflags say, and the
+# workspace's other builds stay as they are. STEAD_REQUIRE_STATIC is accepted and no
+# longer changes anything: the supervisor is static or the build fails. The agent stays
+# dynamically linked: a `listen` host name goes through glibc's NSS, which a static
+# binary cannot load reliably.
 set -euo pipefail
 
 out=${1:?usage: scripts/build-release.sh OUT_DIR [PACKAGE...]}
@@ -19,10 +22,9 @@ shift
 case $out in /*) ;; *) out=$PWD/$out ;; esac
 packages=("$@")
 [ ${#packages[@]} -gt 0 ] || packages=(stead-controller stead-supervisor)
-# CARGO, RUSTC and CC may carry arguments (`cargo +1.95`, `ccache gcc`).
+# CARGO and RUSTC may carry arguments (`cargo +1.95`).
 read -r -a cargo <<<"${CARGO:-cargo}"
 read -r -a rustc <<<"${RUSTC:-rustc}"
-read -r -a cc <<<"${CC:-cc}"
 cd "$(dirname "$0")/.."
 
 profile=${STEAD_BUILD_PROFILE:-release}
@@ -40,26 +42,9 @@ target_dir=$("${cargo[@]}" metadata --format-version 1 --no-deps --offline |
 # on a `build.target` setting, and target flags stay off build scripts and proc macros.
 built=$target_dir/$host/$profile_dir
 
-static=false
-if [[ " ${packages[*]} " == *" stead-supervisor "* ]]; then
-  libc_archive=$("${cc[@]}" -print-file-name=libc.a 2>/dev/null || true)
-  if [[ $host == *-linux-gnu* && $libc_archive == /* && -f $libc_archive ]]; then
-    static=true
-  else
-    case $host in
-      *-linux-gnu*) reason="${cc[*]} finds no libc.a (Debian: libc6-dev)" ;;
-      *) reason="static linking against glibc applies to GNU/Linux hosts, not $host" ;;
-    esac
-    if [ "${STEAD_REQUIRE_STATIC:-}" = 1 ]; then
-      echo "build-release: STEAD_REQUIRE_STATIC=1, but $reason" >&2
-      exit 1
-    fi
-    echo "build-release: the supervisor is linked dynamically: $reason" >&2
-  fi
-fi
-
 selected=()
 binaries=()
+supervisor=false
 for package in "${packages[@]}"; do
   case $package in
     stead-controller) binaries+=("$built/stead") ;;
@@ -70,7 +55,9 @@ for package in "${packages[@]}"; do
       exit 2
       ;;
   esac
-  if [[ $package != stead-supervisor ]] || ! $static; then
+  if [[ $package == stead-supervisor ]]; then
+    supervisor=true
+  else
     selected+=(-p "$package")
   fi
 done
@@ -78,11 +65,9 @@ done
 if [ ${#selected[@]} -gt 0 ]; then
   "${cargo[@]}" build --locked --profile "$profile" --target "$host" "${selected[@]}"
 fi
-if $static; then
-  # The flag on the binary's own link only: `cargo rustc` passes it to that one crate,
-  # whatever RUSTFLAGS, CARGO_ENCODED_RUSTFLAGS or a config's rustflags say.
+if $supervisor; then
   "${cargo[@]}" rustc --locked --profile "$profile" --target "$host" \
-    -p stead-supervisor --bin stead-supervisor -- -C target-feature=+crt-static
+    -p stead-supervisor --bin stead-supervisor --features runtime -- -C panic=abort
   if LC_ALL=C readelf --program-headers --wide "$built/stead-supervisor" 2>/dev/null |
     grep -q 'INTERP'; then
     echo "build-release: $built/stead-supervisor came out dynamically linked" >&2

@@ -1,7 +1,376 @@
 //! `stead-supervisor`: the parent of one task; see the library's documentation.
+//!
+//! A freestanding program: no C library and no `std`, so that each supervisor, one per
+//! task, maps and faults in little more than its own code and the pages it writes. This
+//! file is what a C library's startup files and `std`'s runtime would otherwise provide:
+//!
+//! - `_start`, the process's first instruction, which hands the initial stack to
+//!   [`entry`]; it collects the arguments and runs the library's `main`;
+//! - the memory functions (`memcpy`, `memmove`, `memset`, `memcmp`, `bcmp`, `strlen`)
+//!   that the compiler emits calls to;
+//! - the global allocator, over an arena in `.bss`: the kernel maps its pages on first
+//!   write, so the untouched part costs no memory;
+//! - the panic handler: a line on stderr, then exit code 101.
+//!
+//! It builds only with the `runtime` feature and `-C panic=abort`, the way
+//! `scripts/build-release.sh` builds it (`build.rs` adds the link arguments of a static
+//! executable without start files): `cargo rustc -p stead-supervisor --bin
+//! stead-supervisor --features runtime -- -C panic=abort`. Linux on x86_64 and aarch64.
 
-use std::process::ExitCode;
+#![no_std]
+#![no_main]
+// Loops in this crate stay loops: without this LLVM may turn the byte loops below into
+// calls to the very functions they implement.
+#![no_builtins]
+#![allow(unsafe_code)]
 
-fn main() -> ExitCode {
-    stead_supervisor::main()
+#[cfg(not(all(
+    target_os = "linux",
+    any(target_arch = "x86_64", target_arch = "aarch64")
+)))]
+compile_error!("stead-supervisor's runtime supports Linux on x86_64 and aarch64");
+
+extern crate alloc;
+
+use alloc::vec::Vec;
+use core::ffi::{CStr, c_char, c_int, c_void};
+use core::fmt::Write as _;
+use core::panic::PanicInfo;
+use core::sync::atomic::{AtomicBool, Ordering};
+
+use talc::TalcLock;
+use talc::source::Claim;
+
+// The entry point: the kernel starts the process here, with the stack pointer at argc,
+// followed by argv, NULL, envp, NULL and the auxiliary vector. No frame to return to
+// (a zero frame pointer ends backtraces), and the stack aligned as a call expects.
+#[cfg(target_arch = "x86_64")]
+core::arch::global_asm!(
+    ".globl _start",
+    ".type _start, %function",
+    "_start:",
+    "xor ebp, ebp",
+    "mov rdi, rsp",
+    "and rsp, -16",
+    "call {entry}",
+    "ud2",
+    ".size _start, . - _start",
+    entry = sym entry,
+);
+
+#[cfg(target_arch = "aarch64")]
+core::arch::global_asm!(
+    ".globl _start",
+    ".type _start, %function",
+    "_start:",
+    "mov x29, xzr",
+    "mov x30, xzr",
+    "mov x0, sp",
+    "and sp, x0, #-16",
+    "bl {entry}",
+    "udf #0",
+    ".size _start, . - _start",
+    entry = sym entry,
+);
+
+/// Runs the supervisor with the process's arguments and exits with its code.
+///
+/// # Safety
+///
+/// Only `_start` calls it, with the initial stack pointer the kernel set up.
+unsafe extern "C" fn entry(stack: *const usize) -> ! {
+    // SAFETY: the kernel puts argc at the initial stack pointer and argc pointers to
+    // NUL-terminated strings after it.
+    let args = unsafe {
+        let argc = *stack;
+        let argv = stack.add(1).cast::<*const c_char>();
+        (0..argc)
+            .map(|index| CStr::from_ptr(*argv.add(index)).to_bytes().to_vec())
+            .collect::<Vec<_>>()
+    };
+    stead_supervisor::exit(stead_supervisor::main(args))
+}
+
+/// Where the heap lives: zero-initialised, so in `.bss`, which takes no room in the file
+/// and no memory until a page is written. The allocator claims it on the first
+/// allocation and writes only its own bookkeeping at the ends, never the whole arena.
+const ARENA_SIZE: usize = 16 << 20;
+static mut ARENA: [u8; ARENA_SIZE] = [0; ARENA_SIZE];
+
+#[global_allocator]
+// SAFETY: nothing else uses the arena; the allocator claims it once, on its first
+// allocation.
+static ALLOCATOR: TalcLock<spinning_top::RawSpinlock, Claim> =
+    TalcLock::new(unsafe { Claim::array(&raw mut ARENA) });
+
+#[panic_handler]
+fn panic(info: &PanicInfo<'_>) -> ! {
+    // A panic while reporting one (formatting the message) exits without a second line.
+    static PANICKED: AtomicBool = AtomicBool::new(false);
+    if !PANICKED.swap(true, Ordering::Relaxed) {
+        let mut line = Line {
+            bytes: [0; 512],
+            len: 0,
+        };
+        let _ = write!(line, "stead-supervisor: panicked");
+        if let Some(location) = info.location() {
+            let _ = write!(line, " at {location}");
+        }
+        let _ = write!(line, ": {}", info.message());
+        write_stderr(line.finish());
+    }
+    stead_supervisor::exit(101)
+}
+
+/// A line of at most 512 bytes; what does not fit is cut, and it ends with a newline.
+struct Line {
+    bytes: [u8; 512],
+    len: usize,
+}
+
+impl Line {
+    fn finish(&mut self) -> &[u8] {
+        let end = self.len.min(self.bytes.len() - 1);
+        self.bytes[end] = b'\n';
+        &self.bytes[..=end]
+    }
+}
+
+impl core::fmt::Write for Line {
+    fn write_str(&mut self, text: &str) -> core::fmt::Result {
+        let room = self.bytes.len() - 1 - self.len;
+        let take = text.len().min(room);
+        self.bytes[self.len..self.len + take].copy_from_slice(&text.as_bytes()[..take]);
+        self.len += take;
+        Ok(())
+    }
+}
+
+/// Writes `bytes` to fd 2, as far as it goes: a failure has nowhere to be reported.
+fn write_stderr(mut bytes: &[u8]) {
+    const EINTR: isize = 4;
+    while !bytes.is_empty() {
+        let written = write(2, bytes);
+        match usize::try_from(written) {
+            Ok(0) => return,
+            Ok(count) => bytes = &bytes[count.min(bytes.len())..],
+            Err(_) if written == -EINTR => {}
+            Err(_) => return,
+        }
+    }
+}
+
+/// The `write` system call: the count written, or a negated errno.
+fn write(fd: c_int, bytes: &[u8]) -> isize {
+    let result: isize;
+    // SAFETY: `write` reads `bytes.len()` bytes at `bytes`, which are borrowed for it,
+    // and writes no memory of this process.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        core::arch::asm!(
+            "syscall",
+            inlateout("rax") 1isize => result,
+            in("rdi") fd as isize,
+            in("rsi") bytes.as_ptr(),
+            in("rdx") bytes.len(),
+            lateout("rcx") _,
+            lateout("r11") _,
+            options(nostack, preserves_flags, readonly),
+        );
+    }
+    // SAFETY: as above.
+    #[cfg(target_arch = "aarch64")]
+    unsafe {
+        core::arch::asm!(
+            "svc 0",
+            in("x8") 64isize,
+            inlateout("x0") fd as isize => result,
+            in("x1") bytes.as_ptr(),
+            in("x2") bytes.len(),
+            options(nostack, preserves_flags, readonly),
+        );
+    }
+    result
+}
+
+/// Stops the process with an illegal instruction (SIGILL, a core dump where enabled).
+fn trap() -> ! {
+    // SAFETY: the instruction faults; nothing after it runs.
+    unsafe {
+        #[cfg(target_arch = "x86_64")]
+        core::arch::asm!("ud2", options(noreturn, nomem, nostack));
+        #[cfg(target_arch = "aarch64")]
+        core::arch::asm!("udf #0", options(noreturn, nomem, nostack));
+    }
+}
+
+// The precompiled `core` and `alloc` are built to unwind, and their code refers to the
+// unwinder's entry points. This binary is built with `-C panic=abort`, so no unwinding
+// ever starts and these never run.
+
+/// The personality routine `core`'s unwind tables name.
+#[unsafe(no_mangle)]
+extern "C" fn rust_eh_personality() -> ! {
+    trap()
+}
+
+/// Where `core`'s cleanup code resumes an unwind.
+#[unsafe(no_mangle)]
+extern "C" fn _Unwind_Resume(_exception: *mut c_void) -> ! {
+    trap()
+}
+
+// The memory functions. On x86_64 they are the string instructions, fast on every CPU
+// with ERMS (2013 on); elsewhere byte loops, which LLVM vectorises. `#![no_builtins]`
+// (and LLVM's own rule for functions of these names) keeps the loops from being turned
+// back into calls to themselves.
+
+/// Copies `n` bytes from `src` to `dest`, which do not overlap.
+///
+/// # Safety
+///
+/// Both ranges are valid for `n` bytes and do not overlap.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+    // SAFETY: the caller's contract; the direction flag is clear at every call (ABI).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        core::arch::asm!(
+            "rep movsb",
+            inout("rcx") n => _,
+            inout("rdi") dest => _,
+            inout("rsi") src => _,
+            options(nostack, preserves_flags),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for index in 0..n {
+        // SAFETY: the caller's contract.
+        unsafe { *dest.add(index) = *src.add(index) };
+    }
+    dest
+}
+
+/// Copies `n` bytes from `src` to `dest`, which may overlap.
+///
+/// # Safety
+///
+/// Both ranges are valid for `n` bytes.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+    // Forwards unless `dest` starts inside the source, where that would overwrite bytes
+    // before they are read.
+    let backwards = (dest as usize).wrapping_sub(src as usize) < n;
+    #[cfg(target_arch = "x86_64")]
+    if backwards {
+        // SAFETY: the caller's contract; with the direction flag set the string
+        // instruction copies from the last byte down, and it is cleared again, as the
+        // ABI wants it.
+        unsafe {
+            core::arch::asm!(
+                "std",
+                "rep movsb",
+                "cld",
+                inout("rcx") n => _,
+                inout("rdi") dest.add(n).wrapping_sub(1) => _,
+                inout("rsi") src.add(n).wrapping_sub(1) => _,
+                options(nostack),
+            );
+        }
+    } else {
+        // SAFETY: the caller's contract; forwards, each byte is read before it is
+        // overwritten.
+        unsafe {
+            core::arch::asm!(
+                "rep movsb",
+                inout("rcx") n => _,
+                inout("rdi") dest => _,
+                inout("rsi") src => _,
+                options(nostack, preserves_flags),
+            );
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    if backwards {
+        for index in (0..n).rev() {
+            // SAFETY: the caller's contract.
+            unsafe { *dest.add(index) = *src.add(index) };
+        }
+    } else {
+        for index in 0..n {
+            // SAFETY: the caller's contract.
+            unsafe { *dest.add(index) = *src.add(index) };
+        }
+    }
+    dest
+}
+
+/// Sets `n` bytes at `dest` to `c` (as a byte).
+///
+/// # Safety
+///
+/// The range is valid for `n` bytes.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn memset(dest: *mut u8, c: c_int, n: usize) -> *mut u8 {
+    // SAFETY: the caller's contract; the direction flag is clear at every call (ABI).
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        core::arch::asm!(
+            "rep stosb",
+            inout("rcx") n => _,
+            inout("rdi") dest => _,
+            in("al") c as u8,
+            options(nostack, preserves_flags),
+        );
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    for index in 0..n {
+        // SAFETY: the caller's contract.
+        unsafe { *dest.add(index) = c as u8 };
+    }
+    dest
+}
+
+/// Compares `n` bytes: negative, zero or positive as the first differing byte of `a` is
+/// below, equal to or above that of `b`.
+///
+/// # Safety
+///
+/// Both ranges are valid for `n` bytes.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn memcmp(a: *const u8, b: *const u8, n: usize) -> c_int {
+    for index in 0..n {
+        // SAFETY: the caller's contract.
+        let (x, y) = unsafe { (*a.add(index), *b.add(index)) };
+        if x != y {
+            return c_int::from(x) - c_int::from(y);
+        }
+    }
+    0
+}
+
+/// Whether `n` bytes are equal: zero when they are.
+///
+/// # Safety
+///
+/// Both ranges are valid for `n` bytes.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn bcmp(a: *const u8, b: *const u8, n: usize) -> c_int {
+    // SAFETY: the caller's contract.
+    unsafe { memcmp(a, b, n) }
+}
+
+/// The length of the NUL-terminated string at `s`.
+///
+/// # Safety
+///
+/// `s` points to a NUL-terminated string.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn strlen(s: *const c_char) -> usize {
+    let mut len = 0;
+    // SAFETY: the caller's contract: every byte up to the NUL is readable.
+    while unsafe { *s.add(len) } != 0 {
+        len += 1;
+    }
+    len
 }

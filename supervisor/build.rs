@@ -1,0 +1,17 @@
+//! Links the `stead-supervisor` binary, with the `runtime` feature, as a static
+//! executable of its own code alone: no C library, no start files (`src/main.rs` has
+//! `_start`), no program interpreter. Not position-independent: nothing would apply the
+//! relocations of a static-pie before the first instruction, so the linker resolves them
+//! all (PIC code links fine into such an executable). The library builds without any of
+//! this.
+
+fn main() {
+    println!("cargo::rerun-if-changed=build.rs");
+    if std::env::var_os("CARGO_FEATURE_RUNTIME").is_none() {
+        return;
+    }
+    // After rustc's own arguments (its `-pie` included), so these win.
+    for arg in ["-nostartfiles", "-nostdlib", "-static", "-no-pie"] {
+        println!("cargo::rustc-link-arg-bins={arg}");
+    }
+}
