@@ -7,6 +7,7 @@
 
 fn main() {
     println!("cargo::rerun-if-changed=build.rs");
+    println!("cargo::rerun-if-changed=no-unwind-tables.ld");
     if std::env::var_os("CARGO_FEATURE_RUNTIME").is_none() {
         return;
     }
@@ -14,4 +15,9 @@ fn main() {
     for arg in ["-nostartfiles", "-nostdlib", "-static", "-no-pie"] {
         println!("cargo::rustc-link-arg-bins={arg}");
     }
+    // No unwind tables: the binary aborts on a panic, and the tables would be mapped in
+    // every supervisor (`no-unwind-tables.ld`).
+    let manifest_dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it");
+    println!("cargo::rustc-link-arg-bins=-Wl,--no-eh-frame-hdr");
+    println!("cargo::rustc-link-arg-bins=-Wl,-T,{manifest_dir}/no-unwind-tables.ld");
 }

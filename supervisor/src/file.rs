@@ -37,13 +37,18 @@ pub(crate) fn write_all(fd: impl AsFd, mut bytes: &[u8]) -> Result<(), Errno> {
 }
 
 /// Everything `fd` still has to read.
+///
+/// Read straight into the vector's spare room, no buffer on the stack: every stack page
+/// the supervisor ever touches stays part of it for as long as its task runs.
 pub(crate) fn read_to_end(fd: impl AsFd) -> Result<Vec<u8>, Errno> {
-    let mut out = Vec::new();
-    let mut chunk = [0u8; 4096];
+    let mut out = Vec::with_capacity(512);
     loop {
-        match rustix::io::read(&fd, &mut chunk) {
+        if out.len() == out.capacity() {
+            out.reserve(out.capacity());
+        }
+        match rustix::io::read(&fd, rustix::buffer::spare_capacity(&mut out)) {
             Ok(0) => return Ok(out),
-            Ok(n) => out.extend_from_slice(&chunk[..n]),
+            Ok(_) => {}
             Err(Errno::INTR) => {}
             Err(error) => return Err(error),
         }
