@@ -215,3 +215,72 @@ fn reconcilers_clippy_config_forbids_clocks_io_and_sleep() {
         );
     }
 }
+
+/// The crates `package` links when built alone with `features` for `target`, as
+/// `cargo tree` resolves them (features unified for that package only, as its own
+/// build does; not the workspace's unified graph).
+fn linked_crates(package: &str, features: &str, target: &str) -> BTreeSet<String> {
+    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
+        .args(["tree", "--locked", "--edges", "normal", "--prefix", "none"])
+        .args([
+            "--format",
+            "{p}",
+            "--package",
+            package,
+            "--features",
+            features,
+        ])
+        .args(["--target", target, "--manifest-path"])
+        .arg(workspace_dir().join("Cargo.toml"))
+        .output()
+        .expect("cargo tree runs");
+    assert!(
+        output.status.success(),
+        "{}",
+        String::from_utf8_lossy(&output.stderr)
+    );
+    String::from_utf8_lossy(&output.stdout)
+        .lines()
+        .filter_map(|line| line.split_whitespace().next())
+        .filter(|name| *name != package)
+        .map(str::to_owned)
+        .collect()
+}
+
+#[test]
+fn the_supervisor_links_only_crates_that_build_without_std_or_a_c_library() {
+    // The shipped supervisor is freestanding (no C library, no `std`): every crate it
+    // links must build that way. A crate is added here only once that is checked.
+    let allowed = [
+        // Raw system calls and their numbers.
+        "rustix",
+        "linux-raw-sys",
+        "bitflags",
+        // Typed errors (without its `std` feature), and its derive.
+        "thiserror",
+        "thiserror-impl",
+        "proc-macro2",
+        "quote",
+        "syn",
+        "unicode-ident",
+        // The binary's heap.
+        "talc",
+        "allocator-api2",
+        "spinning_top",
+        "lock_api",
+        "scopeguard",
+    ];
+    // The platforms it runs on: elsewhere rustix would go through the C library.
+    for target in ["x86_64-unknown-linux-gnu", "aarch64-unknown-linux-gnu"] {
+        let linked = linked_crates("stead-supervisor", "runtime", target);
+        let unexpected: Vec<&String> = linked
+            .iter()
+            .filter(|name| !allowed.contains(&name.as_str()))
+            .collect();
+        assert!(
+            unexpected.is_empty(),
+            "stead-supervisor links {unexpected:?} on {target}"
+        );
+        assert!(linked.contains("rustix"), "{linked:?}");
+    }
+}
