@@ -51,4 +51,4 @@ mod sys;
 mod zygote;
 
 pub use supervise::main;
-pub use sys::exit;
+pub use sys::{brk, exit};

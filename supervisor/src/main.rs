@@ -8,8 +8,11 @@
 //!   [`entry`]; it collects the arguments and runs the library's `main`;
 //! - the memory functions (`memcpy`, `memmove`, `memset`, `memcmp`, `bcmp`, `strlen`)
 //!   that the compiler emits calls to;
-//! - the global allocator, over an arena in `.bss`: the kernel maps its pages on first
-//!   write, so the untouched part costs no memory;
+//! - the global allocator, over a heap that the `brk` system call grows as it needs
+//!   memory, as a C library's `malloc` does. The kernel charges a private writable
+//!   mapping in full against its commit limit, in every process and again at every
+//!   `fork`: the heap's mapping is only as large as what it holds, rounded up to a
+//!   64 KiB boundary;
 //! - the panic handler: a line on stderr, then exit code 101.
 //!
 //! It builds only with the `runtime` feature and `-C panic=abort`, the way
@@ -33,13 +36,17 @@ compile_error!("stead-supervisor's runtime supports Linux on x86_64 and aarch64"
 extern crate alloc;
 
 use alloc::vec::Vec;
+use core::alloc::Layout;
 use core::ffi::{CStr, c_char, c_int, c_void};
 use core::fmt::Write as _;
 use core::panic::PanicInfo;
+use core::ptr::{NonNull, with_exposed_provenance_mut};
 use core::sync::atomic::{AtomicBool, Ordering};
 
 use talc::TalcLock;
-use talc::source::Claim;
+use talc::base::binning::Binning;
+use talc::base::{CHUNK_UNIT, Talc};
+use talc::source::Source;
 
 // The entry point: the kernel starts the process here, with the stack pointer at argc,
 // followed by argv, NULL, envp, NULL and the auxiliary vector. No frame to return to
@@ -91,17 +98,64 @@ unsafe extern "C" fn entry(stack: *const usize) -> ! {
     stead_supervisor::exit(stead_supervisor::main(args))
 }
 
-/// Where the heap lives: zero-initialised, so in `.bss`, which takes no room in the file
-/// and no memory until a page is written. The allocator claims it on the first
-/// allocation and writes only its own bookkeeping at the ends, never the whole arena.
-const ARENA_SIZE: usize = 16 << 20;
-static mut ARENA: [u8; ARENA_SIZE] = [0; ARENA_SIZE];
-
 #[global_allocator]
-// SAFETY: nothing else uses the arena; the allocator claims it once, on its first
-// allocation.
-static ALLOCATOR: TalcLock<spinning_top::RawSpinlock, Claim> =
-    TalcLock::new(unsafe { Claim::array(&raw mut ARENA) });
+static ALLOCATOR: TalcLock<spinning_top::RawSpinlock, Brk> = TalcLock::new(Brk { end: 0 });
+
+/// The allocator's memory: the heap above the program break, which [`Brk::acquire`]
+/// moves up whenever the allocator runs out. It never moves down, to keep this simple:
+/// a supervisor's heap stays small, and talc hands memory back only to a source that
+/// asks for it, which this one does not.
+#[derive(Debug)]
+struct Brk {
+    /// The end of the heap the allocator last claimed or extended, an address; 0 before
+    /// the first.
+    end: usize,
+}
+
+/// The boundary the break's new end is rounded up to: small, as the whole heap, used or
+/// not, is charged against the commit limit in every supervisor the fork server forks.
+const BRK_STEP: usize = 64 << 10;
+
+// SAFETY: `acquire` allocates nothing; it makes system calls and calls `talc` alone.
+unsafe impl Source for Brk {
+    fn acquire<B: Binning>(talc: &mut Talc<Self, B>, layout: Layout) -> Result<(), ()> {
+        // Room for the allocation and its alignment, talc's metadata (in the first heap),
+        // the tags at a heap's ends and alignment padding: generous, and should it fall
+        // short talc calls again, and the heap grows again.
+        let overhead = talc::min_first_heap_size::<B>() + 4 * CHUNK_UNIT;
+        let needed = layout
+            .size()
+            .checked_add(layout.align())
+            .and_then(|size| size.checked_add(overhead))
+            .ok_or(())?;
+        // SAFETY: `brk(0)` moves nothing.
+        let old = unsafe { stead_supervisor::brk(0) };
+        let new = old
+            .checked_add(needed)
+            .and_then(|end| end.checked_next_multiple_of(BRK_STEP))
+            .ok_or(())?;
+        // SAFETY: the break moves up: the kernel maps zeroed memory from `old` to `new`,
+        // which nothing but this allocator will use.
+        if unsafe { stead_supervisor::brk(new) } != new {
+            // The kernel left the break where it was (its limit, or no memory): talc
+            // fails the allocation.
+            return Err(());
+        }
+        let heap_end = match NonNull::new(with_exposed_provenance_mut::<u8>(talc.source.end)) {
+            // The new memory continues the heap: nothing else moved the break since.
+            // SAFETY: `heap_end` is the end of a heap of this allocator, as `claim` or
+            // `extend` returned it; the memory above it, to `new`, is the allocator's
+            // alone (above).
+            Some(heap_end) if talc.source.end == old => unsafe {
+                talc.extend(heap_end, with_exposed_provenance_mut(new))
+            },
+            // SAFETY: as above; talc never gets the memory from `old` to `new` twice.
+            _ => unsafe { talc.claim(with_exposed_provenance_mut(old), new - old) }.ok_or(())?,
+        };
+        talc.source.end = heap_end.as_ptr().expose_provenance();
+        Ok(())
+    }
+}
 
 #[panic_handler]
 fn panic(info: &PanicInfo<'_>) -> ! {

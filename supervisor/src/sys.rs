@@ -84,6 +84,18 @@ pub fn exit(code: u8) -> ! {
     loop {}
 }
 
+/// `brk(end)`: moves the program break, the end of the process's heap, to `end`, and
+/// returns the break after the call: `end`, or the unmoved break when the kernel refuses
+/// (no errno). `brk(0)` reads the break. The binary's runtime grows its heap with it.
+///
+/// # Safety
+/// Moving the break down unmaps the memory above the new end: nothing may use it.
+#[allow(unsafe_code)]
+pub unsafe fn brk(end: usize) -> usize {
+    // SAFETY: a plain address; the caller answers for the memory a lower break unmaps.
+    unsafe { syscall(linux::__NR_brk, [end, 0, 0, 0, 0, 0]) as usize }
+}
+
 /// `fork()`: `None` in the child, the child's pid in the parent.
 ///
 /// # Safety

@@ -120,6 +120,35 @@ fn elf_kind(path: &std::path::Path) -> (bool, bool) {
     (u16_at(0x10) == ET_DYN, interpreter)
 }
 
+/// The bytes the sections of the 64-bit little-endian ELF file at `path` occupy in
+/// memory but not in the file (`SHT_NOBITS`: `.bss` and the like), which the kernel maps
+/// as private zero-filled memory in every process that runs it.
+fn zero_filled_size(path: &std::path::Path) -> u64 {
+    let elf = std::fs::read(path).expect("the binary reads");
+    let field = |at: usize, len: usize| -> &[u8] {
+        at.checked_add(len)
+            .and_then(|end| elf.get(at..end))
+            .unwrap_or_else(|| panic!("{} is a truncated ELF file", path.display()))
+    };
+    let u64_at = |at: usize| u64::from_le_bytes(field(at, 8).try_into().expect("8 bytes"));
+    let u16_at = |at: usize| usize::from(u16::from_le_bytes([field(at, 2)[0], field(at, 2)[1]]));
+    let shoff = usize::try_from(u64_at(0x28)).expect("an offset");
+    let (size, count) = (u16_at(0x3a), u16_at(0x3c));
+    const SHT_NOBITS: u32 = 8;
+    (0..count)
+        .map(|index| {
+            index
+                .checked_mul(size)
+                .and_then(|offset| offset.checked_add(shoff))
+                .expect("a section header offset")
+        })
+        .filter(|&at| {
+            u32::from_le_bytes(field(at + 4, 4).try_into().expect("4 bytes")) == SHT_NOBITS
+        })
+        .map(|at| u64_at(at + 0x20))
+        .sum()
+}
+
 /// The global and weak symbols `path` defines, from `nm`, or `None` without it.
 fn defined_symbols(path: &std::path::Path) -> Option<Vec<String>> {
     let output = std::process::Command::new("nm")
@@ -194,6 +223,14 @@ fn the_release_script_builds_the_supervisor_static_without_libc_and_it_runs_and_
         elf_kind(&supervisor),
         (false, false),
         "{} is a static executable (not position-independent, no interpreter)",
+        supervisor.display()
+    );
+    // Its heap grows with `brk` as it needs: no arena in `.bss`, which every supervisor
+    // would map and be charged for in full against the kernel's commit limit.
+    let zero_filled = zero_filled_size(&supervisor);
+    assert!(
+        zero_filled < 1 << 20,
+        "{} has {zero_filled} bytes of zero-filled sections",
         supervisor.display()
     );
     assert_eq!(
