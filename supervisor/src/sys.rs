@@ -1,5 +1,6 @@
 //! The system calls rustix keeps to its unstable runtime API, made directly: `fork`,
-//! `execve`, signal masks and dispositions, `signalfd`, `close_range` and `exit_group`.
+//! `execve`, signal masks and dispositions, `signalfd`, `close_range`, `brk` (the binary's
+//! heap) and `exit_group`.
 //!
 //! The supervisor links no C library, so nothing else makes them. Each wrapper is one
 //! system call and touches no memory besides its arguments, so all of them are safe
