@@ -23,7 +23,11 @@
 //! supervisor's pid and start time, and the record files.
 //!
 //! The library holds the formats both sides share (arguments, protocol lines, record
-//! files, log file names), so they are defined once.
+//! files, log file names), so they are defined once, and the supervisor itself. It is
+//! `no_std` (`core`, `alloc` and rustix's raw system calls): the shipped binary
+//! (`src/main.rs`) runs it without a C library, so each supervisor maps little more than
+//! its own code; the `std` feature adds the agent's side, which reads the record files
+//! through `std::path`.
 
 #![no_std]
 
