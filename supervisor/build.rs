@@ -19,5 +19,7 @@ fn main() {
     // every supervisor (`no-unwind-tables.ld`).
     let manifest_dir = std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets it");
     println!("cargo::rustc-link-arg-bins=-Wl,--no-eh-frame-hdr");
-    println!("cargo::rustc-link-arg-bins=-Wl,-T,{manifest_dir}/no-unwind-tables.ld");
+    // Through `-Xlinker`, not `-Wl,`: that would split a path with a comma in it.
+    println!("cargo::rustc-link-arg-bins=-Xlinker");
+    println!("cargo::rustc-link-arg-bins=--script={manifest_dir}/no-unwind-tables.ld");
 }

@@ -60,6 +60,14 @@ impl OsError {
             Errno::TIMEDOUT => "Connection timed out",
             Errno::LIBBAD => "Accessing a corrupted shared library",
             Errno::OVERFLOW => "Value too large for defined data type",
+            Errno::NOTEMPTY => "Directory not empty",
+            Errno::NOTCONN => "Transport endpoint is not connected",
+            Errno::NOLINK => "Link has been severed",
+            Errno::NOMEDIUM => "No medium found",
+            Errno::KEYREJECTED => "Key was rejected by service",
+            Errno::NOKEY => "Required key not available",
+            Errno::CONNREFUSED => "Connection refused",
+            Errno::HOSTDOWN => "Host is down",
             _ => return None,
         })
     }
@@ -85,7 +93,14 @@ mod tests {
 
     #[test]
     fn an_error_reads_as_the_standard_library_says_it() {
-        for errno in [Errno::NOENT, Errno::ACCESS, Errno::NOEXEC, Errno::NOSPC] {
+        for errno in [
+            Errno::NOENT,
+            Errno::ACCESS,
+            Errno::NOEXEC,
+            Errno::NOSPC,
+            Errno::NOTCONN,
+            Errno::NOKEY,
+        ] {
             assert_eq!(
                 OsError(errno).to_string(),
                 std::io::Error::from_raw_os_error(errno.raw_os_error()).to_string()

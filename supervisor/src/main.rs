@@ -34,9 +34,17 @@
 compile_error!("stead-supervisor's runtime supports Linux on x86_64 and aarch64");
 
 extern crate alloc;
+// Under this name in the manifest: rustix without its `std` feature.
+extern crate rustix_no_std as rustix;
+
+// A clearer word than the compiler's own error, for a build that forgot the flag.
+#[cfg(panic = "unwind")]
+compile_error!(
+    "stead-supervisor's binary builds with `-C panic=abort`, as scripts/build-release.sh builds it"
+);
 
 use alloc::vec::Vec;
-use core::alloc::Layout;
+use core::alloc::{GlobalAlloc, Layout};
 use core::ffi::{CStr, c_char, c_int, c_void};
 use core::fmt::Write as _;
 use core::panic::PanicInfo;
@@ -99,7 +107,89 @@ unsafe extern "C" fn entry(stack: *const usize) -> ! {
 }
 
 #[global_allocator]
-static ALLOCATOR: TalcLock<spinning_top::RawSpinlock, Brk> = TalcLock::new(Brk { end: 0 });
+static ALLOCATOR: Heap = Heap;
+
+/// The small allocations: talc, over the heap above the program break.
+static SMALL: TalcLock<spinning_top::RawSpinlock, Brk> = TalcLock::new(Brk { end: 0 });
+
+/// From this size on an allocation is a mapping of its own, unmapped when freed (as
+/// glibc's `malloc` does from 128 KiB): the heap never shrinks, and a large request
+/// (a big environment) would otherwise stay in the fork server's heap, and be copied
+/// into every supervisor it forks, or in a supervisor's for as long as its task runs.
+const LARGE: usize = 64 << 10;
+
+/// The global allocator: large allocations mapped one by one, the rest from [`SMALL`].
+struct Heap;
+
+/// Whether `layout` is served by a mapping of its own. Mappings are page-aligned, which
+/// serves any alignment up to a page.
+fn is_large(layout: Layout) -> bool {
+    layout.size() >= LARGE && layout.align() <= PAGE
+}
+
+/// The smallest page size of the supported targets; mappings are at least this aligned.
+const PAGE: usize = 4096;
+
+/// `size` rounded up to whole pages.
+fn pages(size: usize) -> usize {
+    size.next_multiple_of(PAGE)
+}
+
+// SAFETY: large blocks come from `mmap` and go back to `munmap` with the same length
+// (`pages` of the same size); the others are talc's, whose `GlobalAlloc` contract holds.
+unsafe impl GlobalAlloc for Heap {
+    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
+        if !is_large(layout) {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { SMALL.alloc(layout) };
+        }
+        // SAFETY: a fresh private anonymous mapping, which nothing else refers to.
+        match unsafe {
+            rustix::mm::mmap_anonymous(
+                core::ptr::null_mut(),
+                pages(layout.size()),
+                rustix::mm::ProtFlags::READ | rustix::mm::ProtFlags::WRITE,
+                rustix::mm::MapFlags::PRIVATE,
+            )
+        } {
+            Ok(block) => block.cast(),
+            Err(_) => core::ptr::null_mut(),
+        }
+    }
+
+    unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
+        if !is_large(layout) {
+            // SAFETY: the caller's contract: `block` came from `alloc` with `layout`.
+            return unsafe { SMALL.dealloc(block, layout) };
+        }
+        // SAFETY: `block` is a mapping `alloc` made for `layout`, of this length.
+        let _ = unsafe { rustix::mm::munmap(block.cast(), pages(layout.size())) };
+    }
+
+    unsafe fn realloc(&self, block: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
+        // SAFETY: the caller's contract guarantees a valid layout of `new_size` with the
+        // same alignment.
+        let new_layout = unsafe { Layout::from_size_align_unchecked(new_size, layout.align()) };
+        match (is_large(layout), is_large(new_layout)) {
+            // SAFETY: the caller's contract, passed on.
+            (false, false) => unsafe { SMALL.realloc(block, layout, new_size) },
+            // The same pages hold it.
+            (true, true) if pages(layout.size()) == pages(new_size) => block,
+            _ => {
+                // SAFETY: the caller's contract; the old block is read before it is
+                // freed, for no more than both sizes.
+                unsafe {
+                    let moved = self.alloc(new_layout);
+                    if !moved.is_null() {
+                        core::ptr::copy_nonoverlapping(block, moved, layout.size().min(new_size));
+                        self.dealloc(block, layout);
+                    }
+                    moved
+                }
+            }
+        }
+    }
+}
 
 /// The allocator's memory: the heap above the program break, which [`Brk::acquire`]
 /// moves up whenever the allocator runs out. It never moves down, to keep this simple:

@@ -376,17 +376,58 @@ pub use read::{
     RecordError, exit_record_path, read_exit_record, read_run_records, run_record_path,
 };
 
-/// The task's environment: `(key, value)` pairs of bytes.
-pub type Environment = Vec<(Vec<u8>, Vec<u8>)>;
+/// The task's environment: its `KEY=VALUE` entries, each ended by a NUL byte, in one
+/// buffer, as `execve` takes them. One allocation however many entries: a supervisor
+/// gives a large environment back whole once its task started, where an allocation per
+/// key and value would leave holes in its heap for as long as the task runs.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Environment {
+    bytes: Vec<u8>,
+}
 
-/// `KEY=VALUE` entries as pairs; an entry without `=` is left out.
-pub(crate) fn environment_entries<'a>(entries: impl Iterator<Item = &'a [u8]>) -> Environment {
-    entries
-        .filter_map(|entry| {
-            let eq = entry.iter().position(|b| *b == b'=')?;
-            Some((entry[..eq].to_vec(), entry[eq + 1..].to_vec()))
+impl Environment {
+    /// The entries given, without their NUL bytes; an entry without `=` (or with a NUL
+    /// byte in it) is left out.
+    pub fn from_entries<'a>(entries: impl IntoIterator<Item = &'a [u8]>) -> Environment {
+        let mut bytes = Vec::new();
+        for entry in entries {
+            if entry.contains(&b'=') && !entry.contains(&0) {
+                bytes.extend_from_slice(entry);
+                bytes.push(0);
+            }
+        }
+        Environment { bytes }
+    }
+
+    /// The entries, `KEY=VALUE`, without their NUL bytes.
+    pub fn entries(&self) -> impl Iterator<Item = &[u8]> {
+        self.bytes
+            .split(|b| *b == 0)
+            .take_while(|entry| !entry.is_empty())
+    }
+
+    /// Where each entry starts in [`Environment::as_bytes`].
+    pub(crate) fn offsets(&self) -> impl Iterator<Item = usize> {
+        self.entries().scan(0, |at, entry| {
+            let start = *at;
+            *at += entry.len() + 1;
+            Some(start)
         })
-        .collect()
+    }
+
+    /// The entries, each ended by its NUL byte.
+    pub(crate) fn as_bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+
+    /// The value of `key`: the first entry's, as `getenv` finds it.
+    pub fn get(&self, key: &[u8]) -> Option<&[u8]> {
+        self.entries().find_map(|entry| {
+            entry
+                .strip_prefix(key)
+                .and_then(|rest| rest.strip_prefix(b"="))
+        })
+    }
 }
 
 /// A request to the fork server that cannot be read.
@@ -439,7 +480,7 @@ pub fn decode_request(bytes: &[u8]) -> Result<(SupervisorArgs, Environment), Req
         argv.push(arg.to_vec());
     }
     let args = SupervisorArgs::parse(argv).map_err(RequestError::Args)?;
-    Ok((args, environment_entries(fields)))
+    Ok((args, Environment::from_entries(fields)))
 }
 
 #[cfg(test)]
@@ -533,23 +574,13 @@ mod tests {
         let bytes = encode_request(&args, [("A", "1"), ("EMPTY", ""), ("B", "x=y")]);
         let (decoded, environment) = decode_request(&bytes).expect("decodes");
         assert_eq!(decoded, args);
-        let environment: Vec<(String, String)> = environment
-            .into_iter()
-            .map(|(k, v)| {
-                (
-                    String::from_utf8(k).expect("utf-8"),
-                    String::from_utf8(v).expect("utf-8"),
-                )
-            })
-            .collect();
-        assert_eq!(
-            environment,
-            [
-                ("A".to_owned(), "1".to_owned()),
-                ("EMPTY".to_owned(), String::new()),
-                ("B".to_owned(), "x=y".to_owned())
-            ]
-        );
+        let entries: Vec<&[u8]> = environment.entries().collect();
+        assert_eq!(entries, [&b"A=1"[..], b"EMPTY=", b"B=x=y"]);
+        assert_eq!(environment.get(b"B"), Some(&b"x=y"[..]));
+        assert_eq!(environment.get(b"EMPTY"), Some(&b""[..]));
+        assert_eq!(environment.get(b"C"), None);
+        assert_eq!(environment.as_bytes(), b"A=1\0EMPTY=\0B=x=y\0");
+        assert_eq!(environment.offsets().collect::<Vec<_>>(), [0, 4, 11]);
         assert_eq!(decode_request(b"3\0a\0"), Err(RequestError::Malformed));
         assert_eq!(decode_request(b""), Err(RequestError::Malformed));
     }

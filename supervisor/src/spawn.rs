@@ -47,7 +47,8 @@ pub(crate) struct TaskCommand<'a> {
 /// Why the task was not started.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum SpawnError {
-    /// A NUL byte in the program, an argument or the environment.
+    /// A NUL byte in the program or an argument (the environment cannot hold one: its
+    /// entries are split at NUL bytes).
     Nul,
     /// A system call failed (`exec` included).
     Os(OsError),
@@ -72,9 +73,7 @@ impl From<Errno> for SpawnError {
 impl fmt::Display for SpawnError {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         match self {
-            SpawnError::Nul => {
-                f.write_str("a NUL byte in the command, an argument or the environment")
-            }
+            SpawnError::Nul => f.write_str("a NUL byte in the command or an argument"),
             SpawnError::Os(error) => error.fmt(f),
         }
     }
@@ -111,10 +110,7 @@ fn candidates(program: &[u8], environment: &Environment) -> Result<Vec<CString>,
     if program.contains(&b'/') {
         return Ok(vec![c_string(program)?]);
     }
-    let path = environment
-        .iter()
-        .find(|(key, _)| key == b"PATH")
-        .map_or(DEFAULT_PATH, |(_, value)| value.as_slice());
+    let path = environment.get(b"PATH").unwrap_or(DEFAULT_PATH);
     path.split(|b| *b == b':')
         .map(|dir| {
             // An empty entry is the current directory.
@@ -137,31 +133,27 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
         .chain(command.args.iter().map(Vec::as_slice))
         .map(c_string)
         .collect::<Result<_, _>>()?;
-    let environment: Vec<CString> = command
+    // The environment's entries are NUL-terminated where they are: `envp` points into
+    // its one buffer, no copy.
+    let entries = command.environment.as_bytes().as_ptr();
+    let envp: Vec<*const u8> = command
         .environment
+        .offsets()
+        .map(|offset| entries.wrapping_add(offset))
+        .chain(core::iter::once(core::ptr::null()))
+        .collect();
+    let argv: Vec<*const u8> = args
         .iter()
-        .map(|(key, value)| {
-            let mut entry = Vec::with_capacity(key.len() + 1 + value.len());
-            entry.extend_from_slice(key);
-            entry.push(b'=');
-            entry.extend_from_slice(value);
-            c_string(&entry)
-        })
-        .collect::<Result<_, _>>()?;
-    let pointers = |strings: &[CString]| -> Vec<*const u8> {
-        strings
-            .iter()
-            .map(|s| s.as_ptr().cast::<u8>())
-            .chain(core::iter::once(core::ptr::null()))
-            .collect()
-    };
+        .map(|s| s.as_ptr().cast::<u8>())
+        .chain(core::iter::once(core::ptr::null()))
+        .collect();
     // The supervisor blocks `SIGCHLD` to read it from a descriptor; the task starts with
     // it unblocked, as any program expects.
     let mask = sys::sigprocmask(MaskHow::Block, SignalSet::default())?
         .without(linux_raw_sys::general::SIGCHLD);
     let child = Child {
-        argv: pointers(&args),
-        envp: pointers(&environment),
+        argv,
+        envp,
         candidates,
         stdin: file::open(b"/dev/null", OFlags::RDONLY, 0)?,
         stdout: command.stdout,
@@ -293,10 +285,8 @@ mod tests {
     use std::prelude::rust_2024::*;
 
     fn env(pairs: &[(&str, &str)]) -> Environment {
-        pairs
-            .iter()
-            .map(|(k, v)| (k.as_bytes().to_vec(), v.as_bytes().to_vec()))
-            .collect()
+        let entries: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}={v}")).collect();
+        Environment::from_entries(entries.iter().map(String::as_bytes))
     }
 
     #[test]
@@ -318,8 +308,11 @@ mod tests {
 
     #[test]
     fn a_nul_byte_or_an_empty_program_is_refused_before_anything_runs() {
-        assert!(candidates(b"", &Vec::new()).is_err());
-        assert_eq!(candidates(b"a\0b", &Vec::new()), Err(SpawnError::Nul));
+        assert!(candidates(b"", &Environment::default()).is_err());
+        assert_eq!(
+            candidates(b"a\0b", &Environment::default()),
+            Err(SpawnError::Nul)
+        );
     }
 
     fn pipe() -> (OwnedFd, OwnedFd) {

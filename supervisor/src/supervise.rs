@@ -231,7 +231,7 @@ fn read_environment() -> Result<Environment, StartError> {
         Some(rest) if rest.ends_with(b"\0") => rest,
         _ => return Err(StartError::TruncatedEnvironment),
     };
-    Ok(protocol::environment_entries(
+    Ok(Environment::from_entries(
         body.split(|b| *b == 0).filter(|entry| !entry.is_empty()),
     ))
 }
