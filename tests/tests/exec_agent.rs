@@ -181,9 +181,11 @@ fn the_release_script_builds_the_supervisor_static_without_libc_and_it_runs_and_
         eprintln!("skipped: the supervisor's own runtime is for Linux on x86_64 and aarch64");
         return;
     }
-    // The script's own build, in the dev profile and a target dir of its own (this test
-    // run holds the workspace's), warm after its first run; nothing of the outer build's
-    // settings, which could move its output or link it otherwise, reaches it. Its
+    // The script's own build, in the release profile (what ships: fat LTO, the memory
+    // functions and the allocator as they are optimised) and a target dir of its own
+    // (this test run holds the workspace's), warm after its first run; nothing of the
+    // outer build's settings, which could move its output or link it otherwise, reaches
+    // it. Its
     // dependencies are those of Cargo.lock; a first run fetches the allocator's crates,
     // which the workspace build does not use.
     let target_dir = std::path::Path::new(env!("CARGO_TARGET_TMPDIR")).join("static-supervisor");
@@ -192,7 +194,7 @@ fn the_release_script_builds_the_supervisor_static_without_libc_and_it_runs_and_
         std::process::Command::new(stead_tests::workspace_dir().join("scripts/build-release.sh"))
             .arg(out.path())
             .arg("stead-supervisor")
-            .env("STEAD_BUILD_PROFILE", "dev")
+            .env("STEAD_BUILD_PROFILE", "release")
             .env("STEAD_REQUIRE_STATIC", "1")
             .env("CARGO_TARGET_DIR", &target_dir)
             .env(
