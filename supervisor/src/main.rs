@@ -369,13 +369,14 @@ extern "C" fn _Unwind_Resume(_exception: *mut c_void) -> ! {
 // (and LLVM's own rule for functions of these names) keeps the loops from being turned
 // back into calls to themselves.
 
-/// Copies `n` bytes from `src` to `dest`, which do not overlap.
+/// Copies `n` bytes from `src` to `dest`, first byte first: right for any two ranges
+/// unless `dest` starts inside the source, where it would overwrite bytes before they
+/// are read.
 ///
 /// # Safety
 ///
-/// Both ranges are valid for `n` bytes and do not overlap.
-#[unsafe(no_mangle)]
-unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+/// Both ranges are valid for `n` bytes, and `dest` does not start inside the source.
+unsafe fn copy_forwards(dest: *mut u8, src: *const u8, n: usize) {
     // SAFETY: the caller's contract; the direction flag is clear at every call (ABI).
     #[cfg(target_arch = "x86_64")]
     unsafe {
@@ -392,6 +393,17 @@ unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 
         // SAFETY: the caller's contract.
         unsafe { *dest.add(index) = *src.add(index) };
     }
+}
+
+/// Copies `n` bytes from `src` to `dest`, which do not overlap.
+///
+/// # Safety
+///
+/// Both ranges are valid for `n` bytes and do not overlap.
+#[unsafe(no_mangle)]
+unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
+    // SAFETY: the caller's contract: ranges that do not overlap.
+    unsafe { copy_forwards(dest, src, n) };
     dest
 }
 
@@ -402,49 +414,30 @@ unsafe extern "C" fn memcpy(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 
 /// Both ranges are valid for `n` bytes.
 #[unsafe(no_mangle)]
 unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8 {
-    // Forwards unless `dest` starts inside the source, where that would overwrite bytes
-    // before they are read.
-    let backwards = (dest as usize).wrapping_sub(src as usize) < n;
+    // Forwards unless `dest` starts inside the source.
+    if (dest as usize).wrapping_sub(src as usize) >= n {
+        // SAFETY: the caller's contract; `dest` does not start inside the source.
+        unsafe { copy_forwards(dest, src, n) };
+        return dest;
+    }
+    // SAFETY: the caller's contract; with the direction flag set the string instruction
+    // copies from the last byte down, and it is cleared again, as the ABI wants it.
     #[cfg(target_arch = "x86_64")]
-    if backwards {
-        // SAFETY: the caller's contract; with the direction flag set the string
-        // instruction copies from the last byte down, and it is cleared again, as the
-        // ABI wants it.
-        unsafe {
-            core::arch::asm!(
-                "std",
-                "rep movsb",
-                "cld",
-                inout("rcx") n => _,
-                inout("rdi") dest.add(n).wrapping_sub(1) => _,
-                inout("rsi") src.add(n).wrapping_sub(1) => _,
-                options(nostack),
-            );
-        }
-    } else {
-        // SAFETY: the caller's contract; forwards, each byte is read before it is
-        // overwritten.
-        unsafe {
-            core::arch::asm!(
-                "rep movsb",
-                inout("rcx") n => _,
-                inout("rdi") dest => _,
-                inout("rsi") src => _,
-                options(nostack, preserves_flags),
-            );
-        }
+    unsafe {
+        core::arch::asm!(
+            "std",
+            "rep movsb",
+            "cld",
+            inout("rcx") n => _,
+            inout("rdi") dest.add(n).wrapping_sub(1) => _,
+            inout("rsi") src.add(n).wrapping_sub(1) => _,
+            options(nostack),
+        );
     }
     #[cfg(not(target_arch = "x86_64"))]
-    if backwards {
-        for index in (0..n).rev() {
-            // SAFETY: the caller's contract.
-            unsafe { *dest.add(index) = *src.add(index) };
-        }
-    } else {
-        for index in 0..n {
-            // SAFETY: the caller's contract.
-            unsafe { *dest.add(index) = *src.add(index) };
-        }
+    for index in (0..n).rev() {
+        // SAFETY: the caller's contract.
+        unsafe { *dest.add(index) = *src.add(index) };
     }
     dest
 }
