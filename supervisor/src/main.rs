@@ -157,6 +157,16 @@ unsafe impl GlobalAlloc for Heap {
         }
     }
 
+    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
+        if !is_large(layout) {
+            // SAFETY: the caller's contract, passed on.
+            return unsafe { SMALL.alloc_zeroed(layout) };
+        }
+        // SAFETY: the caller's contract. A fresh anonymous mapping is zeroed by the
+        // kernel, and writing zeros would only fault in its every page.
+        unsafe { self.alloc(layout) }
+    }
+
     unsafe fn dealloc(&self, block: *mut u8, layout: Layout) {
         if !is_large(layout) {
             // SAFETY: the caller's contract: `block` came from `alloc` with `layout`.

@@ -388,13 +388,26 @@ pub struct Environment {
 impl Environment {
     /// The entries given, without their NUL bytes; an entry without `=` (or with a NUL
     /// byte in it) is left out.
-    pub fn from_entries<'a>(entries: impl IntoIterator<Item = &'a [u8]>) -> Environment {
-        let mut bytes = Vec::new();
-        for entry in entries {
-            if entry.contains(&b'=') && !entry.contains(&0) {
-                bytes.extend_from_slice(entry);
-                bytes.push(0);
-            }
+    ///
+    /// The buffer is allocated once, at its final size (the entries are walked twice):
+    /// grown by doubling, each of its smaller sizes would be a block of the heap, which
+    /// keeps its pages, with the environment's first part in them.
+    pub fn from_entries<'a, I>(entries: I) -> Environment
+    where
+        I: IntoIterator<Item = &'a [u8]>,
+        I::IntoIter: Clone,
+    {
+        let kept = |entry: &&[u8]| entry.contains(&b'=') && !entry.contains(&0);
+        let entries = entries.into_iter();
+        let size = entries
+            .clone()
+            .filter(kept)
+            .map(|entry| entry.len() + 1)
+            .sum();
+        let mut bytes = Vec::with_capacity(size);
+        for entry in entries.filter(kept) {
+            bytes.extend_from_slice(entry);
+            bytes.push(0);
         }
         Environment { bytes }
     }

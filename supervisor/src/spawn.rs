@@ -266,8 +266,9 @@ fn prepare_and_exec(child: &Child) -> Errno {
     let mut denied = false;
     let mut last = Errno::NOENT;
     for path in &child.candidates {
-        // SAFETY: `argv` and `envp` are null-terminated arrays of pointers into
-        // `CString`s the parent built, alive in this copy of its memory.
+        // SAFETY: `argv` and `envp` are null-terminated arrays of pointers to
+        // NUL-terminated strings (the arguments' `CString`s, the environment's one
+        // buffer) the parent built, alive in this copy of its memory.
         last = unsafe { sys::execve(path, child.argv.as_ptr(), child.envp.as_ptr()) };
         match last {
             Errno::ACCESS => denied = true,
