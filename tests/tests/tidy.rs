@@ -56,25 +56,26 @@ fn every_rust_file_opens_with_a_module_doc_line() {
     );
 }
 
-/// The transitive normal (non-dev, non-build) dependencies of each workspace package.
-fn dependency_closure() -> BTreeMap<String, BTreeSet<String>> {
+/// What `cargo <args> --manifest-path <the workspace's>` prints, once it succeeded.
+fn cargo_stdout(args: &[&str]) -> Vec<u8> {
     let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .args([
-            "metadata",
-            "--format-version",
-            "1",
-            "--locked",
-            "--manifest-path",
-        ])
+        .args(args)
+        .arg("--manifest-path")
         .arg(workspace_dir().join("Cargo.toml"))
         .output()
-        .expect("cargo metadata runs");
+        .expect("cargo runs");
     assert!(
         output.status.success(),
-        "{}",
+        "cargo {args:?}: {}",
         String::from_utf8_lossy(&output.stderr)
     );
-    let metadata: serde_json::Value = serde_json::from_slice(&output.stdout).expect("json");
+    output.stdout
+}
+
+/// The transitive normal (non-dev, non-build) dependencies of each workspace package.
+fn dependency_closure() -> BTreeMap<String, BTreeSet<String>> {
+    let stdout = cargo_stdout(&["metadata", "--format-version", "1", "--locked"]);
+    let metadata: serde_json::Value = serde_json::from_slice(&stdout).expect("json");
     let names: BTreeMap<&str, &str> = metadata["packages"]
         .as_array()
         .expect("packages")
@@ -220,26 +221,23 @@ fn reconcilers_clippy_config_forbids_clocks_io_and_sleep() {
 /// `cargo tree` resolves them (features unified for that package only, as its own
 /// build does; not the workspace's unified graph).
 fn linked_crates(package: &str, features: &str, target: &str) -> BTreeSet<String> {
-    let output = Command::new(std::env::var("CARGO").unwrap_or_else(|_| "cargo".to_owned()))
-        .args(["tree", "--locked", "--edges", "normal", "--prefix", "none"])
-        .args([
-            "--format",
-            "{p}",
-            "--package",
-            package,
-            "--features",
-            features,
-        ])
-        .args(["--target", target, "--manifest-path"])
-        .arg(workspace_dir().join("Cargo.toml"))
-        .output()
-        .expect("cargo tree runs");
-    assert!(
-        output.status.success(),
-        "{}",
-        String::from_utf8_lossy(&output.stderr)
-    );
-    String::from_utf8_lossy(&output.stdout)
+    let stdout = cargo_stdout(&[
+        "tree",
+        "--locked",
+        "--edges",
+        "normal",
+        "--prefix",
+        "none",
+        "--format",
+        "{p}",
+        "--package",
+        package,
+        "--features",
+        features,
+        "--target",
+        target,
+    ]);
+    String::from_utf8_lossy(&stdout)
         .lines()
         .filter_map(|line| line.split_whitespace().next())
         .filter(|name| *name != package)
