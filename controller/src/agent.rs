@@ -451,41 +451,13 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
             source,
         })?;
     let clock = Clock::system();
-    // The supervisors' fork server starts first thing, so that its own start (its
-    // dynamic load and set-up, a millisecond or more, once the spawn here returns from
-    // its exec) overlaps everything the agent does before its first task start needs
-    // it, rather than following the first spec read.
-    let exec = settings.exec_driver.then(|| {
-        let config = ExecDriverConfig {
-            allow_root: settings.allow_root,
-            task_open_files,
-            ..ExecDriverConfig::new(&data_dir)
-        };
-        let exec = Arc::new(ExecDriver::new(config, clock));
-        exec.prepare();
-        exec
-    });
-    // Before any task starts: from then on SIGTERM and SIGINT must reach the shutdown
-    // below, and a taken port must fail the agent before there is anything to stop.
-    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
-    // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
-    // once, rather than ending the agent by its default action.
-    let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
-    let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
-    let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
-    if settings.mock_driver {
-        drivers.push(Arc::new(MockDriver::new(clock)));
-    }
-    if let Some(exec) = &exec {
-        drivers.push(exec.clone());
-    }
-    let drivers = Drivers::new(drivers);
     let changed = Arc::new(tokio::sync::Notify::new());
-    // The specs dir is watched and listed while the store opens: both only read. The
-    // watcher starts first, so no change falls between it and the listing. Each spec of
-    // the listing is handed over as soon as it is read, so the first tasks start (after
-    // the restore) while the rest of the directory is read.
+    // The specs dir is watched and listed first thing, on a thread of the blocking pool,
+    // while the fork server and the store start: reading it is the longest step before
+    // the first task start, and it only reads. The watcher starts first, so no change
+    // falls between it and the listing. Each spec of the listing is handed over as soon
+    // as it is read, so the first tasks start (after the restore) while the rest of the
+    // directory is read.
     let (found_tx, mut found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
     let early = {
         let dir = settings.specs_dir.clone();
@@ -505,6 +477,37 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
             (watcher, listing, cache)
         })
     };
+    // The supervisors' fork server starts next, on a thread of the blocking pool, so that
+    // its spawn (this thread would wait until its exec) and its own start overlap
+    // everything the agent does before its first task start needs it. A task start that
+    // comes first waits for it.
+    let exec = settings.exec_driver.then(|| {
+        let config = ExecDriverConfig {
+            allow_root: settings.allow_root,
+            task_open_files,
+            ..ExecDriverConfig::new(&data_dir)
+        };
+        let exec = Arc::new(ExecDriver::new(config, clock));
+        let prepared = exec.clone();
+        drop(tokio::task::spawn_blocking(move || prepared.prepare()));
+        exec
+    });
+    // Before any task starts: from then on SIGTERM and SIGINT must reach the shutdown
+    // below, and a taken port must fail the agent before there is anything to stop.
+    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
+    // once, rather than ending the agent by its default action.
+    let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
+    let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
+    let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
+    if settings.mock_driver {
+        drivers.push(Arc::new(MockDriver::new(clock)));
+    }
+    if let Some(exec) = &exec {
+        drivers.push(exec.clone());
+    }
+    let drivers = Drivers::new(drivers);
     // A data dir without a database has nothing to restore: the database is created while
     // the first tasks start (see `store::opening`). Otherwise it is opened, and restored,
     // first.
@@ -518,9 +521,10 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
         (Arc::new(store), None)
     } else {
         let options = settings.store;
-        let (store, created) =
-            OpeningStore::open_in_background(move || RocksDbStore::open(&state_dir, options))
-                .map_err(AgentError::StoreThread)?;
+        let (store, created) = OpeningStore::open_in_background(move || {
+            RocksDbStore::create_in_background(&state_dir, options)
+        })
+        .map_err(AgentError::StoreThread)?;
         (Arc::new(store), Some(created))
     };
     let node = Arc::new(Node::with_alloc_dirs(

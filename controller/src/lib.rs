@@ -13,6 +13,7 @@ pub mod gc;
 pub mod logging;
 pub mod metrics;
 pub mod node;
+pub mod priority;
 pub mod queue;
 pub mod sdnotify;
 pub mod source;

@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, InfoLogger,
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, Env, InfoLogger,
     IteratorMode, LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
 };
 use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRecord};
@@ -46,6 +46,9 @@ const HANDLES: &str = "handles";
 const DEVICES: &str = "devices";
 const META: &str = "meta";
 const FAMILIES: [&str; 5] = [ALLOCS, TASKS, HANDLES, DEVICES, META];
+/// RocksDB's background jobs: one flush and one compaction at a time, for a store this
+/// small.
+const BACKGROUND_JOBS: i32 = 2;
 const LAYOUT_KEY: &[u8] = b"layout";
 
 /// How the database is sized and how durable its writes are.
@@ -149,6 +152,26 @@ fn rocksdb_message(level: LogLevel, message: &str) {
 }
 
 impl RocksDbStore {
+    /// Opens like [`RocksDbStore::open`] (creating the database), on a thread of its own
+    /// while the agent's first tasks start: the calling thread's CPU priority is lowered
+    /// first ([`crate::priority`]), so that the creation, a few milliseconds of CPU,
+    /// gives way to those starts on a busy node. RocksDB's background threads (one
+    /// flush, one compaction: [`BACKGROUND_JOBS`]) are started before that, at the
+    /// caller's priority: started by the open, they would keep the lowered one for the
+    /// life of the agent.
+    pub fn create_in_background(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
+        match Env::new() {
+            Ok(mut env) => {
+                env.set_low_priority_background_threads(BACKGROUND_JOBS - 1);
+                env.set_high_priority_background_threads(1);
+            }
+            // The open starts them then, and reports the failure if it persists.
+            Err(error) => tracing::debug!(%error, "rocksdb's threads start with the store"),
+        }
+        crate::priority::lower_current_thread();
+        Self::open(path, options)
+    }
+
     /// Opens (creating when missing) the database in `path`.
     pub fn open(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
         let open_error = |source| OpenError::Open {
@@ -180,7 +203,7 @@ impl RocksDbStore {
         // A node agent's state is small: bound the WAL, files and threads.
         db_options.set_max_total_wal_size(4 << 20);
         db_options.set_max_open_files(64);
-        db_options.set_max_background_jobs(2);
+        db_options.set_max_background_jobs(BACKGROUND_JOBS);
         // RocksDB opens a database's table files on 16 threads by default, and starts 15
         // of them for each column family it recovers, whether there are files or not:
         // 15 when a new node's store is created (on the cores its first tasks start on),
