@@ -451,10 +451,19 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
             source,
         })?;
     let clock = Clock::system();
+    // Before anything starts: from then on SIGTERM and SIGINT must reach the shutdown
+    // below, and a taken port must fail the agent before there is anything to stop or
+    // wait for (the runtime's end waits for the blocking pool's work).
+    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
+    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
+    // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
+    // once, rather than ending the agent by its default action.
+    let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
+    let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
     let changed = Arc::new(tokio::sync::Notify::new());
-    // The specs dir is watched and listed first thing, on a thread of the blocking pool,
-    // while the fork server and the store start: reading it is the longest step before
-    // the first task start, and it only reads. The watcher starts first, so no change
+    // The specs dir is watched and listed next, on a thread of the blocking pool, while
+    // the fork server and the store start: reading it is the longest step before the
+    // first task start, and it only reads. The watcher starts first, so no change
     // falls between it and the listing. Each spec of the listing is handed over as soon
     // as it is read, so the first tasks start (after the restore) while the rest of the
     // directory is read.
@@ -477,10 +486,11 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
             (watcher, listing, cache)
         })
     };
-    // The supervisors' fork server starts next, on a thread of the blocking pool, so that
-    // its spawn (this thread would wait until its exec) and its own start overlap
+    // The supervisors' fork server starts then, on a thread of the blocking pool, so that
+    // its spawn (the spawning thread waits until its exec) and its own start overlap
     // everything the agent does before its first task start needs it. A task start that
-    // comes first waits for it.
+    // comes first waits for it on the server's lock (a worker blocked for the rest of
+    // that spawn, as the main thread was for all of it before).
     let exec = settings.exec_driver.then(|| {
         let config = ExecDriverConfig {
             allow_root: settings.allow_root,
@@ -492,14 +502,6 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
         drop(tokio::task::spawn_blocking(move || prepared.prepare()));
         exec
     });
-    // Before any task starts: from then on SIGTERM and SIGINT must reach the shutdown
-    // below, and a taken port must fail the agent before there is anything to stop.
-    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
-    // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
-    // once, rather than ending the agent by its default action.
-    let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
-    let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));

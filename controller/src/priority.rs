@@ -8,10 +8,12 @@ use rustix::thread::gettid;
 /// the agent's priority also wants, and nothing of its work is starved.
 pub const BACKGROUND_NICENESS: i32 = 10;
 
-/// Lowers the calling thread's CPU priority by [`BACKGROUND_NICENESS`], for work whose
-/// timing nobody waits on, such as creating a new store while the first tasks start.
-/// Threads it starts afterwards inherit the priority. Best effort: a failure leaves the
-/// thread as it was.
+/// Lowers the calling thread's CPU priority by [`BACKGROUND_NICENESS`], for the rest of
+/// its life, for work that should give way to the agent's own: creating a new store
+/// while the first tasks start. What waits for that work waits longer on a saturated
+/// node (a new node's API and its readiness to systemd wait for the store: 2-3 ms of CPU
+/// become up to ten times that). Threads it starts afterwards inherit the priority. Best
+/// effort: a failure leaves the thread as it was.
 pub fn lower_current_thread() {
     let thread = Some(gettid());
     let Ok(current) = getpriority_process(thread) else {
@@ -22,14 +24,14 @@ pub fn lower_current_thread() {
     }
 }
 
-/// The calling thread's nice value.
-pub fn current_thread_niceness() -> Option<i32> {
-    getpriority_process(Some(gettid())).ok()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The calling thread's nice value.
+    fn current_thread_niceness() -> Option<i32> {
+        getpriority_process(Some(gettid())).ok()
+    }
 
     #[test]
     fn lowering_a_thread_leaves_the_other_threads_as_they_were() {

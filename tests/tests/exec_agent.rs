@@ -64,7 +64,7 @@ fn fork_servers_of(agent: u32) -> Vec<u32> {
 }
 
 #[test]
-fn the_agent_starts_its_fork_server_before_any_spec_is_read_and_none_without_the_exec_driver() {
+fn the_agent_starts_its_fork_server_without_any_spec_and_none_without_the_exec_driver() {
     // No spec at all: the server starts with the agent, not with the first exec task.
     let dirs = AgentDirs::new("");
     let agent = dirs.start();
