@@ -518,12 +518,21 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
     // before anything starts.
     let new_store = !has_database(&state_dir) && writable_dir(&state_dir);
     keep_private(&state_dir);
+    // Lets a new store's creation begin (a send, or the last sender's drop).
+    let mut store_release = None;
     let (store, mut creating): (Arc<dyn Store>, _) = if !new_store {
         let store = RocksDbStore::open(&state_dir, settings.store)?;
         (Arc::new(store), None)
     } else {
         let options = settings.store;
+        let (release, released) = std::sync::mpsc::sync_channel::<()>(1);
+        store_release = Some(release);
         let (store, created) = OpeningStore::open_in_background(move || {
+            // Its creation waits for the first listing's task starts (or
+            // NEW_STORE_WAITS_AT_MOST), whose CPU it would otherwise take: 3-5 ms of it on
+            // a two-core machine, where ten starts take about ten. Writes wait in memory
+            // meanwhile; the API and the readiness to systemd wait for the store.
+            let _ = released.recv_timeout(NEW_STORE_WAITS_AT_MOST);
             RocksDbStore::create_in_background(&state_dir, options)
         })
         .map_err(AgentError::StoreThread)?;
@@ -563,6 +572,15 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
         if syncer.apply(&node, &spec) {
             tracing::info!(alloc = %spec.spec.metadata.name, trigger = "listing", "applied");
         }
+    }
+    // The first listing is applied: a new store is created once its task starts are
+    // answered.
+    if let Some(release) = store_release.clone() {
+        let node = node.clone();
+        tokio::spawn(async move {
+            node.settled().await;
+            let _ = release.try_send(());
+        });
     }
     let mut resync = tokio::time::interval(settings.resync);
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
@@ -680,6 +698,10 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
         settings.shutdown
     };
     tracing::info!(?mode, "shutting down");
+    // A new store not yet begun begins now: the shutdown waits for it below.
+    if let Some(release) = &store_release {
+        let _ = release.try_send(());
+    }
     crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
     drop(watcher);
     if let Some(gc) = gc {
@@ -741,6 +763,12 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
 
 /// How long a shutdown waits for a new store that is still being created.
 const STORE_CREATION_GRACE: Duration = Duration::from_secs(10);
+
+/// How long a new store's creation waits, at most, for the first listing's task starts
+/// to be answered: a start that hangs (up to the exec driver's handshake timeout) or a
+/// directory of thousands of specs delays the API and the readiness to systemd by no
+/// more than this.
+const NEW_STORE_WAITS_AT_MOST: Duration = Duration::from_secs(1);
 
 /// Whether `dir` exists (made now if missing) and a file can be created in it: a cheap
 /// check before the database is created in the background.

@@ -32,7 +32,7 @@ use tokio_util::sync::CancellationToken;
 
 use crate::allocdir::AllocDirError;
 use crate::driver::{DeviceAccess, Driver, DriverError, LogLimits, StartRequest, TaskHandle};
-use crate::node::{AllocFacts, Shared};
+use crate::node::{AllocFacts, InFlightToken, Shared};
 use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
 use crate::store;
 
@@ -85,20 +85,28 @@ enum OpReport {
 /// its mailbox. (A channel per worker would hold a block of slots for every alloc.)
 #[derive(Clone)]
 struct Reports {
-    queue: Arc<Mutex<VecDeque<(Name, u64, OpReport)>>>,
+    /// Each report, with the in-flight token of the start it answers: held until the
+    /// worker has applied and published it.
+    queue: Arc<Mutex<VecDeque<Report>>>,
     mailbox: Mailbox,
 }
 
+type Report = (Name, u64, OpReport, Option<InFlightToken>);
+
 impl Reports {
     fn send(&self, task: Name, run: u64, report: OpReport) {
+        self.send_holding(task, run, report, None);
+    }
+
+    fn send_holding(&self, task: Name, run: u64, report: OpReport, token: Option<InFlightToken>) {
         self.queue
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push_back((task, run, report));
+            .push_back((task, run, report, token));
         self.mailbox.wake();
     }
 
-    fn take(&self) -> VecDeque<(Name, u64, OpReport)> {
+    fn take(&self) -> VecDeque<Report> {
         std::mem::take(&mut *self.queue.lock().unwrap_or_else(PoisonError::into_inner))
     }
 }
@@ -233,6 +241,9 @@ pub(crate) struct Worker {
     /// The device manager still holds a replaced revision's devices for this alloc, for
     /// the current revision's first ask.
     devices_handed_on: bool,
+    /// Held until this worker's step is done (see [`crate::node::Node::settled`]): its
+    /// first one, and one that applies a start's outcome.
+    pub(crate) settling: Vec<InFlightToken>,
 }
 
 impl Worker {
@@ -260,6 +271,7 @@ impl Worker {
             store_retry: None,
             collect: None,
             devices_handed_on: false,
+            settling: Vec::new(),
         };
         match start {
             Start::Fresh(target) => worker.target = target,
@@ -347,8 +359,9 @@ impl Worker {
             if let Some(how) = pending.shutdown {
                 self.shutdown = Some(self.shutdown.map_or(how, |s| s.max(how)));
             }
-            for (task, run, report) in self.reports.take() {
+            for (task, run, report, token) in self.reports.take() {
                 self.apply_report(task, run, report, now);
+                self.settling.extend(token);
             }
             for command in pending.commands {
                 self.handle_command(command, now);
@@ -371,6 +384,9 @@ impl Worker {
                 },
             };
             self.persist_and_publish();
+            // This step's task starts are launched and hold tokens of their own; the
+            // start outcomes it applied are published.
+            self.settling.clear();
             let wake_at = match (wake_at, self.store_retry.as_ref().map(|r| r.at)) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -719,6 +735,7 @@ impl Worker {
         };
         let span = tracing::info_span!("task", task = %task, run);
         let devices = self.shared.config.devices.clone();
+        let in_flight = Some(self.shared.in_flight.token());
         let operation = async move {
             if !held.is_empty() {
                 match devices.reservation(&held).await {
@@ -740,7 +757,7 @@ impl Worker {
                             message: format!("reserving its devices: {error}"),
                             recoverable: true,
                         };
-                        tx.send(task, run, OpReport::StartFailed(error));
+                        tx.send_holding(task, run, OpReport::StartFailed(error), in_flight);
                         return;
                     }
                 }
@@ -750,10 +767,13 @@ impl Worker {
                 () = ops.cancel_start.cancelled() => None,
             };
             match started {
-                None => tx.send(task, run, OpReport::StartCancelled),
-                Some(Err(error)) => tx.send(task, run, OpReport::StartFailed(error)),
+                None => tx.send_holding(task, run, OpReport::StartCancelled, in_flight),
+                Some(Err(error)) => {
+                    tx.send_holding(task, run, OpReport::StartFailed(error), in_flight);
+                }
                 Some(Ok(handle)) => {
-                    tx.send(task.clone(), run, OpReport::Started(handle.clone()));
+                    let report = OpReport::Started(handle.clone());
+                    tx.send_holding(task.clone(), run, report, in_flight);
                     watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
                 }
             }

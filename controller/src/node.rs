@@ -6,7 +6,7 @@
 //! never across an `.await`.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard, RwLock};
 use std::time::Duration;
 
@@ -98,6 +98,56 @@ pub(crate) struct Shared {
     store_errors: Mutex<StoreHealth>,
     /// Drivers whose last fingerprint was not healthy, with why.
     unavailable_drivers: RwLock<BTreeMap<DriverKind, String>>,
+    /// The first steps of workers and the task starts not yet answered (see
+    /// [`Node::settled`]).
+    pub(crate) in_flight: InFlight,
+}
+
+/// A count of work under way, with a wake-up when it falls to zero: each piece holds an
+/// [`InFlightToken`] until it is done (or dropped, whatever the path).
+#[derive(Debug, Default)]
+pub(crate) struct InFlight {
+    count: Arc<InFlightCount>,
+}
+
+#[derive(Debug, Default)]
+struct InFlightCount {
+    count: AtomicUsize,
+    idle: tokio::sync::Notify,
+}
+
+/// One piece of work counted by an [`InFlight`], until dropped.
+#[derive(Debug)]
+pub(crate) struct InFlightToken(Arc<InFlightCount>);
+
+impl InFlight {
+    /// Counts one more piece of work, until the token is dropped.
+    pub(crate) fn token(&self) -> InFlightToken {
+        self.count.count.fetch_add(1, Ordering::AcqRel);
+        InFlightToken(Arc::clone(&self.count))
+    }
+
+    /// Returns once no token is held.
+    async fn idle(&self) {
+        loop {
+            let idle = self.count.idle.notified();
+            tokio::pin!(idle);
+            // Registered before the count is read, so a drop in between still wakes it.
+            idle.as_mut().enable();
+            if self.count.count.load(Ordering::Acquire) == 0 {
+                return;
+            }
+            idle.await;
+        }
+    }
+}
+
+impl Drop for InFlightToken {
+    fn drop(&mut self) {
+        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+            self.0.idle.notify_waiters();
+        }
+    }
 }
 
 /// Failed store writes: how many so far, and the allocs whose records are behind.
@@ -367,6 +417,7 @@ impl Node {
                 facts: RwLock::new(HashMap::new()),
                 spec_errors: RwLock::new(HashMap::new()),
                 registry: Mutex::new(HashMap::new()),
+                in_flight: InFlight::default(),
                 shutting_down: AtomicBool::new(false),
                 statuses: RwLock::new(BTreeMap::new()),
                 handles: RwLock::new(HashMap::new()),
@@ -477,7 +528,11 @@ impl Node {
     /// worker and a new input cannot cross.
     fn spawn(&self, registry: &mut HashMap<Name, Entry>, name: Name, start: Start) {
         let mailbox = Mailbox::default();
-        let worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
+        let mut worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
+        // Held until the worker's first step is done, so that `settled` sees the task
+        // starts of that step (each holds a token of its own from its launch until the
+        // worker has published its outcome).
+        worker.settling.push(self.shared.in_flight.token());
         let span = tracing::info_span!("alloc", alloc = %name);
         let join = tokio::spawn(tracing::Instrument::instrument(worker.run(), span));
         registry.insert(
@@ -520,6 +575,16 @@ impl Node {
             Some(entry) => entry.mailbox.set_target(target),
             None => self.spawn(&mut registry, name, Start::Fresh(target)),
         }
+    }
+
+    /// Returns once every alloc has taken its first step and every task start has been
+    /// answered by its driver and the answer published: at once on a node with nothing
+    /// to start. A start made later
+    /// (a restart, a new spec, a task after its prestart tasks) counts from when it is
+    /// made. The agent creates a new node's store only then, so that the creation does
+    /// not take the CPU from the first task starts.
+    pub async fn settled(&self) {
+        self.shared.in_flight.idle().await;
     }
 
     /// Declares that the alloc `name` should no longer exist: it is stopped, then

@@ -1,7 +1,8 @@
 //! Restore through the real agent binary on its RocksDB state: tasks survive an agent
 //! restart, a damaged record or a missing alloc dir fails only its own alloc with a
 //! message naming it, a second agent on the same data dir is refused at once, and a new
-//! node's tasks start while its store is still being created.
+//! node's tasks start while its store is still being created, which begins once their
+//! starts are answered.
 
 mod agent_support;
 
@@ -459,6 +460,31 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
         );
     }
     agent.terminate();
+}
+
+#[test]
+fn a_new_nodes_store_is_created_once_its_first_task_starts_are_answered() {
+    // A start that takes 800 ms: the store's creation, and the API that waits for it,
+    // come after it, where they would otherwise come within milliseconds.
+    let dirs = AgentDirs::new("drivers: {exec: {enabled: false}, mock: {enabled: true}}\n");
+    dirs.write_spec(
+        "slow",
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: slow}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {startBlockFor: 800ms}}\n",
+    );
+    let agent = dirs.start();
+    let status = agent.status("slow").expect("the alloc is shown");
+    let events: Vec<&str> = status.tasks["main"]
+        .events
+        .iter()
+        .map(|e| e.event_type.as_str())
+        .collect();
+    assert!(
+        events.contains(&"Started"),
+        "the API served before the start was answered: {events:?}\n{}",
+        agent.log_text()
+    );
+    let status = agent.terminate();
+    assert!(status.success(), "{status}");
 }
 
 #[test]

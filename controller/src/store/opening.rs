@@ -1,9 +1,11 @@
 //! A store still being created: on a brand-new data dir, the agent starts its first
-//! tasks while RocksDB creates its files, instead of after.
+//! tasks before RocksDB creates its files, instead of after.
 //!
 //! Creating a RocksDB database costs tens of milliseconds (a dozen files synced, the
 //! options written and read back), which an agent on a new node would otherwise spend
-//! before its first task starts. An [`OpeningStore`] is used only when the data dir holds
+//! before its first task starts. The agent begins it once the first listing's task
+//! starts are answered (or a second later at most), so that its CPU is not taken from
+//! them either. An [`OpeningStore`] is used only when the data dir holds
 //! no database yet, so there is nothing to restore: it keeps the latest record (or
 //! deletion) of each alloc in memory until the database is open, then writes them through
 //! in one go and from then on passes every call straight on.
