@@ -119,8 +119,8 @@ pub enum AgentError {
     /// The state store could not be opened.
     #[error(transparent)]
     OpenStore(#[from] OpenError),
-    /// The state store of a new data dir, created while the first tasks started, could
-    /// not be created.
+    /// The state store of a new data dir, created after the first task starts, could not
+    /// be created.
     #[error(transparent)]
     CreateStore(#[from] OpeningError<OpenError>),
     /// The thread that creates the state store could not be started.
@@ -510,9 +510,9 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
         drivers.push(exec.clone());
     }
     let drivers = Drivers::new(drivers);
-    // A data dir without a database has nothing to restore: the database is created while
-    // the first tasks start (see `store::opening`). Otherwise it is opened, and restored,
-    // first.
+    // A data dir without a database has nothing to restore: the database is created once
+    // the first tasks' starts are answered (see `store::opening`). Otherwise it is
+    // opened, and restored, first.
     let state_dir = data_dir.join("state");
     // A state dir that cannot be made or written to fails the agent (in the open below)
     // before anything starts.

@@ -10,7 +10,7 @@ pub const BACKGROUND_NICENESS: i32 = 10;
 
 /// Lowers the calling thread's CPU priority by [`BACKGROUND_NICENESS`], for the rest of
 /// its life, for work that should give way to the agent's own: creating a new store
-/// while the first tasks start. What waits for that work waits longer on a saturated
+/// while tasks start. What waits for that work waits longer on a saturated
 /// node (a new node's API and its readiness to systemd wait for the store: 2-3 ms of CPU
 /// become up to ten times that). Threads it starts afterwards inherit the priority. Best
 /// effort: a failure leaves the thread as it was.

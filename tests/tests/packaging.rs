@@ -868,8 +868,8 @@ async fn agent_sends_ready_only_once_restored_and_serving_then_stopping_on_sigte
     );
     let api = position("api listening")
         .unwrap_or_else(|| panic!("READY=1 came before the API listened:\n{log}"));
-    // This data dir is new: its store is created while the first tasks start, and the
-    // API waits for it.
+    // This data dir is new: its store is created once the first tasks' starts are
+    // answered, and the API waits for it.
     assert!(
         position("state store created").is_some_and(|created| created < api),
         "the API listened before the new store was created:\n{log}"

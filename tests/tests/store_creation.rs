@@ -1,4 +1,4 @@
-//! A new store's creation while the first tasks start: at a lower CPU priority than the
+//! A new store's creation, which may overlap task starts: at a lower CPU priority than the
 //! agent's, with RocksDB's own threads left at the agent's. A test binary of its own, so
 //! that no other test has started RocksDB's process-wide threads first.
 
