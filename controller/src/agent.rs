@@ -518,15 +518,14 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
     // before anything starts.
     let new_store = !has_database(&state_dir) && writable_dir(&state_dir);
     keep_private(&state_dir);
-    // Lets a new store's creation begin (a send, or the last sender's drop).
-    let mut store_release = None;
-    let (store, mut creating): (Arc<dyn Store>, _) = if !new_store {
+    // `store_release` lets a new store's creation begin (a send, or the last sender's
+    // drop).
+    let (store, mut creating, store_release): (Arc<dyn Store>, _, _) = if !new_store {
         let store = RocksDbStore::open(&state_dir, settings.store)?;
-        (Arc::new(store), None)
+        (Arc::new(store), None, None)
     } else {
         let options = settings.store;
         let (release, released) = std::sync::mpsc::sync_channel::<()>(1);
-        store_release = Some(release);
         let (store, created) = OpeningStore::open_in_background(move || {
             // Its creation waits for the first listing's task starts (or
             // NEW_STORE_WAITS_AT_MOST), whose CPU it would otherwise take: 3-5 ms of it on
@@ -536,7 +535,7 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
             RocksDbStore::create_in_background(&state_dir, options)
         })
         .map_err(AgentError::StoreThread)?;
-        (Arc::new(store), Some(created))
+        (Arc::new(store), Some(created), Some(release))
     };
     let node = Arc::new(Node::with_alloc_dirs(
         settings.node.clone(),

@@ -242,8 +242,9 @@ pub(crate) struct Worker {
     /// the current revision's first ask.
     devices_handed_on: bool,
     /// Held until this worker's step is done (see [`crate::node::Node::settled`]): its
-    /// first one, and one that applies a start's outcome.
-    pub(crate) settling: Vec<InFlightToken>,
+    /// first one, so that the task starts it launches are seen (each holds a token of
+    /// its own until its outcome is published), and one that applies a start's outcome.
+    settling: Vec<InFlightToken>,
 }
 
 impl Worker {
@@ -256,6 +257,7 @@ impl Worker {
             Some(seed) => fastrand::Rng::with_seed(seed ^ hash_name(&name)),
             None => fastrand::Rng::new(),
         };
+        let first_step = shared.in_flight.token();
         let mut worker = Worker {
             shared,
             name,
@@ -271,7 +273,7 @@ impl Worker {
             store_retry: None,
             collect: None,
             devices_handed_on: false,
-            settling: Vec::new(),
+            settling: vec![first_step],
         };
         match start {
             Start::Fresh(target) => worker.target = target,

@@ -106,35 +106,33 @@ pub(crate) struct Shared {
 /// A count of work under way, with a wake-up when it falls to zero: each piece holds an
 /// [`InFlightToken`] until it is done (or dropped, whatever the path).
 #[derive(Debug, Default)]
-pub(crate) struct InFlight {
-    count: Arc<InFlightCount>,
-}
+pub(crate) struct InFlight(Arc<Counter>);
 
 #[derive(Debug, Default)]
-struct InFlightCount {
-    count: AtomicUsize,
+struct Counter {
+    held: AtomicUsize,
     idle: tokio::sync::Notify,
 }
 
 /// One piece of work counted by an [`InFlight`], until dropped.
 #[derive(Debug)]
-pub(crate) struct InFlightToken(Arc<InFlightCount>);
+pub(crate) struct InFlightToken(Arc<Counter>);
 
 impl InFlight {
     /// Counts one more piece of work, until the token is dropped.
     pub(crate) fn token(&self) -> InFlightToken {
-        self.count.count.fetch_add(1, Ordering::AcqRel);
-        InFlightToken(Arc::clone(&self.count))
+        self.0.held.fetch_add(1, Ordering::AcqRel);
+        InFlightToken(Arc::clone(&self.0))
     }
 
     /// Returns once no token is held.
     async fn idle(&self) {
         loop {
-            let idle = self.count.idle.notified();
+            let idle = self.0.idle.notified();
             tokio::pin!(idle);
             // Registered before the count is read, so a drop in between still wakes it.
             idle.as_mut().enable();
-            if self.count.count.load(Ordering::Acquire) == 0 {
+            if self.0.held.load(Ordering::Acquire) == 0 {
                 return;
             }
             idle.await;
@@ -144,7 +142,7 @@ impl InFlight {
 
 impl Drop for InFlightToken {
     fn drop(&mut self) {
-        if self.0.count.fetch_sub(1, Ordering::AcqRel) == 1 {
+        if self.0.held.fetch_sub(1, Ordering::AcqRel) == 1 {
             self.0.idle.notify_waiters();
         }
     }
@@ -528,11 +526,7 @@ impl Node {
     /// worker and a new input cannot cross.
     fn spawn(&self, registry: &mut HashMap<Name, Entry>, name: Name, start: Start) {
         let mailbox = Mailbox::default();
-        let mut worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
-        // Held until the worker's first step is done, so that `settled` sees the task
-        // starts of that step (each holds a token of its own from its launch until the
-        // worker has published its outcome).
-        worker.settling.push(self.shared.in_flight.token());
+        let worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
         let span = tracing::info_span!("alloc", alloc = %name);
         let join = tokio::spawn(tracing::Instrument::instrument(worker.run(), span));
         registry.insert(
@@ -579,10 +573,9 @@ impl Node {
 
     /// Returns once every alloc has taken its first step and every task start has been
     /// answered by its driver and the answer published: at once on a node with nothing
-    /// to start. A start made later
-    /// (a restart, a new spec, a task after its prestart tasks) counts from when it is
-    /// made. The agent creates a new node's store only then, so that the creation does
-    /// not take the CPU from the first task starts.
+    /// to start. A start made later (a restart, a new spec, a task after its prestart
+    /// tasks) counts from when it is made. The agent creates a new node's store only
+    /// then, so that the creation does not take the CPU from the first task starts.
     pub async fn settled(&self) {
         self.shared.in_flight.idle().await;
     }

@@ -464,12 +464,13 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
 
 #[test]
 fn a_new_nodes_store_is_created_once_its_first_task_starts_are_answered() {
-    // A start that takes 800 ms: the store's creation, and the API that waits for it,
-    // come after it, where they would otherwise come within milliseconds.
+    // A start that takes 500 ms: the store's creation, and the API that waits for it,
+    // come after it, where they would otherwise come within milliseconds. (The creation
+    // waits 1 s at most: the margin either way is half a second.)
     let dirs = AgentDirs::new("drivers: {exec: {enabled: false}, mock: {enabled: true}}\n");
     dirs.write_spec(
         "slow",
-        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: slow}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {startBlockFor: 800ms}}\n",
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: slow}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {startBlockFor: 500ms}}\n",
     );
     let agent = dirs.start();
     let status = agent.status("slow").expect("the alloc is shown");
