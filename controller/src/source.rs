@@ -19,8 +19,11 @@
 //! A [`ListingCache`] keeps each file's parse keyed by its stat (device, inode, size,
 //! mtime, ctime), so a pass over 2,000 unchanged specs only stats them. A file changed
 //! twice within one timestamp tick at the same size would look unchanged, so (like git's
-//! racy-index rule) a parse is trusted only when the file's mtime was at least
-//! [`RACY_MARGIN`] older than the pass that read it; otherwise the next pass reads it again.
+//! racy-index rule) a stat vouches for a parse only when the file's mtime was at least
+//! [`RACY_MARGIN`] older than the pass that read it; otherwise the parse is kept with the
+//! content it came from, and the next pass reads the file again and parses it again only
+//! if the content differs (specs just written are read again, not parsed again, by the
+//! passes of the next two seconds).
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::os::unix::fs::MetadataExt;
@@ -100,7 +103,18 @@ impl FileStamp {
 /// Parses of spec files from earlier passes, reused while a file is unchanged.
 #[derive(Debug, Default)]
 pub struct ListingCache {
-    files: HashMap<PathBuf, (FileStamp, Arc<SpecFile>)>,
+    files: HashMap<PathBuf, CachedFile>,
+}
+
+/// One file's parse, and what vouches for it.
+#[derive(Debug)]
+struct CachedFile {
+    /// The file's stat before the read.
+    stamp: FileStamp,
+    /// The content parsed, while the stamp alone cannot vouch for it (the file changed
+    /// less than [`RACY_MARGIN`] before the pass that read it).
+    content: Option<Vec<u8>>,
+    file: Arc<SpecFile>,
 }
 
 /// Reads every spec file below `dir`.
@@ -125,7 +139,7 @@ pub fn list_specs_streaming(
     mut found: impl FnMut(&ValidSpec),
 ) -> Listing {
     let mut listing = Listing::default();
-    let mut seen: HashMap<PathBuf, (FileStamp, Arc<SpecFile>)> = HashMap::new();
+    let mut seen: HashMap<PathBuf, CachedFile> = HashMap::new();
     let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
     for error in unreadable {
         listing.incomplete = true;
@@ -138,14 +152,18 @@ pub fn list_specs_streaming(
     }
     for path in files {
         let stamp = std::fs::metadata(&path).map(|m| FileStamp::of(&m));
-        let cached = match (&stamp, cache.files.remove(&path)) {
-            (Ok(stamp), Some((old, file))) if old == *stamp => Some(file),
-            _ => None,
-        };
-        let file = match cached {
-            Some(file) => file,
-            None => match read_spec(&path) {
-                Ok(bytes) => Arc::new(parse_spec_bytes(&path, &bytes)),
+        let (file, content) = match (&stamp, cache.files.remove(&path)) {
+            (Ok(stamp), Some(old)) if old.stamp == *stamp && old.content.is_none() => {
+                (old.file, None)
+            }
+            (_, old) => match read_spec(&path) {
+                Ok(bytes) => {
+                    let file = match old {
+                        Some(old) if old.content.as_deref() == Some(bytes.as_slice()) => old.file,
+                        _ => Arc::new(parse_spec_bytes(&path, &bytes)),
+                    };
+                    (file, Some(bytes))
+                }
                 Err(error) => {
                     listing.incomplete = true;
                     listing.diagnostics.push(Diagnostic::new(
@@ -158,10 +176,16 @@ pub fn list_specs_streaming(
                 }
             },
         };
-        if let Ok(stamp) = stamp
-            && stamp.settled_before(now)
-        {
-            seen.insert(path.clone(), (stamp, file.clone()));
+        if let Ok(stamp) = stamp {
+            let content = content.filter(|_| !stamp.settled_before(now));
+            seen.insert(
+                path.clone(),
+                CachedFile {
+                    stamp,
+                    content,
+                    file: file.clone(),
+                },
+            );
         }
         let diagnostics = file.all_diagnostics();
         if file.documents.is_empty() || file.documents.iter().any(|d| d.name.is_none()) {
@@ -492,13 +516,21 @@ mod tests {
         let at = |offset: Duration| Timestamp::from_since_epoch(mtime + offset);
         let mut cache = ListingCache::default();
 
-        // Read within the margin of the write: not trusted, read again next time.
+        let parse = |cache: &ListingCache| cache.files[&dir.join("web.yaml")].file.clone();
+        // Read within the margin of the write: the stat does not vouch for the parse, the
+        // content does.
         let listing = list_specs_cached(&dir, &mut cache, at(Duration::from_millis(500)));
         assert_eq!(listing.specs.len(), 1);
-        assert!(cache.files.is_empty());
-        // Read well after: kept.
+        assert!(cache.files[&dir.join("web.yaml")].content.is_some());
+        let first = parse(&cache);
+        // Read again within the margin: the same content, so the same parse.
+        list_specs_cached(&dir, &mut cache, at(Duration::from_millis(900)));
+        assert!(Arc::ptr_eq(&first, &parse(&cache)));
+        // Read well after: the stat vouches for it, and the content is let go.
         list_specs_cached(&dir, &mut cache, at(Duration::from_secs(10)));
         assert_eq!(cache.files.len(), 1);
+        assert!(cache.files[&dir.join("web.yaml")].content.is_none());
+        assert!(Arc::ptr_eq(&first, &parse(&cache)));
 
         // An edit changes the stamp: the new content is read.
         write(&dir, "web.yaml", "api-v2");
@@ -513,6 +545,33 @@ mod tests {
                 .is_empty()
         );
         assert!(cache.files.is_empty());
+        std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn an_edit_within_the_margin_that_leaves_the_stat_unchanged_is_seen_by_its_content() {
+        let dir = std::env::temp_dir().join(format!("stead-source-racy-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).expect("dir");
+        let path = dir.join("web.yaml");
+        write(&dir, "web.yaml", "web");
+        let mtime = std::fs::metadata(&path)
+            .expect("stat")
+            .modified()
+            .expect("mtime")
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after the epoch");
+        let now = Timestamp::from_since_epoch(mtime + Duration::from_millis(100));
+        let mut cache = ListingCache::default();
+        list_specs_cached(&dir, &mut cache, now);
+
+        // A second write in the same timestamp tick, at the same size: the stat is the
+        // one cached (set here, as a coarse clock would leave it).
+        write(&dir, "web.yaml", "api");
+        let stamp = FileStamp::of(&std::fs::metadata(&path).expect("stat"));
+        cache.files.get_mut(&path).expect("cached").stamp = stamp;
+        let listing = list_specs_cached(&dir, &mut cache, now);
+        let names: Vec<&str> = listing.specs.keys().map(|n| n.as_str()).collect();
+        assert_eq!(names, ["api"]);
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
