@@ -223,6 +223,25 @@ impl AllocDir {
 
     /// Creates the alloc dir and its shared directories, if missing.
     pub fn build(&self) -> Result<(), AllocDirError> {
+        // The root is made (and its mode set) only when it is missing: once it is there,
+        // making an alloc dir in it is one `mkdir`, not six system calls more.
+        match make_dir(&self.path, 0o755, None) {
+            Err(AllocDirError::Create { source, .. })
+                if source.kind() == io::ErrorKind::NotFound =>
+            {
+                self.build_root()?;
+                make_dir(&self.path, 0o755, None)?;
+            }
+            made => made?,
+        }
+        make_dir(&self.shared(), 0o755, None)?;
+        make_dir(&self.data(), 0o777, None)?;
+        make_dir(&self.logs(), 0o755, None)?;
+        make_dir(&self.tmp(), 0o1777, None)
+    }
+
+    /// Creates the root of every alloc dir (and the data dir above it), if missing.
+    fn build_root(&self) -> Result<(), AllocDirError> {
         let root = self.path.parent().unwrap_or(&self.path);
         if let Some(data_dir) = root.parent() {
             fs::create_dir_all(data_dir).map_err(|source| AllocDirError::Create {
@@ -238,11 +257,7 @@ impl AllocDir {
         if !linked {
             make_dir(root, 0o711, None)?;
         }
-        make_dir(&self.path, 0o755, None)?;
-        make_dir(&self.shared(), 0o755, None)?;
-        make_dir(&self.data(), 0o777, None)?;
-        make_dir(&self.logs(), 0o755, None)?;
-        make_dir(&self.tmp(), 0o1777, None)
+        Ok(())
     }
 
     /// Creates `task`'s directories (and the alloc dir's), if missing; `owner` (uid, gid)
@@ -391,6 +406,28 @@ mod tests {
             .permissions()
             .mode()
             & 0o7777
+    }
+
+    #[test]
+    fn the_root_is_made_when_missing_and_left_as_it_is_once_there() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let task: Name = "server".parse().expect("valid");
+        dirs.alloc(&alloc_id()).build_task(&task, None).expect("built");
+        assert_eq!(mode(dirs.root()), 0o711);
+        // An operator's later choice of mode is kept by the next alloc's build.
+        fs::set_permissions(dirs.root(), Permissions::from_mode(0o751)).expect("chmod");
+        let other = AllocId::new(
+            &"api".parse().expect("valid"),
+            &stead_schemas::Revision::from_hex(&"cd".repeat(32)).expect("hex"),
+        );
+        dirs.alloc(&other).build_task(&task, None).expect("built");
+        assert_eq!(mode(dirs.root()), 0o751);
+        // A root removed meanwhile is made again, with its mode.
+        fs::remove_dir_all(dirs.root()).expect("removed");
+        let task_dir = dirs.alloc(&other).build_task(&task, None).expect("rebuilt");
+        assert_eq!(mode(dirs.root()), 0o711);
+        assert!(task_dir.secrets.is_dir());
     }
 
     #[test]
