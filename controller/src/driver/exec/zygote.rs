@@ -77,27 +77,37 @@ impl Server {
 
     /// Sends one request with `report` attached.
     async fn send(&self, request: &[u8], report: &OwnedFd) -> io::Result<()> {
+        // Tried at once first: the socket is writable but for a full buffer, and its
+        // readiness is only known once the reactor has polled, which a worker busy with
+        // other starts does after all of them (a start's request would wait for the rest).
+        match send_request(self.socket.get_ref(), request, report) {
+            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+            sent => return sent,
+        }
         loop {
             let mut ready = self.socket.writable().await?;
-            let sent = ready.try_io(|socket| {
-                let fds = [report.as_fd()];
-                let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
-                let mut control = SendAncillaryBuffer::new(&mut space);
-                control.push(SendAncillaryMessage::ScmRights(&fds));
-                sendmsg(
-                    socket.get_ref(),
-                    &[IoSlice::new(request)],
-                    &mut control,
-                    SendFlags::NOSIGNAL,
-                )
-                .map_err(io::Error::from)
-            });
-            match sent {
-                Ok(result) => return result.map(|_| ()),
+            match ready.try_io(|socket| send_request(socket.get_ref(), request, report)) {
+                Ok(sent) => return sent,
                 Err(_would_block) => continue,
             }
         }
     }
+}
+
+/// One request on `socket` (non-blocking) with `report` attached.
+fn send_request(socket: &OwnedFd, request: &[u8], report: &OwnedFd) -> io::Result<()> {
+    let fds = [report.as_fd()];
+    let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    control.push(SendAncillaryMessage::ScmRights(&fds));
+    sendmsg(
+        socket,
+        &[IoSlice::new(request)],
+        &mut control,
+        SendFlags::NOSIGNAL,
+    )
+    .map(drop)
+    .map_err(io::Error::from)
 }
 
 impl Zygote {
