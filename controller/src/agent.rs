@@ -332,10 +332,30 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     // built and the agent starts: reading it is the longest step before the first task
     // start, and it only reads.
     let first = FirstListing::begin(&settings.specs_dir, clock.now())?;
+    // Tasks get absolute paths, whatever the agent's working directory.
+    let data_dir =
+        std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
+            path: settings.data_dir.clone(),
+            source,
+        })?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    match runtime.block_on(run(settings, clock, first, task_open_files)) {
+    // The supervisors' fork server is started next, by this thread while the listing
+    // reads the specs dir on the other core: a task start finds it running, rather than
+    // spawning it (its thread waits until the server's exec) or waiting on its lock.
+    let exec = settings.exec_driver.then(|| {
+        let config = ExecDriverConfig {
+            allow_root: settings.allow_root,
+            task_open_files,
+            ..ExecDriverConfig::new(&data_dir)
+        };
+        let _runtime = runtime.enter();
+        let exec = Arc::new(ExecDriver::new(config, clock));
+        exec.prepare();
+        exec
+    });
+    match runtime.block_on(run(settings, clock, first, data_dir, exec)) {
         Ok(()) => Ok(0),
         Err(AgentError::CutShort) => {
             // Prompt exit: work still on the runtime's blocking threads (a store write, an
@@ -479,22 +499,17 @@ impl FirstListing {
 /// Runs the agent (the caller holds the data dir's lock) until SIGINT or SIGTERM, then
 /// shuts it down (detach or drain); a second SIGINT or SIGTERM during the shutdown ends
 /// it at once with [`AgentError::CutShort`]. `first` is the specs dir's first listing,
-/// under way. Tasks start with `task_open_files` as their soft limit of open files, when
-/// given.
+/// under way; `data_dir` the data dir's absolute path; `exec` the exec driver, when
+/// enabled, its fork server started.
 async fn run(
     settings: Settings,
     clock: Clock,
     first: FirstListing,
-    task_open_files: Option<u64>,
+    data_dir: PathBuf,
+    exec: Option<Arc<ExecDriver>>,
 ) -> Result<(), AgentError> {
     // systemd's notification socket; the watchdog pings start now, readiness comes later.
     let notifier = crate::sdnotify::start();
-    // Tasks get absolute paths, whatever the agent's working directory.
-    let data_dir =
-        std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
-            path: settings.data_dir.clone(),
-            source,
-        })?;
     // Before anything starts: from then on SIGTERM and SIGINT must reach the shutdown
     // below, and a taken port must fail the agent before there is anything to stop or
     // wait for (the runtime's end waits for the blocking pool's work).
@@ -509,22 +524,6 @@ async fn run(
         mut found,
         done: first_done,
     } = first;
-    // The supervisors' fork server starts then, on a thread of the blocking pool, so that
-    // its spawn (the spawning thread waits until its exec) and its own start overlap
-    // everything the agent does before its first task start needs it. A task start that
-    // comes first waits for it on the server's lock (a worker blocked for the rest of
-    // that spawn, as the main thread was for all of it before).
-    let exec = settings.exec_driver.then(|| {
-        let config = ExecDriverConfig {
-            allow_root: settings.allow_root,
-            task_open_files,
-            ..ExecDriverConfig::new(&data_dir)
-        };
-        let exec = Arc::new(ExecDriver::new(config, clock));
-        let prepared = exec.clone();
-        drop(tokio::task::spawn_blocking(move || prepared.prepare()));
-        exec
-    });
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));
