@@ -74,22 +74,22 @@ impl Server {
             child: Mutex::new(child),
         })
     }
+}
 
-    /// Sends one request with `report` attached.
-    async fn send(&self, request: &[u8], report: &OwnedFd) -> io::Result<()> {
-        // Tried at once first: the socket is writable but for a full buffer, and its
-        // readiness is only known once the reactor has polled, which a worker busy with
-        // other starts does after all of them (a start's request would wait for the rest).
-        match send_request(self.socket.get_ref(), request, report) {
-            Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
-            sent => return sent,
-        }
-        loop {
-            let mut ready = self.socket.writable().await?;
-            match ready.try_io(|socket| send_request(socket.get_ref(), request, report)) {
-                Ok(sent) => return sent,
-                Err(_would_block) => continue,
-            }
+/// Sends one request on `socket` with `report` attached.
+async fn send(socket: &AsyncFd<OwnedFd>, request: &[u8], report: &OwnedFd) -> io::Result<()> {
+    // Tried at once first: the socket is writable but for a full buffer, and its
+    // readiness is only known once the reactor has polled, which a worker busy with
+    // other starts does after all of them (a start's request would wait for the rest).
+    match send_request(socket.get_ref(), request, report) {
+        Err(error) if error.kind() == io::ErrorKind::WouldBlock => {}
+        sent => return sent,
+    }
+    loop {
+        let mut ready = socket.writable().await?;
+        match ready.try_io(|socket| send_request(socket.get_ref(), request, report)) {
+            Ok(sent) => return sent,
+            Err(_would_block) => continue,
         }
     }
 }
@@ -171,7 +171,7 @@ impl Zygote {
         let mut retried = false;
         loop {
             let server = self.server(config)?;
-            match server.send(request, &write).await {
+            match send(&server.socket, request, &write).await {
                 Ok(()) => return Ok(receiver),
                 Err(error) if !retried && is_gone(&error) => {
                     self.forget(&server);
@@ -189,4 +189,56 @@ fn is_gone(error: &io::Error) -> bool {
         error.kind(),
         io::ErrorKind::BrokenPipe | io::ErrorKind::ConnectionReset | io::ErrorKind::NotConnected
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use std::future::Future;
+    use std::pin::pin;
+    use std::task::{Context, Poll, Waker};
+
+    use rustix::net::{RecvAncillaryBuffer, RecvFlags, recvmsg};
+
+    use super::*;
+
+    #[test]
+    fn a_request_is_sent_before_the_reactor_has_reported_the_socket_writable() {
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_io()
+            .build()
+            .expect("runtime");
+        let _context = runtime.enter();
+        let (ours, theirs) = socketpair(
+            AddressFamily::UNIX,
+            SocketType::SEQPACKET,
+            SocketFlags::CLOEXEC | SocketFlags::NONBLOCK,
+            None,
+        )
+        .expect("socketpair");
+        let socket = register(ours, Interest::WRITABLE).expect("registered");
+        let (_read, write) = std::io::pipe().expect("pipe");
+        let write = OwnedFd::from(write);
+        // One poll, and the reactor never runs: the send must not wait for it.
+        let mut sending = pin!(send(&socket, b"start", &write));
+        let polled = sending
+            .as_mut()
+            .poll(&mut Context::from_waker(Waker::noop()));
+        assert!(matches!(polled, Poll::Ready(Ok(()))), "{polled:?}");
+        let mut buffer = [0u8; 16];
+        let mut space = [MaybeUninit::uninit(); rustix::cmsg_space!(ScmRights(1))];
+        let mut control = RecvAncillaryBuffer::new(&mut space);
+        let received = recvmsg(
+            &theirs,
+            &mut [io::IoSliceMut::new(&mut buffer)],
+            &mut control,
+            RecvFlags::empty(),
+        )
+        .expect("received");
+        assert_eq!(&buffer[..received.bytes], b"start");
+        assert_eq!(
+            control.drain().count(),
+            1,
+            "the report's descriptor came along"
+        );
+    }
 }
