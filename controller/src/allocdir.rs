@@ -413,7 +413,9 @@ mod tests {
         let data = tempfile::tempdir().expect("tempdir");
         let dirs = AllocDirs::new(data.path());
         let task: Name = "server".parse().expect("valid");
-        dirs.alloc(&alloc_id()).build_task(&task, None).expect("built");
+        dirs.alloc(&alloc_id())
+            .build_task(&task, None)
+            .expect("built");
         assert_eq!(mode(dirs.root()), 0o711);
         // An operator's later choice of mode is kept by the next alloc's build.
         fs::set_permissions(dirs.root(), Permissions::from_mode(0o751)).expect("chmod");
