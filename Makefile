@@ -61,6 +61,7 @@ bench: deps
 	target/dist/stead-bench exec 500
 	target/dist/stead-bench store 1000 10 3
 	target/dist/stead-bench devices 1000 64 201
+	target/dist/stead-bench parse 20
 	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
 	  target/dist/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
 

@@ -9,6 +9,7 @@ mod api;
 mod devices;
 mod exec;
 mod measure;
+mod parse;
 mod peers;
 mod procwatch;
 mod store;
@@ -217,9 +218,16 @@ fn main() -> anyhow::Result<()> {
         "exec" => exec::run(&runtime),
         "store" => store::run(&runtime),
         "peers" => peers::run_peers(),
+        "parse" => parse::run(
+            std::env::args()
+                .nth(2)
+                .map(|rounds| rounds.parse())
+                .transpose()?
+                .unwrap_or(20),
+        ),
         "devices" => devices::run(allocs, idle.as_secs() as usize, tick.as_millis() as usize),
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]`"
         ),
     }
 }
