@@ -224,7 +224,7 @@ impl AllocDir {
     /// Creates the alloc dir and its shared directories, if missing.
     pub fn build(&self) -> Result<(), AllocDirError> {
         // The root is made (and its mode set) only when it is missing: once it is there,
-        // making an alloc dir in it is one `mkdir`, not six system calls more.
+        // making an alloc dir in it is one `mkdir`, not five system calls more.
         match make_dir(&self.path, 0o755, None) {
             Err(AllocDirError::Create { source, .. })
                 if source.kind() == io::ErrorKind::NotFound =>
