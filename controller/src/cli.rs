@@ -6,15 +6,15 @@
 
 use std::collections::BTreeMap;
 use std::ffi::OsString;
-use std::io::{Read, Write};
-use std::path::{Path, PathBuf};
+use std::io::Write;
+use std::path::PathBuf;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
 use serde_json::json;
-use stead_schemas::{Diagnostic, Location, MAX_SPEC_FILE_BYTES, SpecFile, parse_spec_bytes};
+use stead_schemas::{Diagnostic, Location, SpecFile, parse_spec_bytes};
 
-use crate::spec_files::collect_spec_files;
+use crate::spec_files::{collect_spec_files, read_spec_file};
 
 mod client;
 mod remote;
@@ -109,15 +109,6 @@ fn schema(out: &mut dyn Write) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-/// Reads at most one byte more than a spec may have, so a huge file is refused cheaply.
-fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(MAX_SPEC_FILE_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)?;
-    Ok(bytes)
-}
-
 fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Result<u8> {
     let (files, unreadable) = collect_spec_files(paths);
     let mut diagnostics: Vec<Diagnostic> = unreadable
@@ -144,7 +135,7 @@ fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Re
     }
     let mut parsed: Vec<SpecFile> = Vec::new();
     for path in &files {
-        match read_spec(path) {
+        match read_spec_file(path) {
             Ok(bytes) => parsed.push(parse_spec_bytes(path, &bytes)),
             Err(error) => diagnostics.push(Diagnostic::new(
                 path,

@@ -37,7 +37,7 @@ use stead_schemas::{
 };
 
 use crate::node::Node;
-use crate::spec_files::collect_spec_files;
+use crate::spec_files::{collect_spec_files, read_spec_file};
 
 /// One full reading of the specs directory.
 #[derive(Debug, Default)]
@@ -156,7 +156,7 @@ pub fn list_specs_streaming(
             (Ok(stamp), Some(old)) if old.stamp == *stamp && old.content.is_none() => {
                 (old.file, None)
             }
-            (_, old) => match read_spec(&path) {
+            (_, old) => match read_spec_file(&path) {
                 Ok(bytes) => {
                     let file = match old {
                         Some(old) if old.content.as_deref() == Some(bytes.as_slice()) => old.file,
@@ -241,15 +241,6 @@ pub fn list_specs_streaming(
     }
     cache.files = seen;
     listing
-}
-
-fn read_spec(path: &Path) -> std::io::Result<Vec<u8>> {
-    use std::io::Read;
-    let mut bytes = Vec::new();
-    std::fs::File::open(path)?
-        .take(stead_schemas::MAX_SPEC_FILE_BYTES as u64 + 1)
-        .read_to_end(&mut bytes)?;
-    Ok(bytes)
 }
 
 /// What the node was last told about each alloc, so that passes apply only changes.

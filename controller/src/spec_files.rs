@@ -17,6 +17,19 @@ pub struct SpecFileError {
     pub source: io::Error,
 }
 
+/// Reads the spec file at `path`: at most one byte more than a spec may have, so a huge
+/// file is refused cheaply, into a buffer sized by the file's length, so a small spec
+/// takes one read and the end-of-file check.
+pub fn read_spec_file(path: &Path) -> io::Result<Vec<u8>> {
+    use std::io::Read;
+    let limit = stead_schemas::MAX_SPEC_FILE_BYTES as u64 + 1;
+    let file = std::fs::File::open(path)?;
+    let length = file.metadata().map_or(0, |meta| meta.len()).min(limit);
+    let mut bytes = Vec::with_capacity(usize::try_from(length).unwrap_or(0) + 1);
+    file.take(limit).read_to_end(&mut bytes)?;
+    Ok(bytes)
+}
+
 /// Whether a file name belongs to no spec: hidden files and editor temporaries
 /// (`.web.yaml.swp`, `web.yaml~`, `#web.yaml#`, `web.yaml.tmp`, vim's `4913` probe).
 pub fn is_ignored_name(name: &str) -> bool {
@@ -104,5 +117,21 @@ mod tests {
             assert!(is_spec_file_name(spec), "{spec}");
         }
         assert!(!is_spec_file_name("README.md"));
+    }
+
+    #[test]
+    fn a_spec_is_read_whole_and_a_huge_file_only_one_byte_past_the_limit() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let small = dir.path().join("web.yaml");
+        std::fs::write(&small, "kind: Alloc\n").expect("write");
+        assert_eq!(read_spec_file(&small).expect("read"), b"kind: Alloc\n");
+        let huge = dir.path().join("huge.yaml");
+        std::fs::write(&huge, vec![b'x'; stead_schemas::MAX_SPEC_FILE_BYTES + 4096])
+            .expect("write");
+        assert_eq!(
+            read_spec_file(&huge).expect("read").len(),
+            stead_schemas::MAX_SPEC_FILE_BYTES + 1
+        );
+        assert!(read_spec_file(&dir.path().join("gone.yaml")).is_err());
     }
 }
