@@ -126,6 +126,9 @@ pub enum AgentError {
     /// The thread that creates the state store could not be started.
     #[error("cannot start the thread that creates the state store")]
     StoreThread(#[source] std::io::Error),
+    /// The thread that makes the first listing of the specs dir could not be started.
+    #[error("cannot start the thread that lists the specs dir")]
+    ListingThread(#[source] std::io::Error),
     /// The thread that creates the state store died without an outcome.
     #[error("the thread creating the state store died")]
     StoreThreadDied,
@@ -324,10 +327,35 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     // gives it a moment): no second agent may take the data dir over before then.
     let _lock = lock_data_dir(&settings.data_dir)?;
     let task_open_files = raise_open_files_limit();
+    let clock = Clock::system();
+    // The specs dir is listed first of all, on a thread of its own, while the runtime is
+    // built and the agent starts: reading it is the longest step before the first task
+    // start, and it only reads.
+    let first = FirstListing::begin(&settings.specs_dir, clock.now())?;
+    // Tasks get absolute paths, whatever the agent's working directory.
+    let data_dir =
+        std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
+            path: settings.data_dir.clone(),
+            source,
+        })?;
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    match runtime.block_on(run(settings, task_open_files)) {
+    // The supervisors' fork server is started next, by this thread while the listing
+    // reads the specs dir on the other core: a task start finds it running, rather than
+    // spawning it (its thread waits until the server's exec) or waiting on its lock.
+    let exec = settings.exec_driver.then(|| {
+        let config = ExecDriverConfig {
+            allow_root: settings.allow_root,
+            task_open_files,
+            ..ExecDriverConfig::new(&data_dir)
+        };
+        let _runtime = runtime.enter();
+        let exec = Arc::new(ExecDriver::new(config, clock));
+        exec.prepare();
+        exec
+    });
+    match runtime.block_on(run(settings, clock, first, data_dir, exec)) {
         Ok(()) => Ok(0),
         Err(AgentError::CutShort) => {
             // Prompt exit: work still on the runtime's blocking threads (a store write, an
@@ -437,20 +465,51 @@ fn raise_open_files_limit() -> Option<u64> {
     }
 }
 
+/// The specs dir's first listing, made on a thread of its own from before the runtime is
+/// built: each spec is handed over as soon as it is read, so the first tasks start while
+/// the rest of the directory is read.
+struct FirstListing {
+    /// Each spec the listing keeps, in the order read; closed when the listing ends.
+    found: tokio::sync::mpsc::UnboundedReceiver<ValidSpec>,
+    /// The whole listing and the cache of its parses (no value if the thread died).
+    done: tokio::sync::oneshot::Receiver<(Listing, ListingCache)>,
+}
+
+impl FirstListing {
+    /// Starts listing `dir` as of `now`.
+    fn begin(dir: &Path, now: Timestamp) -> Result<Self, AgentError> {
+        let (found_tx, found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
+        let (done_tx, done) = tokio::sync::oneshot::channel();
+        let dir = dir.to_owned();
+        std::thread::Builder::new()
+            .name("stead-listing".to_owned())
+            .spawn(move || {
+                let mut cache = ListingCache::default();
+                let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
+                    let _ = found_tx.send(spec.clone());
+                });
+                drop(found_tx);
+                let _ = done_tx.send((listing, cache));
+            })
+            .map_err(AgentError::ListingThread)?;
+        Ok(FirstListing { found, done })
+    }
+}
+
 /// Runs the agent (the caller holds the data dir's lock) until SIGINT or SIGTERM, then
 /// shuts it down (detach or drain); a second SIGINT or SIGTERM during the shutdown ends
-/// it at once with [`AgentError::CutShort`]. Tasks start with `task_open_files` as their
-/// soft limit of open files, when given.
-async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), AgentError> {
+/// it at once with [`AgentError::CutShort`]. `first` is the specs dir's first listing,
+/// under way; `data_dir` the data dir's absolute path; `exec` the exec driver, when
+/// enabled, its fork server started.
+async fn run(
+    settings: Settings,
+    clock: Clock,
+    first: FirstListing,
+    data_dir: PathBuf,
+    exec: Option<Arc<ExecDriver>>,
+) -> Result<(), AgentError> {
     // systemd's notification socket; the watchdog pings start now, readiness comes later.
     let notifier = crate::sdnotify::start();
-    // Tasks get absolute paths, whatever the agent's working directory.
-    let data_dir =
-        std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
-            path: settings.data_dir.clone(),
-            source,
-        })?;
-    let clock = Clock::system();
     // Before anything starts: from then on SIGTERM and SIGINT must reach the shutdown
     // below, and a taken port must fail the agent before there is anything to stop or
     // wait for (the runtime's end waits for the blocking pool's work).
@@ -461,47 +520,10 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
     let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
     let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
     let changed = Arc::new(tokio::sync::Notify::new());
-    // The specs dir is watched and listed next, on a thread of the blocking pool, while
-    // the fork server and the store start: reading it is the longest step before the
-    // first task start, and it only reads. The watcher starts first, so no change
-    // falls between it and the listing. Each spec of the listing is handed over as soon
-    // as it is read, so the first tasks start (after the restore) while the rest of the
-    // directory is read.
-    let (found_tx, mut found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
-    let early = {
-        let dir = settings.specs_dir.clone();
-        let watch = settings.watch;
-        let changed = changed.clone();
-        let now = clock.now();
-        tokio::task::spawn_blocking(move || {
-            let watcher = if watch {
-                start_watcher(&dir, &changed)
-            } else {
-                None
-            };
-            let mut cache = ListingCache::default();
-            let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
-                let _ = found_tx.send(spec.clone());
-            });
-            (watcher, listing, cache)
-        })
-    };
-    // The supervisors' fork server starts then, on a thread of the blocking pool, so that
-    // its spawn (the spawning thread waits until its exec) and its own start overlap
-    // everything the agent does before its first task start needs it. A task start that
-    // comes first waits for it on the server's lock (a worker blocked for the rest of
-    // that spawn, as the main thread was for all of it before).
-    let exec = settings.exec_driver.then(|| {
-        let config = ExecDriverConfig {
-            allow_root: settings.allow_root,
-            task_open_files,
-            ..ExecDriverConfig::new(&data_dir)
-        };
-        let exec = Arc::new(ExecDriver::new(config, clock));
-        let prepared = exec.clone();
-        drop(tokio::task::spawn_blocking(move || prepared.prepare()));
-        exec
-    });
+    let FirstListing {
+        mut found,
+        done: first_done,
+    } = first;
     let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
     if settings.mock_driver {
         drivers.push(Arc::new(MockDriver::new(clock)));
@@ -585,10 +607,18 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
     resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     // File events only say "look again"; the listing is the level. A wake-up that comes
     // during a pass is kept, so the pass after it sees the change.
-    let (mut watcher, mut first_listing, mut cache) = match early.await {
-        Ok((watcher, listing, cache)) => (watcher, Some(listing), cache),
-        Err(_) => (None, None, ListingCache::default()),
+    let (mut first_listing, mut cache) = match first_done.await {
+        Ok((listing, cache)) => (Some(listing), cache),
+        Err(_) => (None, ListingCache::default()),
     };
+    // The watcher starts in the loop below, once the first listing is read: its set-up
+    // (a thread of its own, a walk of the directory) would otherwise come before the
+    // first task start, or take a core from it. Until it watches, a change may go unseen:
+    // the first listing, and any made while there was no watcher, is followed by one more
+    // under it (files changed lately are read again, and parsed again only if their
+    // content differs).
+    let mut watcher: Option<SpecsWatcher> = None;
+    let mut listed_unwatched = true;
     let mut gc = None;
     tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
     // Ready for systemd (`Type=notify`) only now: state restored (or a new store created),
@@ -606,12 +636,15 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
                 .as_ref()
                 .is_none_or(|w| !w.watches(&settings.specs_dir))
         {
-            // A replaced directory's files may have come after the last listing: list
-            // once more, under the new watcher.
-            if watcher.take().is_some() {
+            // A replaced directory's files may have come after the last listing, and a
+            // listing made while nothing watched may have missed a change: list once
+            // more, under the new watcher.
+            let replaced = watcher.take().is_some();
+            watcher = start_watcher(&settings.specs_dir, &changed);
+            if replaced || (watcher.is_some() && listed_unwatched) {
                 changed.notify_one();
             }
-            watcher = start_watcher(&settings.specs_dir, &changed);
+            listed_unwatched &= watcher.is_none();
         }
         let trigger = tokio::select! {
             _ = resync.tick() => "resync",
@@ -669,6 +702,7 @@ async fn run(settings: Settings, task_open_files: Option<u64>) -> Result<(), Age
                 listing
             }
         };
+        listed_unwatched |= watcher.is_none();
         for diagnostic in &listing.diagnostics {
             tracing::warn!("{diagnostic}");
         }

@@ -300,7 +300,7 @@ impl ExecDriver {
     /// Starts the supervisors' fork server now rather than at the first task start, so
     /// that its start overlaps the agent's own; a server that fails to start is logged
     /// and tried again by that first start. Blocks until the server's exec (and a task
-    /// start meanwhile, on the server's lock): the agent calls it on the blocking pool.
+    /// start meanwhile, on the server's lock); needs the runtime's context.
     pub fn prepare(&self) {
         if let Err(error) = self.inner.zygote.prepare(&self.inner.config) {
             tracing::warn!(error = %error, supervisor = %self.inner.config.supervisor.display(), "cannot start the fork server yet");
