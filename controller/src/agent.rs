@@ -510,9 +510,10 @@ async fn run(
 ) -> Result<(), AgentError> {
     // systemd's notification socket; the watchdog pings start now, readiness comes later.
     let notifier = crate::sdnotify::start();
-    // Before anything starts: from then on SIGTERM and SIGINT must reach the shutdown
-    // below, and a taken port must fail the agent before there is anything to stop or
-    // wait for (the runtime's end waits for the blocking pool's work).
+    // Before any task can start (only the listing, which reads, and the fork server,
+    // which exits with its socket, run yet): from then on SIGTERM and SIGINT must reach
+    // the shutdown below, and a taken port must fail the agent before there is anything
+    // to stop or wait for (the runtime's end waits for the blocking pool's work).
     let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
     let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
     // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
