@@ -614,12 +614,10 @@ async fn run(
     };
     // The watcher starts in the loop below, once the first listing is read: its set-up
     // (a thread of its own, a walk of the directory) would otherwise come before the
-    // first task start, or take a core from it. Until it watches, a change may go unseen:
-    // the first listing, and any made while there was no watcher, is followed by one more
-    // under it (files changed lately are read again, and parsed again only if their
-    // content differs).
+    // first task start, or take a core from it. Until it watches, a change may go unseen,
+    // so each watcher started is followed by one more listing under it (files changed
+    // lately are read again, and parsed again only if their content differs).
     let mut watcher: Option<SpecsWatcher> = None;
-    let mut listed_unwatched = true;
     let mut gc = None;
     tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
     // Ready for systemd (`Type=notify`) only now: state restored (or a new store created),
@@ -637,15 +635,15 @@ async fn run(
                 .as_ref()
                 .is_none_or(|w| !w.watches(&settings.specs_dir))
         {
-            // A replaced directory's files may have come after the last listing, and a
-            // listing made while nothing watched may have missed a change: list once
-            // more, under the new watcher.
+            // What was listed before this watcher (the first listing, those made while
+            // none could start, a replaced directory's) may have missed a change: list
+            // once more, under it. A replaced directory is listed again even when no
+            // watcher starts.
             let replaced = watcher.take().is_some();
             watcher = start_watcher(&settings.specs_dir, &changed);
-            if replaced || (watcher.is_some() && listed_unwatched) {
+            if replaced || watcher.is_some() {
                 changed.notify_one();
             }
-            listed_unwatched &= watcher.is_none();
         }
         let trigger = tokio::select! {
             _ = resync.tick() => "resync",
@@ -703,7 +701,6 @@ async fn run(
                 listing
             }
         };
-        listed_unwatched |= watcher.is_none();
         for diagnostic in &listing.diagnostics {
             tracing::warn!("{diagnostic}");
         }
