@@ -7,8 +7,10 @@
 //! 17, generation 1), so one observer serves all three: a task "runs" when a process
 //! with its marker is executing, learnt from the kernel's process events
 //! ([`crate::procwatch`]). Measured, ROUNDS times each (default 3): cold start of 10,
-//! 100 and 500 `sleep` tasks from launching the manager until all run, against a bare
-//! fork/exec loop timed by the same observer; restart after `kill -9` of one task (RESTARTS
+//! 100 and 500 `sleep` tasks from launching the manager until all run (its configuration
+//! or specs written beforehand, and an earlier run's files removed, outside the time, as
+//! the floor has nothing to prepare), against a bare fork/exec loop timed by the same
+//! observer; restart after `kill -9` of one task (RESTARTS
 //! kills per round, default 10); stop-all of 100 tasks that each take 1 s to exit on
 //! SIGTERM; changing one task's command among 100 (time to the new process; the other
 //! 99 pids must not change); and, once, the manager's own CPU, RSS and PSS over
@@ -208,11 +210,13 @@ struct Manager<'t> {
 }
 
 impl<'t> Manager<'t> {
-    /// Writes the manager's configuration for `tasks` and launches it.
-    fn start(kind: Kind, tools: &'t Tools, dir: &Path, tasks: Vec<Task>) -> anyhow::Result<Self> {
+    /// Clears what an earlier run left in `dir` and writes the manager's configuration
+    /// for `tasks` there, as a deployment has it in place before the manager starts:
+    /// none of it is part of a start's time.
+    fn prepare(kind: Kind, tools: &'t Tools, dir: &Path, tasks: Vec<Task>) -> anyhow::Result<Self> {
         let _ = std::fs::remove_dir_all(dir);
         std::fs::create_dir_all(dir).with_context(|| format!("creating {}", dir.display()))?;
-        let mut manager = Manager {
+        let manager = Manager {
             kind,
             tools,
             dir: dir.to_owned(),
@@ -231,21 +235,33 @@ impl<'t> Manager<'t> {
                     .port();
                 // State in RocksDB under the data dir; the specs dir is watched, with
                 // the default 20 s resync as the safety net.
-                let config = dir.join("agent.yaml");
                 std::fs::write(
-                    &config,
+                    dir.join("agent.yaml"),
                     format!(
                         "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\nshutdown: drain\nallowRoot: true\ndrivers: {{mock: {{enabled: false}}}}\nlogFormat: json\n",
                         specs.display(),
                         dir.join("data").display()
                     ),
                 )?;
+            }
+            Kind::Supervisord => manager.write_supervisord_config()?,
+            Kind::Pm2 => manager.write_ecosystem()?,
+        }
+        Ok(manager)
+    }
+
+    /// Launches the manager on the configuration [`Manager::prepare`] wrote: the start
+    /// a cold start is timed from.
+    fn launch(mut self) -> anyhow::Result<Self> {
+        let dir = self.dir.clone();
+        match self.kind {
+            Kind::Stead => {
                 let log = std::fs::File::create(dir.join("agent.log"))?;
-                manager.child = Some(
-                    Command::new(&tools.stead)
+                self.child = Some(
+                    Command::new(&self.tools.stead)
                         .arg("agent")
                         .arg("--config")
-                        .arg(&config)
+                        .arg(dir.join("agent.yaml"))
                         .stdin(Stdio::null())
                         .stdout(Stdio::null())
                         .stderr(log)
@@ -254,8 +270,7 @@ impl<'t> Manager<'t> {
                 );
             }
             Kind::Supervisord => {
-                manager.write_supervisord_config()?;
-                manager.child = Some(
+                self.child = Some(
                     Command::new("supervisord")
                         .arg("--nodaemon")
                         .arg("--configuration")
@@ -268,11 +283,10 @@ impl<'t> Manager<'t> {
                 );
             }
             Kind::Pm2 => {
-                manager.write_ecosystem()?;
-                run(manager.pm2().arg("start").arg(dir.join("ecosystem.json")))?;
+                run(self.pm2().arg("start").arg(dir.join("ecosystem.json")))?;
             }
         }
-        Ok(manager)
+        Ok(self)
     }
 
     fn write_spec(&self, task: &Task) -> anyhow::Result<()> {
@@ -539,9 +553,10 @@ fn round(
         // Nothing of the floor's or an earlier manager's may count for this one.
         observer.until(now(), LIMIT, "earlier tasks gone", HashMap::is_empty)?;
         let tasks = (0..n).map(|i| sleep_task(tools, i, 1)).collect();
+        let manager = Manager::prepare(kind, tools, &dir, tasks)?;
         warm(&program_files(kind, tools));
         let start = now();
-        let manager = Manager::start(kind, tools, &dir, tasks)?;
+        let manager = manager.launch()?;
         let took = observer.until(start, LIMIT, "cold start", all_running(n))?;
         results.add(
             &format!("cold start, {n} tasks (s)"),
@@ -653,8 +668,9 @@ fn round(
 
     // Stop all of 100 tasks that take 1 s to exit.
     let tasks = (0..POOL).map(|i| slow_stop_task(tools, i)).collect();
+    let manager = Manager::prepare(kind, tools, &dir, tasks)?;
     let start = now();
-    let mut manager = Manager::start(kind, tools, &dir, tasks)?;
+    let mut manager = manager.launch()?;
     observer.until(start, LIMIT, "slow-stop tasks running", |m| {
         slow_stop_tasks(m) >= POOL
     })?;
