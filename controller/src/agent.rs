@@ -481,17 +481,19 @@ impl FirstListing {
         let (found_tx, found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
         let (done_tx, done) = tokio::sync::oneshot::channel();
         let dir = dir.to_owned();
-        std::thread::Builder::new()
-            .name("stead-listing".to_owned())
-            .spawn(move || {
-                let mut cache = ListingCache::default();
-                let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
-                    let _ = found_tx.send(spec.clone());
-                });
-                drop(found_tx);
-                let _ = done_tx.send((listing, cache));
-            })
-            .map_err(AgentError::ListingThread)?;
+        // On another core than this thread's, which builds the runtime and spawns the
+        // fork server meanwhile: otherwise one of the two often waits for the other on
+        // one core while the next idles (`crate::apart`). The thread ends with the
+        // listing and starts nothing.
+        crate::apart::spawn_apart("stead-listing", move || {
+            let mut cache = ListingCache::default();
+            let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
+                let _ = found_tx.send(spec.clone());
+            });
+            drop(found_tx);
+            let _ = done_tx.send((listing, cache));
+        })
+        .map_err(AgentError::ListingThread)?;
         Ok(FirstListing { found, done })
     }
 }

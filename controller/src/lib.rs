@@ -4,6 +4,7 @@
 pub mod agent;
 pub mod alloc;
 pub mod allocdir;
+mod apart;
 pub mod api;
 pub mod cli;
 pub mod clock;
