@@ -997,12 +997,26 @@ fn fmt(value: f64) -> String {
     } else if value.abs() >= 1.0 {
         format!("{value:.2}")
     } else {
-        format!("{value:.3}")
+        // Three significant digits below 1 too: a 10 ms cold start reads 0.0103 s, not
+        // 0.010 s, which would hide a tenth of it.
+        let decimals = 2 - value.abs().log10().floor() as i32;
+        format!("{value:.*}", usize::try_from(decimals).unwrap_or(3))
     }
 }
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn figures_keep_three_significant_digits() {
+        assert_eq!(fmt(0.0), "0");
+        assert_eq!(fmt(0.010_34), "0.0103");
+        assert_eq!(fmt(0.005_12), "0.00512");
+        assert_eq!(fmt(0.512), "0.512");
+        assert_eq!(fmt(1.234), "1.23");
+        assert_eq!(fmt(12.34), "12.3");
+        assert_eq!(fmt(123.4), "123");
+    }
+
     use super::*;
 
     fn script(dir: &Path, name: &str, text: &str) -> PathBuf {
