@@ -7,8 +7,10 @@
 //! proc connector (netlink, `CN_IDX_PROC`, root only) reports each `fork`, `exec` and
 //! `exit` as it happens; the observer then reads the command line of only the processes
 //! that just executed something, and wakes when one did, so it neither loads the machine
-//! nor adds a polling interval to what it measures. The same observer serves every
-//! manager and the bare loop alike.
+//! nor adds a polling interval to what it measures. A wait ends at the kernel's time of
+//! the event that met it, not when the observer read that event: while a manager starts
+//! its tasks on every core, the observer's own wake-up can lag by a scheduler tick. The
+//! same observer serves every manager and the bare loop alike.
 
 use std::collections::HashMap;
 use std::io;
@@ -52,6 +54,17 @@ const RECEIVE_BUFFER: libc::c_int = 16 << 20;
 
 fn u32_at(bytes: &[u8], at: usize) -> Option<u32> {
     Some(u32::from_ne_bytes(bytes.get(at..at + 4)?.try_into().ok()?))
+}
+
+fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
+    Some(u64::from_ne_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
+}
+
+/// The kernel's monotonic clock (`ktime_get_ns`, what process events are stamped with),
+/// in nanoseconds.
+fn monotonic_ns() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
 }
 
 /// Subscribes to the kernel's process events.
@@ -168,10 +181,24 @@ impl Observer {
 
     /// Brings the table up to date, waiting up to `timeout` for something to happen.
     fn refresh(&mut self, timeout: Duration) {
+        self.refresh_until(timeout, &mut |_| false);
+    }
+
+    /// Brings the table up to date as [`Observer::refresh`] does, one event at a time.
+    /// When `condition` holds at the end and came to hold during the update, answers
+    /// when the event after which it last came to hold happened: the kernel's time of
+    /// it, not when this process got to read it (on a loaded machine, up to a scheduler
+    /// tick or more later). From scans, the time of the scan.
+    fn refresh_until(
+        &mut self,
+        timeout: Duration,
+        condition: &mut impl FnMut(&HashMap<u32, Marked>) -> bool,
+    ) -> Option<Instant> {
         let Some(events) = self.events.as_ref().map(AsRawFd::as_raw_fd) else {
             std::thread::sleep(timeout.min(Duration::from_millis(1)));
+            let held = condition(&self.marked);
             self.scan();
-            return;
+            return (!held && condition(&self.marked)).then(Instant::now);
         };
         let mut poll = libc::pollfd {
             fd: events,
@@ -188,6 +215,10 @@ impl Observer {
         unsafe {
             libc::poll(&raw mut poll, 1, ms);
         }
+        // The events' times are the kernel's monotonic clock, which `Instant` reads too.
+        let (clock_now, instant_now) = (monotonic_ns(), Instant::now());
+        let mut holds = condition(&self.marked);
+        let mut came = None;
         loop {
             #[allow(unsafe_code)]
             // SAFETY: the buffer is ours and as long as given.
@@ -203,9 +234,14 @@ impl Observer {
                 if io::Error::last_os_error().raw_os_error() == Some(libc::ENOBUFS) {
                     // Events were dropped: start over from the process table.
                     self.scan();
+                    let now_holds = condition(&self.marked);
+                    if now_holds != holds {
+                        came = now_holds.then(Instant::now);
+                        holds = now_holds;
+                    }
                     continue;
                 }
-                return;
+                return came.filter(|_| holds);
             }
             let received = received.unsigned_abs();
             let mut at = 0;
@@ -216,6 +252,16 @@ impl Observer {
                 }
                 let message = self.buffer[at..at + length].to_vec();
                 self.apply(&message);
+                let now_holds = condition(&self.marked);
+                if now_holds != holds {
+                    came = now_holds.then(|| {
+                        u64_at(&message, EVENT_AT + 8)
+                            .map(|ns| clock_now.saturating_sub(ns))
+                            .and_then(|ago| instant_now.checked_sub(Duration::from_nanos(ago)))
+                            .unwrap_or(instant_now)
+                    });
+                    holds = now_holds;
+                }
                 at += (length + 3) & !3;
             }
         }
@@ -269,8 +315,11 @@ impl Observer {
         mut condition: impl FnMut(&HashMap<u32, Marked>) -> bool,
     ) -> anyhow::Result<Duration> {
         // What happened before this call (processes that exited since) counts first.
-        self.refresh(Duration::ZERO);
+        let mut timeout = Duration::ZERO;
         loop {
+            if let Some(happened) = self.refresh_until(timeout, &mut condition) {
+                return Ok(happened.saturating_duration_since(start));
+            }
             if condition(&self.marked) {
                 return Ok(start.elapsed());
             }
@@ -278,7 +327,7 @@ impl Observer {
             if waited > limit {
                 anyhow::bail!("{what}: not reached within {limit:?}");
             }
-            self.refresh((limit - waited).min(Duration::from_millis(50)));
+            timeout = (limit - waited).min(Duration::from_millis(50));
         }
     }
 
@@ -329,5 +378,38 @@ mod tests {
         observer
             .until(crate::measure::now(), limit, "gone", HashMap::is_empty)
             .expect("the observer sees it gone");
+    }
+
+    #[test]
+    fn with_process_events_a_wait_is_timed_by_the_event_not_by_its_reading() {
+        let mut observer = Observer::new(ours);
+        let start = crate::measure::now();
+        let mut child = std::process::Command::new("sleep")
+            .arg(format!("7{}", std::process::id()))
+            .spawn()
+            .expect("sleep starts");
+        // The observer reads the exec event only after this, as a busy benchmark's
+        // observer may.
+        std::thread::sleep(Duration::from_millis(300));
+        let pid = child.id();
+        let took = observer
+            .until(start, Duration::from_secs(10), "seen", |m| {
+                m.contains_key(&pid)
+            })
+            .expect("the observer sees the process");
+        child.kill().expect("killed");
+        child.wait().expect("reaped");
+        if observer.events.is_some() {
+            assert!(
+                took < Duration::from_millis(200),
+                "timed by the event: {took:?}"
+            );
+        } else {
+            // Scans see the process when they run.
+            assert!(
+                took >= Duration::from_millis(300),
+                "timed by the scan: {took:?}"
+            );
+        }
     }
 }
