@@ -10,6 +10,13 @@ pub(crate) fn now() -> Instant {
         .into_std()
 }
 
+/// The kernel's monotonic clock in nanoseconds: `CLOCK_MONOTONIC`, which [`now`] reads
+/// too and the kernel stamps its process events with (`ktime_get_ns`).
+pub(crate) fn monotonic_ns() -> u64 {
+    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
+    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
+}
+
 /// The median of `values` (the upper one of an even count).
 pub(crate) fn median<T: Copy + PartialOrd>(values: &[T]) -> T {
     let mut sorted = values.to_vec();

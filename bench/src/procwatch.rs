@@ -60,13 +60,6 @@ fn u64_at(bytes: &[u8], at: usize) -> Option<u64> {
     Some(u64::from_ne_bytes(bytes.get(at..at + 8)?.try_into().ok()?))
 }
 
-/// The kernel's monotonic clock (`ktime_get_ns`, what process events are stamped with),
-/// in nanoseconds.
-fn monotonic_ns() -> u64 {
-    let now = rustix::time::clock_gettime(rustix::time::ClockId::Monotonic);
-    u64::try_from(now.tv_sec).unwrap_or(0) * 1_000_000_000 + u64::try_from(now.tv_nsec).unwrap_or(0)
-}
-
 /// Subscribes to the kernel's process events.
 #[allow(unsafe_code)]
 fn listen() -> io::Result<OwnedFd> {
@@ -198,7 +191,7 @@ impl Observer {
             std::thread::sleep(timeout.min(Duration::from_millis(1)));
             let held = condition(&self.marked);
             self.scan();
-            return (!held && condition(&self.marked)).then(Instant::now);
+            return (!held && condition(&self.marked)).then(crate::measure::now);
         };
         let mut poll = libc::pollfd {
             fd: events,
@@ -216,7 +209,7 @@ impl Observer {
             libc::poll(&raw mut poll, 1, ms);
         }
         // The events' times are the kernel's monotonic clock, which `Instant` reads too.
-        let (clock_now, instant_now) = (monotonic_ns(), Instant::now());
+        let (clock_now, instant_now) = (crate::measure::monotonic_ns(), crate::measure::now());
         let mut holds = condition(&self.marked);
         let mut came = None;
         loop {
@@ -236,7 +229,7 @@ impl Observer {
                     self.scan();
                     let now_holds = condition(&self.marked);
                     if now_holds != holds {
-                        came = now_holds.then(Instant::now);
+                        came = now_holds.then(crate::measure::now);
                         holds = now_holds;
                     }
                     continue;
