@@ -7,7 +7,8 @@
 //! two-core VM: a new thread ran on its spawner's core in three starts out of four, and
 //! the agent's main thread (building the runtime, spawning the fork server) sat behind
 //! the first listing for about a millisecond, with the other core idle, in most cold
-//! starts (ARCHITECTURE.md, "Start order").
+//! starts (ARCHITECTURE.md, the decision "An agent's start puts its first task start
+//! first").
 //!
 //! [`spawn_apart`] keeps a short-lived thread off its spawner's core: the spawner narrows
 //! the new thread's cores as soon as it exists (in case it waits behind the spawner), and
@@ -60,13 +61,12 @@ fn other_cores() -> Option<CpuSet> {
 #[allow(unsafe_code)]
 fn narrow<T>(handle: &JoinHandle<T>, cores: &CpuSet) {
     use std::os::unix::thread::JoinHandleExt;
-    // SAFETY: `cpu_set_t` is a plain bit array, valid zeroed; `CPU_SET` writes within it
+    // SAFETY: `cpu_set_t` is a plain bit array, valid (and empty) zeroed; `CPU_SET` writes within it
     // for every index below `CpuSet::MAX_CPU` (its own size); the pthread handle is the
     // live thread's, as `handle` is neither joined nor detached while borrowed here. A
     // failure (a thread already gone) changes nothing.
     unsafe {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
-        libc::CPU_ZERO(&mut set);
         for core in (0..CpuSet::MAX_CPU).filter(|core| cores.is_set(*core)) {
             if core < 8 * std::mem::size_of::<libc::cpu_set_t>() {
                 libc::CPU_SET(core, &mut set);
