@@ -1,14 +1,14 @@
 //! Start-up threads that run beside their spawner rather than behind it.
 //!
-//! A new thread starts on the core of the thread that spawned it. When it does not
-//! preempt its spawner it waits there, runnable, while another core idles, until the
-//! spawner blocks or a load balance moves one of them (at the next scheduler tick, up to
-//! 4 ms at `HZ=250`); when it does preempt, the spawner waits instead. Measured on a
-//! two-core VM: a new thread ran on its spawner's core in three starts out of four, and
-//! the agent's main thread (building the runtime, spawning the fork server) sat behind
-//! the first listing for about a millisecond, with the other core idle, in most cold
-//! starts (ARCHITECTURE.md, the decision "An agent's start puts its first task start
-//! first").
+//! A new thread often starts on the core of the thread that spawned it, even with
+//! another core idle. When it does not preempt its spawner it waits there, runnable,
+//! until the spawner blocks or a load balance moves one of them (at a later scheduler
+//! tick, every 4 ms at `HZ=250`); when it does preempt, the spawner waits instead.
+//! Measured on a two-core VM: in a test program a new thread ran on its spawner's core
+//! in three starts out of four, and in most of the agent's cold starts the main thread
+//! (building the runtime, spawning the fork server) and the first listing waited for
+//! each other for about a millisecond, the other core idle (ARCHITECTURE.md, the
+//! decision "An agent's start puts its first task start first").
 //!
 //! [`spawn_apart`] keeps a short-lived thread off its spawner's core: the spawner narrows
 //! the new thread's cores as soon as it exists (in case it waits behind the spawner), and
