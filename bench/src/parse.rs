@@ -12,15 +12,15 @@ use anyhow::bail;
 
 use crate::measure::{now, spread};
 
-/// The peers benchmark's spec for task `t7` (its first generation).
-const SPEC: &str = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: t7}\nspec:\n  restart: {attempts: 100000, interval: 24h, delay: 0s, mode: fail}\n  tasks:\n    - name: main\n      driver: exec\n      config: {command: \"/usr/bin/sleep\", args: [\"1000007\"]}\n      killSignal: SIGTERM\n      killTimeout: 5s\n";
-
 /// Parses a round runs.
 const PER_ROUND: u32 = 2_000;
 
 pub(crate) fn run(rounds: usize) -> anyhow::Result<()> {
+    // The peers benchmark's spec for task `t7` (its first generation).
+    let spec = crate::peers::spec_yaml("t7", "/usr/bin/sleep", &["1000007".to_owned()]);
+    let spec = spec.as_str();
     let path = Path::new("specs/t7.yaml");
-    let file = stead_schemas::parse_spec_bytes(path, SPEC.as_bytes());
+    let file = stead_schemas::parse_spec_bytes(path, spec.as_bytes());
     if file.specs().count() != 1 {
         bail!(
             "the benchmark's spec is not valid: {:?}",
@@ -32,7 +32,7 @@ pub(crate) fn run(rounds: usize) -> anyhow::Result<()> {
         let start = now();
         for _ in 0..PER_ROUND {
             black_box(
-                stead_schemas::yaml::parse_documents(black_box(SPEC))
+                stead_schemas::yaml::parse_documents(black_box(spec))
                     .map_err(|error| anyhow::anyhow!("{}", error.message))?,
             );
         }
@@ -41,14 +41,14 @@ pub(crate) fn run(rounds: usize) -> anyhow::Result<()> {
         for _ in 0..PER_ROUND {
             black_box(stead_schemas::parse_spec_bytes(
                 path,
-                black_box(SPEC.as_bytes()),
+                black_box(spec.as_bytes()),
             ));
         }
         whole.push(start.elapsed().as_secs_f64() * 1e6 / f64::from(PER_ROUND));
     }
     println!(
         "stead-bench parse: the peers benchmark's spec ({} bytes), {rounds} rounds of {PER_ROUND} parses",
-        SPEC.len()
+        spec.len()
     );
     for (what, values) in [
         ("YAML to located nodes (parse_documents)", &reader),

@@ -199,6 +199,16 @@ fn run(command: &mut Command) -> anyhow::Result<()> {
     Ok(())
 }
 
+/// The spec stead gets for a task: one `exec` task running `command` with `args`,
+/// restarted without delay (also what `stead-bench parse` reads).
+pub(crate) fn spec_yaml(name: &str, command: &str, args: &[String]) -> String {
+    let args: Vec<String> = args.iter().map(|a| format!("{a:?}")).collect();
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  restart: {{attempts: 100000, interval: 24h, delay: 0s, mode: fail}}\n  tasks:\n    - name: main\n      driver: exec\n      config: {{command: {command:?}, args: [{}]}}\n      killSignal: SIGTERM\n      killTimeout: 5s\n",
+        args.join(", ")
+    )
+}
+
 /// A manager running a set of tasks.
 struct Manager<'t> {
     kind: Kind,
@@ -290,13 +300,7 @@ impl<'t> Manager<'t> {
     }
 
     fn write_spec(&self, task: &Task) -> anyhow::Result<()> {
-        let args: Vec<String> = task.args.iter().map(|a| format!("{a:?}")).collect();
-        let yaml = format!(
-            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {}}}\nspec:\n  restart: {{attempts: 100000, interval: 24h, delay: 0s, mode: fail}}\n  tasks:\n    - name: main\n      driver: exec\n      config: {{command: {:?}, args: [{}]}}\n      killSignal: SIGTERM\n      killTimeout: 5s\n",
-            task.name,
-            task.command,
-            args.join(", ")
-        );
+        let yaml = spec_yaml(&task.name, &task.command, &task.args);
         // Written aside and renamed, as an editor or a deploy tool does.
         let path = self.dir.join("specs").join(format!("{}.yaml", task.name));
         let temporary = self
@@ -1006,6 +1010,8 @@ fn fmt(value: f64) -> String {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+
     #[test]
     fn figures_keep_three_significant_digits() {
         assert_eq!(fmt(0.0), "0");
@@ -1016,8 +1022,6 @@ mod tests {
         assert_eq!(fmt(12.34), "12.3");
         assert_eq!(fmt(123.4), "123");
     }
-
-    use super::*;
 
     fn script(dir: &Path, name: &str, text: &str) -> PathBuf {
         let path = dir.join(name);
