@@ -120,9 +120,7 @@ mod tests {
             let handle = spawn_apart("apart-test", move || {
                 // Past its own narrowing; the spawner's lands before the go.
                 wait.recv().expect("go");
-                let set = sched_getaffinity(None).expect("affinity");
-                let mine: Vec<usize> = (0..CpuSet::MAX_CPU).filter(|c| set.is_set(*c)).collect();
-                (mine, sched_getcpu())
+                (allowed(), sched_getcpu())
             })
             .expect("spawning");
             go.send(()).expect("the thread waits");
@@ -150,15 +148,10 @@ mod tests {
     fn with_one_core_allowed_the_thread_runs_on_it() {
         let core = allowed()[0];
         let thread_cores = on_cores(&[core], || {
-            spawn_apart("apart-test", || {
-                let set = sched_getaffinity(None).expect("affinity");
-                (0..CpuSet::MAX_CPU)
-                    .filter(|c| set.is_set(*c))
-                    .collect::<Vec<_>>()
-            })
-            .expect("spawning")
-            .join()
-            .expect("joined")
+            spawn_apart("apart-test", allowed)
+                .expect("spawning")
+                .join()
+                .expect("joined")
         });
         assert_eq!(thread_cores, vec![core]);
     }
