@@ -744,3 +744,96 @@ spec:
         assert_eq!(back.revision, valid.revision);
     }
 }
+
+/// Every valid spec under `deploy/examples` and `tests/fixtures`, one line each:
+/// `file name revision`, files and documents in order.
+fn golden_revisions() -> String {
+    let root = stead_tests::workspace_dir();
+    let mut lines = Vec::new();
+    for dir in ["deploy/examples", "tests/fixtures/invalid"] {
+        let mut files: Vec<_> = std::fs::read_dir(root.join(dir))
+            .expect("the directory exists")
+            .map(|entry| entry.expect("a readable entry").path())
+            .filter(|path| path.extension().is_some_and(|e| e == "yaml"))
+            .collect();
+        files.sort();
+        for path in files {
+            // A file that is not UTF-8 holds no valid spec.
+            let Ok(source) = std::fs::read_to_string(&path) else {
+                continue;
+            };
+            let relative = path.strip_prefix(&root).expect("below the root");
+            for spec in parse_spec_file(relative, &source).specs() {
+                lines.push(format!(
+                    "{} {} {}",
+                    relative.display(),
+                    spec.name(),
+                    spec.revision
+                ));
+            }
+        }
+    }
+    lines.join("\n")
+}
+
+#[test]
+fn revision_goldens_of_every_valid_example_and_fixture_are_pinned() {
+    // A changed line is a format change: that alloc gets a new revision and id on
+    // upgrade, so the agent restarts it. A new spec field must leave every line here as
+    // it is (omitted from the canonical form while unset); only a deliberate edit of an
+    // example or fixture changes its own line.
+    expect_test::expect![[r#""#]].assert_eq(&golden_revisions());
+}
+
+/// Every `null` in `value`, by JSON path.
+fn nulls(value: &serde_json::Value, path: &str, found: &mut Vec<String>) {
+    match value {
+        serde_json::Value::Null => found.push(path.to_owned()),
+        serde_json::Value::Array(items) => {
+            for (index, item) in items.iter().enumerate() {
+                nulls(item, &format!("{path}[{index}]"), found);
+            }
+        }
+        serde_json::Value::Object(fields) => {
+            for (key, field) in fields {
+                nulls(field, &format!("{path}.{key}"), found);
+            }
+        }
+        _ => {}
+    }
+}
+
+#[test]
+fn unset_new_field_leaves_revision_unchanged() {
+    // The revision hashes the canonical JSON of the normalized spec. An optional field
+    // that is unset must be absent from it, not `null`: then a field added by a newer
+    // agent, unset in every existing spec, leaves that JSON and so every revision as it
+    // was, and the goldens above keep holding. A field serialized as `null` when unset
+    // fails here, whichever spec leaves it out.
+    let minimal = r#"apiVersion: stead/v1
+kind: Alloc
+metadata: {name: bare}
+spec:
+  tasks:
+    - {name: main, driver: exec, config: {command: /bin/true}}
+    - {name: fake, driver: mock, config: {}}
+"#;
+    let mut specs = vec![parse_one(minimal), parse_one(BASE)];
+    let root = stead_tests::workspace_dir();
+    for entry in std::fs::read_dir(root.join("deploy/examples")).expect("examples exist") {
+        let path = entry.expect("a readable entry").path();
+        let source = std::fs::read_to_string(&path).expect("examples are UTF-8");
+        specs.extend(parse_spec_file(&path, &source).specs().cloned());
+    }
+    for spec in specs {
+        let canonical = serde_json::to_value(stead_schemas::normalize(&spec.spec))
+            .expect("a spec serializes to JSON");
+        let mut found = Vec::new();
+        nulls(&canonical, "", &mut found);
+        assert!(
+            found.is_empty(),
+            "unset fields of {} reach the canonical form as null: {found:?}",
+            spec.name()
+        );
+    }
+}
