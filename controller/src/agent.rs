@@ -7,7 +7,6 @@ use std::time::Duration;
 use clap::Args;
 use stead_reconcilers::alloc::Limits;
 use stead_schemas::Timestamp;
-use stead_schemas::ValidSpec;
 use stead_schemas::config::{AgentConfig, ShutdownMode};
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
@@ -23,9 +22,9 @@ use crate::logging::{LogFormat, init_logging};
 use crate::metrics::Metrics;
 use crate::node::{DEFAULT_TICK, Node, NodeConfig};
 use crate::queue::Shutdown;
-use crate::source::{Listing, ListingCache, Syncer, list_specs_cached, list_specs_streaming};
+use crate::source::{Listing, ListingCache, Syncer, list_specs_cached};
 use crate::store::rocks::OpenError;
-use crate::store::{OpeningError, OpeningStore, RocksDbOptions, RocksDbStore, Store};
+use crate::store::{RocksDbOptions, RocksDbStore};
 use crate::watch::SpecsWatcher;
 
 /// `stead agent` flags; each overrides the config file's key of the same meaning.
@@ -119,19 +118,6 @@ pub enum AgentError {
     /// The state store could not be opened.
     #[error(transparent)]
     OpenStore(#[from] OpenError),
-    /// The state store of a new data dir, created after the first task starts, could not
-    /// be created.
-    #[error(transparent)]
-    CreateStore(#[from] OpeningError<OpenError>),
-    /// The thread that creates the state store could not be started.
-    #[error("cannot start the thread that creates the state store")]
-    StoreThread(#[source] std::io::Error),
-    /// The thread that makes the first listing of the specs dir could not be started.
-    #[error("cannot start the thread that lists the specs dir")]
-    ListingThread(#[source] std::io::Error),
-    /// The thread that creates the state store died without an outcome.
-    #[error("the thread creating the state store died")]
-    StoreThreadDied,
     /// Reading the store at start-up failed.
     #[error("cannot restore state")]
     Restore(#[source] crate::store::StoreError),
@@ -327,11 +313,6 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     // gives it a moment): no second agent may take the data dir over before then.
     let _lock = lock_data_dir(&settings.data_dir)?;
     let task_open_files = raise_open_files_limit();
-    let clock = Clock::system();
-    // The specs dir is listed first of all, on a thread of its own, while the runtime is
-    // built and the agent starts: reading it is the longest step before the first task
-    // start, and it only reads.
-    let first = FirstListing::begin(&settings.specs_dir, clock.now())?;
     // Tasks get absolute paths, whatever the agent's working directory.
     let data_dir =
         std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
@@ -341,21 +322,11 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     let runtime = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()?;
-    // The supervisors' fork server is started next, by this thread while the listing
-    // reads the specs dir on the other core: a task start finds it running, rather than
-    // spawning it (its thread waits until the server's exec) or waiting on its lock.
-    let exec = settings.exec_driver.then(|| {
-        let config = ExecDriverConfig {
-            allow_root: settings.allow_root,
-            task_open_files,
-            ..ExecDriverConfig::new(&data_dir)
-        };
-        let _runtime = runtime.enter();
-        let exec = Arc::new(ExecDriver::new(config, clock));
-        exec.prepare();
-        exec
+    let outcome = runtime.block_on(async {
+        let agent = Agent::start(settings, Clock::system(), data_dir, task_open_files).await?;
+        agent.run().await
     });
-    match runtime.block_on(run(settings, clock, first, data_dir, exec)) {
+    match outcome {
         Ok(()) => Ok(0),
         Err(AgentError::CutShort) => {
             // Prompt exit: work still on the runtime's blocking threads (a store write, an
@@ -413,7 +384,7 @@ fn start_api(
                 let (tcp, unix) = match registered {
                     Ok(listeners) => listeners,
                     Err(error) => {
-                        tracing::error!(error = %crate::alloc::error_chain(&error), "api not served");
+                        tracing::error!(error = %crate::errors::error_chain(&error), "api not served");
                         return;
                     }
                 };
@@ -426,13 +397,13 @@ fn start_api(
                         let (a, b) = tokio::join!(tcp_server, unix_server);
                         for result in [a, b] {
                             if let Err(error) = result {
-                                tracing::error!(error = %crate::alloc::error_chain(&error), "api stopped");
+                                tracing::error!(error = %crate::errors::error_chain(&error), "api stopped");
                             }
                         }
                     }
                     None => {
                         if let Err(error) = tcp_server.await {
-                            tracing::error!(error = %crate::alloc::error_chain(&error), "api stopped");
+                            tracing::error!(error = %crate::errors::error_chain(&error), "api stopped");
                         }
                     }
                 }
@@ -465,360 +436,267 @@ fn raise_open_files_limit() -> Option<u64> {
     }
 }
 
-/// The specs dir's first listing, made on a thread of its own from before the runtime is
-/// built: each spec is handed over as soon as it is read, so the first tasks start while
-/// the rest of the directory is read.
-struct FirstListing {
-    /// Each spec the listing keeps, in the order read; closed when the listing ends.
-    found: tokio::sync::mpsc::UnboundedReceiver<ValidSpec>,
-    /// The whole listing and the cache of its parses (no value if the thread died).
-    done: tokio::sync::oneshot::Receiver<(Listing, ListingCache)>,
+/// What wakes the specs loop for a listing of the specs dir.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Trigger {
+    /// A file event in the specs dir (or a watcher (re)started, which may have missed one).
+    Watch,
+    /// The periodic full re-listing; its first tick is at once, the first listing.
+    Resync,
+    /// SIGHUP: `systemctl reload`, a habitual `kill -HUP`.
+    Hangup,
 }
 
-impl FirstListing {
-    /// Starts listing `dir` as of `now`.
-    fn begin(dir: &Path, now: Timestamp) -> Result<Self, AgentError> {
-        let (found_tx, found) = tokio::sync::mpsc::unbounded_channel::<ValidSpec>();
-        let (done_tx, done) = tokio::sync::oneshot::channel();
-        let dir = dir.to_owned();
-        // On another core than this thread's, which builds the runtime and spawns the
-        // fork server meanwhile: otherwise one of the two often waits for the other on
-        // one core while the next idles (`crate::apart`). The thread ends with the
-        // listing and starts nothing.
-        crate::apart::spawn_apart("stead-listing", move || {
-            let mut cache = ListingCache::default();
-            let listing = list_specs_streaming(&dir, &mut cache, now, |spec| {
-                let _ = found_tx.send(spec.clone());
-            });
-            drop(found_tx);
-            let _ = done_tx.send((listing, cache));
-        })
-        .map_err(AgentError::ListingThread)?;
-        Ok(FirstListing { found, done })
+impl Trigger {
+    /// The name logged with what the listing applied.
+    fn as_str(self) -> &'static str {
+        match self {
+            Trigger::Watch => "watch",
+            Trigger::Resync => "resync",
+            Trigger::Hangup => "hangup",
+        }
     }
 }
 
-/// Runs the agent (the caller holds the data dir's lock) until SIGINT or SIGTERM, then
-/// shuts it down (detach or drain); a second SIGINT or SIGTERM during the shutdown ends
-/// it at once with [`AgentError::CutShort`]. `first` is the specs dir's first listing,
-/// under way; `data_dir` the data dir's absolute path; `exec` the exec driver, when
-/// enabled, its fork server started.
-async fn run(
+/// The signals the agent takes: SIGTERM and SIGINT end it, SIGHUP lists the specs dir.
+struct Signals {
+    terminate: tokio::signal::unix::Signal,
+    interrupt: tokio::signal::unix::Signal,
+    hangup: tokio::signal::unix::Signal,
+}
+
+impl Signals {
+    fn install() -> Result<Self, AgentError> {
+        let install = |kind| signal(kind).map_err(AgentError::Signals);
+        Ok(Signals {
+            terminate: install(SignalKind::terminate())?,
+            interrupt: install(SignalKind::interrupt())?,
+            hangup: install(SignalKind::hangup())?,
+        })
+    }
+
+    /// Returns at the next SIGTERM or SIGINT.
+    async fn stop(&mut self) {
+        tokio::select! {
+            _ = self.terminate.recv() => {}
+            _ = self.interrupt.recv() => {}
+        }
+    }
+}
+
+/// A started agent: its state restored, its node running what the store held, its API
+/// serving.
+struct Agent {
     settings: Settings,
     clock: Clock,
-    first: FirstListing,
     data_dir: PathBuf,
-    exec: Option<Arc<ExecDriver>>,
-) -> Result<(), AgentError> {
-    // systemd's notification socket; the watchdog pings start now, readiness comes later.
-    let notifier = crate::sdnotify::start();
-    // Before any task can start (only the listing, which reads, and the fork server,
-    // which exits with its socket, run yet): from then on SIGTERM and SIGINT must reach
-    // the shutdown below, and a taken port must fail the agent before there is anything
-    // to stop or wait for (the runtime's end waits for the blocking pool's work).
-    let mut terminate = signal(SignalKind::terminate()).map_err(AgentError::Signals)?;
-    let mut interrupt = signal(SignalKind::interrupt()).map_err(AgentError::Signals)?;
-    // SIGHUP (`systemctl reload`, a habitual `kill -HUP`) lists the specs directory at
-    // once, rather than ending the agent by its default action.
-    let mut hangup = signal(SignalKind::hangup()).map_err(AgentError::Signals)?;
-    let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
-    let changed = Arc::new(tokio::sync::Notify::new());
-    let FirstListing {
-        mut found,
-        done: first_done,
-    } = first;
-    let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
-    if settings.mock_driver {
-        drivers.push(Arc::new(MockDriver::new(clock)));
-    }
-    if let Some(exec) = &exec {
-        drivers.push(exec.clone());
-    }
-    let drivers = Drivers::new(drivers);
-    // A data dir without a database has nothing to restore: the database is created once
-    // the first tasks' starts are answered (see `store::opening`). Otherwise it is
-    // opened, and restored, first.
-    let state_dir = data_dir.join("state");
-    // A state dir that cannot be made or written to fails the agent (in the open below)
-    // before anything starts.
-    let new_store = !has_database(&state_dir) && writable_dir(&state_dir);
-    keep_private(&state_dir);
-    // `store_release` lets a new store's creation begin (a send, or the last sender's
-    // drop).
-    let (store, mut creating, store_release): (Arc<dyn Store>, _, _) = if !new_store {
+    node: Arc<Node>,
+    syncer: Syncer,
+    signals: Signals,
+    notifier: Option<crate::sdnotify::Notifier>,
+    api: std::thread::JoinHandle<()>,
+    stop_api: tokio_util::sync::CancellationToken,
+}
+
+impl Agent {
+    /// Start-up (the caller holds the data dir's lock): signals, the API's listeners,
+    /// the drivers, the store (opened, or created, before anything starts), the node
+    /// restored from it, and the API served. `data_dir` is the data dir's absolute path.
+    async fn start(
+        settings: Settings,
+        clock: Clock,
+        data_dir: PathBuf,
+        task_open_files: Option<u64>,
+    ) -> Result<Agent, AgentError> {
+        // systemd's notification socket; the watchdog pings start now, readiness comes
+        // once the agent serves.
+        let notifier = crate::sdnotify::start();
+        // Before any task can start: from then on SIGTERM and SIGINT must reach the
+        // shutdown, and a taken port must fail the agent before there is anything to stop.
+        let signals = Signals::install()?;
+        let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
+        let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
+        if settings.mock_driver {
+            drivers.push(Arc::new(MockDriver::new(clock)));
+        }
+        if settings.exec_driver {
+            let config = ExecDriverConfig {
+                allow_root: settings.allow_root,
+                task_open_files,
+                ..ExecDriverConfig::new(&data_dir)
+            };
+            let exec = Arc::new(ExecDriver::new(config, clock));
+            exec.prepare();
+            drivers.push(exec);
+        }
+        let drivers = Drivers::new(drivers);
+        let state_dir = data_dir.join("state");
+        make_private_dir(&state_dir);
         let store = RocksDbStore::open(&state_dir, settings.store)?;
-        (Arc::new(store), None, None)
-    } else {
-        let options = settings.store;
-        let (release, released) = std::sync::mpsc::sync_channel::<()>(1);
-        let (store, created) = OpeningStore::open_in_background(move || {
-            // Its creation waits for the first listing's task starts (or
-            // NEW_STORE_WAITS_AT_MOST), whose CPU it would otherwise take: 3-5 ms of it on
-            // a two-core machine, where ten starts take about ten. Writes wait in memory
-            // meanwhile; the API and the readiness to systemd wait for the store.
-            let _ = released.recv_timeout(NEW_STORE_WAITS_AT_MOST);
-            RocksDbStore::create_in_background(&state_dir, options)
-        })
-        .map_err(AgentError::StoreThread)?;
-        (Arc::new(store), Some(created), Some(release))
-    };
-    let node = Arc::new(Node::with_alloc_dirs(
-        settings.node.clone(),
-        drivers.clone(),
-        store,
-        clock,
-        AllocDirs::new(&data_dir),
-    ));
-    let state = ApiState::new(node.clone(), drivers, data_dir.clone())
-        .with_token(settings.token.clone())
-        .with_metrics(Metrics::new());
-    let stop_api = state.shutdown_token();
-    let serve = |state, listeners| {
+        tracing::info!(dir = %state_dir.display(), "state store opened");
+        let node = Arc::new(Node::with_alloc_dirs(
+            settings.node.clone(),
+            drivers.clone(),
+            Arc::new(store),
+            clock,
+            AllocDirs::new(&data_dir),
+        ));
+        let restored = node.restore().map_err(AgentError::Restore)?;
+        for corrupt in &restored.corrupt {
+            tracing::error!(alloc = %corrupt.name, error = %crate::errors::error_chain(corrupt), "cannot restore alloc");
+        }
+        let syncer = Syncer::new(restored.allocs);
+        let state = ApiState::new(node.clone(), drivers, data_dir.clone())
+            .with_token(settings.token.clone())
+            .with_metrics(Metrics::new());
+        let stop_api = state.shutdown_token();
         let api = start_api(state, listeners)?;
         tracing::info!(listen = %settings.listen, "api listening");
-        Ok::<_, AgentError>(api)
-    };
-    // While a new store is being created the API waits (a client's connection waits in
-    // the backlog), so that nothing it shows can be lost to a crash (see
-    // `store::opening`); the tasks start meanwhile.
-    let (mut api, mut unserved) = match creating {
-        None => (Some(serve(state, listeners)?), None),
-        Some(_) => (None, Some((state, listeners))),
-    };
-    let restored = node.restore().map_err(AgentError::Restore)?;
-    for corrupt in &restored.corrupt {
-        tracing::error!(alloc = %corrupt.name, error = %crate::alloc::error_chain(corrupt), "cannot restore alloc");
-    }
-    let mut syncer = Syncer::new(restored.allocs.clone());
-    // Until the first listing ends, only what it found is applied: nothing is removed
-    // before the whole directory was read.
-    while let Some(spec) = found.recv().await {
-        if syncer.apply(&node, &spec) {
-            tracing::info!(alloc = %spec.spec.metadata.name, trigger = "listing", "applied");
-        }
-    }
-    // The first listing is applied: a new store is created once its task starts are
-    // answered.
-    if let Some(release) = store_release.clone() {
-        let node = node.clone();
-        tokio::spawn(async move {
-            node.settled().await;
-            let _ = release.try_send(());
-        });
-    }
-    let mut resync = tokio::time::interval(settings.resync);
-    resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    // File events only say "look again"; the listing is the level. A wake-up that comes
-    // during a pass is kept, so the pass after it sees the change.
-    let (mut first_listing, mut cache) = match first_done.await {
-        Ok((listing, cache)) => (Some(listing), cache),
-        Err(_) => (None, ListingCache::default()),
-    };
-    // The watcher starts in the loop below, once the first listing is read: its set-up
-    // (a thread of its own, a walk of the directory) would otherwise come before the
-    // first task start, or take a core from it. Until it watches, a change may go unseen,
-    // so each watcher started is followed by one more listing under it (files changed
-    // lately are read again, and parsed again only if their content differs).
-    let mut watcher: Option<SpecsWatcher> = None;
-    let mut gc = None;
-    tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
-    // Ready for systemd (`Type=notify`) only now: state restored (or a new store created),
-    // the API serving.
-    if creating.is_none() {
+        tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
+        // Ready for systemd (`Type=notify`): state restored, the API serving.
         crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
+        Ok(Agent {
+            settings,
+            clock,
+            data_dir,
+            node,
+            syncer,
+            signals,
+            notifier,
+            api,
+            stop_api,
+        })
     }
-    let mut failure = None;
-    loop {
-        // (Re)start the watcher before listing, so no change falls between the two: when
-        // there is none (a directory that cannot be watched yet is tried again at the next
-        // resync), and when the directory at the path is not the one watched (replaced).
-        if settings.watch
-            && watcher
-                .as_ref()
-                .is_none_or(|w| !w.watches(&settings.specs_dir))
-        {
-            // What was listed before this watcher (the first listing, those made while
-            // none could start, a replaced directory's) may have missed a change: list
-            // once more, under it. A replaced directory is listed again even when no
-            // watcher starts.
-            let replaced = watcher.take().is_some();
-            watcher = start_watcher(&settings.specs_dir, &changed);
-            if replaced || watcher.is_some() {
-                changed.notify_one();
-            }
-        }
-        let trigger = tokio::select! {
-            _ = resync.tick() => "resync",
-            () = changed.notified() => "watch",
-            _ = hangup.recv() => "hangup",
-            _ = terminate.recv() => break,
-            _ = interrupt.recv() => break,
-            created = async { creating.as_mut().expect("guarded").await }, if creating.is_some() => {
-                creating = None;
-                match created {
-                    Ok(Ok(())) => {
-                        tracing::info!("state store created");
-                        // Held since the start, when the store was found missing.
-                        let (state, listeners) = unserved.take().expect("the api waits for the new store");
-                        match serve(state, listeners) {
-                            Ok(thread) => {
-                                api = Some(thread);
-                                crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
-                                continue;
-                            }
-                            Err(error) => failure = Some(error),
-                        }
-                    }
-                    Ok(Err(error)) => {
-                        tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store; stopping the tasks");
-                        failure = Some(AgentError::CreateStore(error));
-                    }
-                    Err(_) => {
-                        tracing::error!("the thread creating the state store died; stopping the tasks");
-                        failure = Some(AgentError::StoreThreadDied);
-                    }
+
+    /// Runs the specs loop until SIGINT or SIGTERM, then shuts down (detach or drain); a
+    /// second SIGINT or SIGTERM during the shutdown ends it at once with
+    /// [`AgentError::CutShort`].
+    async fn run(mut self) -> Result<(), AgentError> {
+        let watcher = self.specs_loop().await;
+        drop(watcher);
+        self.shutdown().await
+    }
+
+    /// Lists the specs dir at every trigger and brings the node in line, until SIGINT or
+    /// SIGTERM; returns the watcher, which the shutdown drops.
+    async fn specs_loop(&mut self) -> Option<SpecsWatcher> {
+        let settings = &self.settings;
+        let changed = Arc::new(tokio::sync::Notify::new());
+        let mut resync = tokio::time::interval(settings.resync);
+        resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        let mut cache = ListingCache::default();
+        let mut watcher: Option<SpecsWatcher> = None;
+        let mut gc: Option<tokio::task::JoinHandle<()>> = None;
+        loop {
+            // (Re)start the watcher before listing, so no change falls between the two:
+            // when there is none (a directory that cannot be watched yet is tried again at
+            // the next resync), and when the directory at the path is not the one watched
+            // (replaced). What was listed before this watcher may have missed a change:
+            // it asks for one more listing, under it.
+            if settings.watch
+                && watcher
+                    .as_ref()
+                    .is_none_or(|w| !w.watches(&settings.specs_dir))
+            {
+                let replaced = watcher.take().is_some();
+                watcher = start_watcher(&settings.specs_dir, &changed);
+                if replaced || watcher.is_some() {
+                    changed.notify_one();
                 }
-                break;
             }
+            let trigger = tokio::select! {
+                _ = resync.tick() => Trigger::Resync,
+                () = changed.notified() => Trigger::Watch,
+                _ = self.signals.hangup.recv() => Trigger::Hangup,
+                () = self.signals.stop() => break,
+            };
+            if trigger == Trigger::Watch {
+                // Let the burst settle (an editor's save is several events), then list
+                // once: the listing below comes after every event of the burst, so their
+                // wake-ups are spent; an event during the listing wakes the loop again.
+                tokio::time::sleep(crate::watch::DEBOUNCE).await;
+                let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
+            }
+            let dir = settings.specs_dir.clone();
+            let now = self.clock.now();
+            let taken = std::mem::take(&mut cache);
+            let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
+            // A panicked pass loses the cache: the next pass reads everything again.
+            let Ok((listing, kept)) = pass else { continue };
+            cache = kept;
+            for diagnostic in &listing.diagnostics {
+                tracing::warn!("{diagnostic}");
+            }
+            let report = self.syncer.sync(&self.node, &listing);
+            let trigger = trigger.as_str();
+            for name in &report.applied {
+                tracing::info!(alloc = %name, trigger, "applied");
+            }
+            for name in &report.removed {
+                tracing::info!(alloc = %name, trigger, "removed");
+            }
+            // Garbage collection starts after the first full listing: an alloc restored
+            // as removed whose file came back while the agent was away is declared again
+            // first.
+            if gc.is_none() {
+                gc = Some(tokio::spawn(crate::gc::run(
+                    self.node.clone(),
+                    settings.gc,
+                    self.data_dir.clone(),
+                )));
+            }
+        }
+        if let Some(gc) = gc {
+            gc.abort();
+        }
+        watcher
+    }
+
+    /// Shuts the node down as configured while the API keeps serving (operators can
+    /// watch a drain), then stops the API.
+    async fn shutdown(mut self) -> Result<(), AgentError> {
+        let mode = self.settings.shutdown;
+        tracing::info!(?mode, "shutting down");
+        crate::sdnotify::notify(self.notifier.as_ref(), crate::sdnotify::STOPPING);
+        // A second SIGTERM or SIGINT ends the shutdown at once, as it ends Nomad's agent:
+        // what the drain has not stopped yet is left as it is (every step of a worker is
+        // stored as it happens), and the next agent reattaches it.
+        let cut_short = tokio::select! {
+            () = self.node.shutdown(mode) => false,
+            () = self.signals.stop() => true,
         };
-        if trigger == "watch" {
-            // Let the burst settle (an editor's save is several events), then list once:
-            // the listing below comes after every event of the burst, so their wake-ups
-            // are spent; an event during the listing still wakes the loop again.
-            tokio::time::sleep(crate::watch::DEBOUNCE).await;
-            let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
+        self.stop_api.cancel();
+        if cut_short {
+            tracing::warn!(
+                ?mode,
+                "a second signal ended the shutdown; tasks it had not stopped are left as they are for the next agent"
+            );
         }
-        // The first resync applies the listing made while the store opened; a file event
-        // before it means that listing may be stale.
-        let listing = match first_listing.take() {
-            Some(listing) if trigger == "resync" => listing,
-            _ => {
-                let dir = settings.specs_dir.clone();
-                let now = clock.now();
-                let taken = std::mem::take(&mut cache);
-                let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
-                // A panicked pass loses the cache: the next pass reads everything again.
-                let Ok((listing, kept)) = pass else { continue };
-                cache = kept;
-                listing
-            }
-        };
-        for diagnostic in &listing.diagnostics {
-            tracing::warn!("{diagnostic}");
-        }
-        let report = syncer.sync(&node, &listing);
-        for name in &report.applied {
-            tracing::info!(alloc = %name, trigger, "applied");
-        }
-        for name in &report.removed {
-            tracing::info!(alloc = %name, trigger, "removed");
-        }
-        // Garbage collection starts after the first full listing: an alloc restored as
-        // removed whose file came back while the agent was away is declared again first.
-        if gc.is_none() {
-            gc = Some(tokio::spawn(crate::gc::run(
-                node.clone(),
-                settings.gc,
-                data_dir.clone(),
-            )));
-        }
-    }
-    // Without a store nothing could take the tasks over (no record names them), so they
-    // are stopped whatever the shutdown mode.
-    let mode = if failure.is_some() {
-        Shutdown::Drain
-    } else {
-        settings.shutdown
-    };
-    tracing::info!(?mode, "shutting down");
-    // A new store not yet begun begins now: the shutdown waits for it below.
-    if let Some(release) = &store_release {
-        let _ = release.try_send(());
-    }
-    crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::STOPPING);
-    drop(watcher);
-    if let Some(gc) = gc {
-        gc.abort();
-    }
-    // The API keeps serving while the node shuts down, so operators can watch a drain;
-    // it stops once the node's shutdown is over.
-    let shut_down = async {
-        node.shutdown(mode).await;
-        // A new store still being created gets its held records, the shutdown's
-        // included, before the agent lets go of the data dir, so the next agent takes
-        // over what this one left running.
-        if let Some(creating) = creating {
-            match tokio::time::timeout(STORE_CREATION_GRACE, creating).await {
-                Ok(Ok(Ok(()))) => tracing::info!("state store created"),
-                Ok(Ok(Err(error))) => {
-                    tracing::error!(error = %crate::alloc::error_chain(&error), "cannot create the state store");
-                }
-                Ok(Err(_)) => tracing::error!("the thread creating the state store died"),
-                Err(_) => tracing::error!(
-                    grace = ?STORE_CREATION_GRACE,
-                    "the state store is still being created; exiting without it"
-                ),
-            }
-        }
-    };
-    // A second SIGTERM or SIGINT ends the shutdown at once, as it ends Nomad's agent:
-    // what the drain has not stopped yet is left as it is (every step of a worker is
-    // stored as it happens), and the next agent reattaches it.
-    let cut_short = tokio::select! {
-        () = shut_down => false,
-        _ = terminate.recv() => true,
-        _ = interrupt.recv() => true,
-    };
-    stop_api.cancel();
-    if cut_short {
-        tracing::warn!(
-            ?mode,
-            "a second signal ended the shutdown; tasks it had not stopped are left as they are for the next agent"
-        );
-    }
-    // The API's thread holds the node, and so the store, which must be closed before the
-    // process exits (RocksDB's threads must not outlive its static state).
-    if let Some(api) = api {
+        // The API's thread holds the node, and so the store, which must be closed before
+        // the process exits (RocksDB's threads must not outlive its static state).
+        let api = self.api;
         let joined = tokio::task::spawn_blocking(move || api.join());
         if cut_short {
             if tokio::time::timeout(CUT_SHORT_GRACE, joined).await.is_err() {
                 tracing::warn!(grace = ?CUT_SHORT_GRACE, "the API did not stop in time; exiting without waiting for it");
             }
-        } else {
-            let _ = joined.await;
+            return Err(AgentError::CutShort);
         }
+        let _ = joined.await;
+        Ok(())
     }
-    if cut_short {
-        return Err(AgentError::CutShort);
-    }
-    failure.map_or(Ok(()), Err)
 }
 
-/// How long a shutdown waits for a new store that is still being created.
-const STORE_CREATION_GRACE: Duration = Duration::from_secs(10);
-
-/// How long a new store's creation waits, at most, for the first listing's task starts
-/// to be answered: a start that hangs (up to the exec driver's handshake timeout) or a
-/// directory of thousands of specs delays the API and the readiness to systemd by no
-/// more than this.
-const NEW_STORE_WAITS_AT_MOST: Duration = Duration::from_secs(1);
-
-/// Whether `dir` exists (made now if missing) and a file can be created in it: a cheap
-/// check before the database is created in the background.
-fn writable_dir(dir: &Path) -> bool {
+/// Makes `dir` with the agent's access alone when it is missing (the records hold the
+/// specs, their environments included); one that cannot be made is left to the store's
+/// open to report.
+fn make_private_dir(dir: &Path) {
     use std::os::unix::fs::DirBuilderExt;
-    // The records hold the specs, their environments included: the agent's only.
-    let made = std::fs::DirBuilder::new()
+    let _ = std::fs::DirBuilder::new()
         .recursive(true)
         .mode(0o700)
         .create(dir);
-    if made.is_err() {
-        return false;
-    }
-    let probe = dir.join(format!(".probe-{}", std::process::id()));
-    let created = std::fs::File::create(&probe).is_ok();
-    let _ = std::fs::remove_file(&probe);
-    created
+    keep_private(dir);
 }
 
 /// Takes group and other access away from `dir` (one an earlier agent made with the
@@ -842,15 +720,6 @@ fn keep_private(dir: &Path) {
     }
 }
 
-/// Whether `state_dir` holds a RocksDB database (its `CURRENT` file names the manifest).
-/// Anything but a clear "not there" counts as a database, whose open then reports it.
-fn has_database(state_dir: &Path) -> bool {
-    !matches!(
-        std::fs::symlink_metadata(state_dir.join("CURRENT")),
-        Err(error) if error.kind() == std::io::ErrorKind::NotFound
-    )
-}
-
 /// One listing of the specs dir with `cache`; the listing and the cache for the next.
 fn list_pass(dir: &Path, mut cache: ListingCache, now: Timestamp) -> (Listing, ListingCache) {
     let listing = list_specs_cached(dir, &mut cache, now);
@@ -862,7 +731,7 @@ fn start_watcher(dir: &Path, changed: &Arc<tokio::sync::Notify>) -> Option<Specs
     match SpecsWatcher::start(dir, changed.clone()) {
         Ok(watcher) => Some(watcher),
         Err(error) => {
-            tracing::warn!(error = %crate::alloc::error_chain(&error), "specs dir not watched; relying on resync");
+            tracing::warn!(error = %crate::errors::error_chain(&error), "specs dir not watched; relying on resync");
             None
         }
     }

@@ -16,59 +16,106 @@ use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, PoisonError};
 use std::time::Duration;
 
-use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Observation};
+use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Limits, Observation};
 use stead_reconcilers::device::{AllocDevices, DeviceUnavailable, FlagReason};
 use stead_reconcilers::exit::ExitResult;
 use stead_reconcilers::restart::Jitter;
 use stead_reconcilers::task::{Effect, Process};
 use stead_schemas::device::{AssignedDevice, DeviceHealth};
 use stead_schemas::record::{ALLOC_RECORD_VERSION, AllocRecord};
-use stead_schemas::spec::{DesiredStatus, DeviceName, DeviceRequest, DriverConfig, Name};
+use stead_schemas::spec::{
+    DesiredStatus, DeviceName, DeviceRequest, DriverConfig, DriverKind, Name,
+};
 use stead_schemas::status::{AllocStatus, TaskDeviceStatus, TaskEventStatus, TaskStatus};
 use stead_schemas::{Timestamp, ValidSpec};
-use thiserror::Error;
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::allocdir::AllocDirError;
-use crate::driver::{DeviceAccess, Driver, DriverError, LogLimits, StartRequest, TaskHandle};
-use crate::node::{AllocFacts, InFlightToken, Shared};
-use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
-use crate::store;
+use crate::allocdir::{AllocDirError, AllocDirs};
+use crate::clock::Clock;
+use crate::devices::DeviceManager;
+use crate::driver::{
+    DeviceAccess, Driver, DriverError, Drivers, LogLimits, StartRequest, TaskHandle,
+};
+use crate::errors::error_chain;
+use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand};
+use crate::registry::{AllocFacts, Registry};
+use crate::store::{self, Store, StoreError};
 
-/// Why a user command failed.
-#[derive(Debug, Error)]
-pub enum CommandError {
-    /// No alloc has that name.
-    #[error("alloc {name:?} not found")]
-    UnknownAlloc {
-        /// The name asked for.
-        name: String,
-    },
-    /// The alloc refused it (unknown task, task not running).
-    #[error(transparent)]
-    Refused(#[from] CommandRefusal),
-    /// The driver failed to carry it out.
-    #[error("signalling task {task:?} failed")]
-    Driver {
-        /// The task.
-        task: String,
-        /// The driver's error.
-        #[source]
-        source: DriverError,
-    },
-    /// The alloc's worker is gone (the agent is shutting down).
-    #[error("alloc {name:?} is shutting down")]
-    ShuttingDown {
-        /// The alloc.
-        name: String,
-    },
-    /// Garbage collection asked for an alloc that is running or still declared.
-    #[error("alloc {name:?} is not collectable: it is not terminal or a spec declares it")]
-    NotCollectable {
-        /// The alloc.
-        name: String,
-    },
+/// What a worker is given: the seams it acts through, the limits it applies, and the
+/// node's registry only as the publisher of its own alloc. It never sees another alloc's
+/// state or the dispatcher's internals.
+pub(crate) struct WorkerContext {
+    pub(crate) config: WorkerConfig,
+    pub(crate) drivers: Drivers,
+    pub(crate) store: Arc<dyn Store>,
+    pub(crate) clock: Clock,
+    /// Where alloc dirs live, when the node has them (sticky disks move between them,
+    /// and destroying an alloc removes its own).
+    pub(crate) alloc_dirs: Option<AllocDirs>,
+    registry: Arc<Registry>,
+}
+
+/// The node's settings a worker applies.
+pub(crate) struct WorkerConfig {
+    pub(crate) limits: Limits,
+    /// Seeds restart jitter, for reproducible tests; `None` draws it at random.
+    pub(crate) seed: Option<u64>,
+    /// The node's devices.
+    pub(crate) devices: Arc<DeviceManager>,
+}
+
+impl WorkerContext {
+    /// The context of a node's workers, publishing into `registry`.
+    pub(crate) fn new(
+        config: WorkerConfig,
+        drivers: Drivers,
+        store: Arc<dyn Store>,
+        clock: Clock,
+        alloc_dirs: Option<AllocDirs>,
+        registry: Arc<Registry>,
+    ) -> Self {
+        WorkerContext {
+            config,
+            drivers,
+            store,
+            clock,
+            alloc_dirs,
+            registry,
+        }
+    }
+
+    /// Shows an alloc's status snapshot, its tasks' driver handles and its facts, together.
+    fn publish(
+        &self,
+        name: &Name,
+        status: AllocStatus,
+        handles: BTreeMap<Name, TaskHandle>,
+        facts: AllocFacts,
+    ) {
+        self.registry.publish(name, status, handles, facts);
+    }
+
+    /// Drivers that cannot start tasks now, with why.
+    fn unavailable_drivers(&self) -> BTreeMap<DriverKind, String> {
+        self.registry.unavailable_drivers()
+    }
+
+    /// Counts a failed store write of alloc `name`, which is behind until it recovers.
+    fn report_store_error(&self, name: &Name, error: &StoreError) {
+        self.registry.report_store_error(name, error);
+    }
+
+    /// Alloc `name`'s record is stored again after failed writes.
+    fn store_recovered(&self, name: &Name) {
+        self.registry.store_recovered(name);
+    }
+
+    /// Alloc `name`'s worker leaves the node, unless new input arrived (see
+    /// [`Registry::retire`]).
+    fn retire(&self, name: &Name, mailbox: &Mailbox) -> bool {
+        self.registry.retire(name, mailbox)
+    }
 }
 
 /// What a spawned driver operation reports.
@@ -85,24 +132,18 @@ enum OpReport {
 /// its mailbox. (A channel per worker would hold a block of slots for every alloc.)
 #[derive(Clone)]
 struct Reports {
-    /// Each report, with the in-flight token of the start it answers: held until the
-    /// worker has applied and published it.
     queue: Arc<Mutex<VecDeque<Report>>>,
     mailbox: Mailbox,
 }
 
-type Report = (Name, u64, OpReport, Option<InFlightToken>);
+type Report = (Name, u64, OpReport);
 
 impl Reports {
     fn send(&self, task: Name, run: u64, report: OpReport) {
-        self.send_holding(task, run, report, None);
-    }
-
-    fn send_holding(&self, task: Name, run: u64, report: OpReport, token: Option<InFlightToken>) {
         self.queue
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
-            .push_back((task, run, report, token));
+            .push_back((task, run, report));
         self.mailbox.wake();
     }
 
@@ -224,7 +265,7 @@ struct StoreRetry {
 
 /// One alloc's worker.
 pub(crate) struct Worker {
-    shared: Arc<Shared>,
+    shared: Arc<WorkerContext>,
     name: Name,
     mailbox: Mailbox,
     target: Target,
@@ -241,14 +282,15 @@ pub(crate) struct Worker {
     /// The device manager still holds a replaced revision's devices for this alloc, for
     /// the current revision's first ask.
     devices_handed_on: bool,
-    /// Held until this worker's step is done (see [`crate::node::Node::settled`]): its
-    /// first one, so that the task starts it launches are seen (each holds a token of
-    /// its own until its outcome is published), and one that applies a start's outcome.
-    settling: Vec<InFlightToken>,
 }
 
 impl Worker {
-    pub(crate) fn new(shared: Arc<Shared>, name: Name, mailbox: Mailbox, start: Start) -> Self {
+    pub(crate) fn new(
+        shared: Arc<WorkerContext>,
+        name: Name,
+        mailbox: Mailbox,
+        start: Start,
+    ) -> Self {
         let reports = Reports {
             queue: Arc::default(),
             mailbox: mailbox.clone(),
@@ -257,7 +299,6 @@ impl Worker {
             Some(seed) => fastrand::Rng::with_seed(seed ^ hash_name(&name)),
             None => fastrand::Rng::new(),
         };
-        let first_step = shared.in_flight.token();
         let mut worker = Worker {
             shared,
             name,
@@ -273,7 +314,6 @@ impl Worker {
             store_retry: None,
             collect: None,
             devices_handed_on: false,
-            settling: vec![first_step],
         };
         match start {
             Start::Fresh(target) => worker.target = target,
@@ -284,7 +324,6 @@ impl Worker {
                     heard: false,
                     revision,
                 });
-                worker.publish_broken();
             }
         }
         worker
@@ -361,9 +400,8 @@ impl Worker {
             if let Some(how) = pending.shutdown {
                 self.shutdown = Some(self.shutdown.map_or(how, |s| s.max(how)));
             }
-            for (task, run, report, token) in self.reports.take() {
+            for (task, run, report) in self.reports.take() {
                 self.apply_report(task, run, report, now);
-                self.settling.extend(token);
             }
             for command in pending.commands {
                 self.handle_command(command, now);
@@ -386,9 +424,6 @@ impl Worker {
                 },
             };
             self.persist_and_publish();
-            // This step's task starts are launched and hold tokens of their own; the
-            // start outcomes it applied are published.
-            self.settling.clear();
             let wake_at = match (wake_at, self.store_retry.as_ref().map(|r| r.at)) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -475,7 +510,11 @@ impl Worker {
         let current = self.current.as_mut().expect("still set");
         let began = self.shared.clock.instant();
         let plan = current.state.reconcile(&current.desired, now);
-        tracing::trace!(effects = plan.effects.len(), wake_at = ?plan.wake_at, "reconciled");
+        tracing::trace!(
+            effects = plan.effects.len(),
+            wake_at = plan.wake_at.map(tracing::field::display),
+            "reconciled"
+        );
         self.execute(plan.effects, now);
         crate::metrics::reconciled(began.elapsed());
         self.release_devices();
@@ -737,7 +776,6 @@ impl Worker {
         };
         let span = tracing::info_span!("task", task = %task, run);
         let devices = self.shared.config.devices.clone();
-        let in_flight = Some(self.shared.in_flight.token());
         let operation = async move {
             if !held.is_empty() {
                 match devices.reservation(&held).await {
@@ -759,7 +797,7 @@ impl Worker {
                             message: format!("reserving its devices: {error}"),
                             recoverable: true,
                         };
-                        tx.send_holding(task, run, OpReport::StartFailed(error), in_flight);
+                        tx.send(task, run, OpReport::StartFailed(error));
                         return;
                     }
                 }
@@ -769,13 +807,13 @@ impl Worker {
                 () = ops.cancel_start.cancelled() => None,
             };
             match started {
-                None => tx.send_holding(task, run, OpReport::StartCancelled, in_flight),
+                None => tx.send(task, run, OpReport::StartCancelled),
                 Some(Err(error)) => {
-                    tx.send_holding(task, run, OpReport::StartFailed(error), in_flight);
+                    tx.send(task, run, OpReport::StartFailed(error));
                 }
                 Some(Ok(handle)) => {
                     let report = OpReport::Started(handle.clone());
-                    tx.send_holding(task.clone(), run, report, in_flight);
+                    tx.send(task.clone(), run, report);
                     watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
                 }
             }
@@ -793,7 +831,7 @@ impl Worker {
         };
         let observation = match report {
             OpReport::Started(handle) => {
-                tracing::info!(task = %task, pid = ?handle.pid, "task started");
+                tracing::info!(task = %task, pid = handle.pid, "task started");
                 crate::metrics::task_started();
                 current.handles.insert(task.clone(), handle);
                 Observation::Started
@@ -815,8 +853,8 @@ impl Worker {
                 tracing::info!(
                     task = %task,
                     exit_code = result.exit_code,
-                    signal = ?result.signal,
-                    error = ?result.error,
+                    signal = result.signal,
+                    error = result.error.as_deref(),
                     "task exited"
                 );
                 self.ops.remove(&task);
@@ -1121,10 +1159,11 @@ impl Worker {
             .publish(&self.name, status, current.handles.clone(), facts);
     }
 
-    /// Publishes the status of a broken alloc: failed, with why.
-    fn publish_broken(&self) {
-        let Some(broken) = &self.broken else { return };
-        let status = AllocStatus {
+    /// The status of a broken alloc: failed, with why; none when it is not broken. The
+    /// node shows it from the moment the worker's slot exists.
+    pub(crate) fn broken_status(&self) -> Option<AllocStatus> {
+        let broken = self.broken.as_ref()?;
+        Some(AllocStatus {
             name: self.name.to_string(),
             id: String::new(),
             revision: broken.revision.clone().unwrap_or_default(),
@@ -1133,13 +1172,7 @@ impl Worker {
             spec_error: None,
             state_error: Some(broken.reason.clone()),
             tasks: BTreeMap::new(),
-        };
-        let facts = AllocFacts {
-            collectable: false,
-            finished_at: None,
-        };
-        self.shared
-            .publish(&self.name, status, BTreeMap::new(), facts);
+        })
     }
 
     /// Why a restored alloc cannot resume for want of its alloc dir: a task of a driver
@@ -1320,18 +1353,6 @@ async fn watch_exit(
     }
 }
 
-/// An error with its sources, `outer: inner: innermost`.
-pub(crate) fn error_chain(error: &dyn std::error::Error) -> String {
-    let mut text = error.to_string();
-    let mut source = error.source();
-    while let Some(cause) = source {
-        text.push_str(": ");
-        text.push_str(&cause.to_string());
-        source = cause.source();
-    }
-    text
-}
-
 fn hash_name(name: &Name) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
@@ -1394,25 +1415,5 @@ fn status_of(
                 (task.to_string(), status)
             })
             .collect(),
-    }
-}
-
-/// How long a user command may wait for its alloc's worker.
-pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
-
-/// Sends `command` built around a reply channel and waits for the answer.
-pub(crate) async fn ask(
-    mailbox: &Mailbox,
-    name: &str,
-    build: impl FnOnce(oneshot::Sender<Result<(), CommandError>>) -> UserCommand,
-) -> Result<(), CommandError> {
-    let (reply, answer) = oneshot::channel();
-    mailbox.push_command(build(reply));
-    let gone = || CommandError::ShuttingDown {
-        name: name.to_owned(),
-    };
-    match tokio::time::timeout(COMMAND_TIMEOUT, answer).await {
-        Ok(Ok(result)) => result,
-        Ok(Err(_)) | Err(_) => Err(gone()),
     }
 }

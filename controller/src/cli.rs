@@ -27,9 +27,19 @@ pub const EXIT_INVALID: u8 = 1;
 /// Exit code: the command line itself was wrong.
 pub const EXIT_USAGE: u8 = 2;
 
+/// What `stead --help` opens with: what stead is.
+pub const ABOUT: &str = "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared";
+const LONG_ABOUT: &str = "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
+
+An alloc is a group of tasks (processes) that live and die together. `stead agent` watches a \
+directory of alloc specs and converges the node on them: it starts, restarts (Nomad's \
+restart policies), stops and replaces tasks, keeps its state in an embedded store that \
+survives crashes, and leaves tasks running across its own restarts. The other commands \
+validate specs and talk to a running agent's HTTP API.";
+
 /// stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
 #[derive(Debug, Parser)]
-#[command(name = "stead", version, about, max_term_width = 100)]
+#[command(name = "stead", version, about = ABOUT, long_about = LONG_ABOUT, max_term_width = 100)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -218,4 +228,24 @@ fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Re
 
 fn plural<'a>(n: usize, one: &'a str, many: &'a str) -> &'a str {
     if n == 1 { one } else { many }
+}
+
+#[cfg(test)]
+mod help_tests {
+    use super::*;
+
+    #[test]
+    fn help_opens_with_what_stead_is_not_the_crate_description() {
+        for flag in ["-h", "--help"] {
+            let (mut out, mut err) = (Vec::new(), Vec::new());
+            let code = run(["stead", flag], &mut out, &mut err);
+            assert_eq!(code, EXIT_OK);
+            let text = String::from_utf8(out).expect("utf-8");
+            assert!(
+                text.starts_with(ABOUT),
+                "`stead {flag}` opens with what stead is:\n{text}"
+            );
+            assert!(!text.contains("stead's shell"), "{text}");
+        }
+    }
 }

@@ -17,7 +17,7 @@ use stead_schemas::spec::Name;
 use thiserror::Error;
 use tokio::task::JoinSet;
 
-use crate::alloc::CommandError;
+use crate::queue::CommandError;
 use crate::node::Node;
 
 /// How garbage collection runs (the agent's `gc` config).
@@ -80,7 +80,7 @@ pub async fn collect_once(node: &Arc<Node>, policy: &GcPolicy, data_dir: &Path) 
         let disk = match tokio::task::spawn_blocking(move || disk_usage(&dir)).await {
             Ok(Ok(usage)) => Some(usage),
             Ok(Err(error)) => {
-                tracing::warn!(error = %crate::alloc::error_chain(&error), "gc measures no disk usage");
+                tracing::warn!(error = %crate::errors::error_chain(&error), "gc measures no disk usage");
                 None
             }
             Err(_) => None,

@@ -19,7 +19,7 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
-use crate::node::Node;
+use crate::store::StoreMetrics;
 
 /// Counter: reconcile passes over all allocs.
 pub const RECONCILES: &str = "stead_reconciles_total";
@@ -48,6 +48,19 @@ pub const ALLOCS: &str = "stead_allocs";
 
 /// Every client status, so each `stead_allocs` series exists even at zero.
 pub const CLIENT_STATUSES: [&str; 4] = ["pending", "running", "complete", "failed"];
+
+/// The levels a node knows, read when `/metrics` is rendered.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct NodeLevels {
+    /// Inputs waiting in alloc mailboxes, over all allocs.
+    pub queue_depth: usize,
+    /// Allocs by client status, in the order of [`CLIENT_STATUSES`].
+    pub allocs_by_status: [i64; CLIENT_STATUSES.len()],
+    /// What the store did since it was opened.
+    pub store: StoreMetrics,
+    /// Store writes that failed.
+    pub store_write_errors: u64,
+}
 
 /// Bucket bounds of [`RECONCILE_DURATION`], in seconds: a pass is normally well under a
 /// millisecond, so the buckets start at 10 µs.
@@ -135,31 +148,22 @@ impl Metrics {
     }
 
     /// The OpenMetrics text exposition ([`CONTENT_TYPE`]) of every metric, with the
-    /// node's levels read now.
-    pub fn render(&self, node: &Node) -> Result<String, fmt::Error> {
+    /// node's levels as `node` read them just now.
+    pub fn render(&self, node: &NodeLevels) -> Result<String, fmt::Error> {
         let mut levels = Registry::default();
         levels.register(
             QUEUE_DEPTH,
             "Inputs waiting in alloc mailboxes, over all allocs",
-            ConstGauge::new(i64::try_from(node.queue_depth()).unwrap_or(i64::MAX)),
+            ConstGauge::new(i64::try_from(node.queue_depth).unwrap_or(i64::MAX)),
         );
-        let mut by_status = [0i64; CLIENT_STATUSES.len()];
-        for status in node.statuses() {
-            if let Some(i) = CLIENT_STATUSES
-                .iter()
-                .position(|s| *s == status.client_status)
-            {
-                by_status[i] += 1;
-            }
-        }
         let allocs = Family::<[(&'static str, &'static str); 1], Gauge>::default();
-        for (status, count) in CLIENT_STATUSES.iter().zip(by_status) {
+        for (status, count) in CLIENT_STATUSES.iter().zip(node.allocs_by_status) {
             allocs
                 .get_or_create(&[("client_status", status)])
                 .set(count);
         }
         levels.register(ALLOCS, "Allocs by client status", allocs);
-        let store = node.store_metrics();
+        let store = node.store;
         let store_counters = [
             (
                 STORE_WRITES,
@@ -179,7 +183,7 @@ impl Metrics {
             (
                 STORE_WRITE_ERRORS,
                 "Store writes that failed",
-                node.store_errors(),
+                node.store_write_errors,
             ),
         ];
         for (series, help, value) in store_counters {

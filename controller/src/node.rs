@@ -5,9 +5,9 @@
 //! status snapshots and never wait either. Locks here are held for a map operation,
 //! never across an `.await`.
 
-use std::collections::{BTreeMap, BTreeSet, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard, RwLock};
+use std::collections::{BTreeMap, HashMap};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::Limits;
@@ -18,12 +18,14 @@ use stead_schemas::{Timestamp, ValidSpec};
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
-use crate::alloc::{CommandError, Start, Worker, ask};
+use crate::alloc::{Start, Worker, WorkerConfig, WorkerContext};
 use crate::allocdir::AllocDirs;
 use crate::clock::Clock;
 use crate::devices::DeviceManager;
 use crate::driver::{Drivers, RecordedRuns, TaskHandle};
-use crate::queue::{Mailbox, Shutdown, Target, UserCommand};
+use crate::metrics::{CLIENT_STATUSES, NodeLevels};
+use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand, ask};
+use crate::registry::{AllocSlot, AllocView, Registry};
 use crate::store::{self, Store, StoreError};
 
 /// How the node runs its allocs.
@@ -59,102 +61,6 @@ impl Default for NodeConfig {
     }
 }
 
-struct Entry {
-    mailbox: Mailbox,
-    /// The worker's task; taken by the shutdown, which awaits it while the entry stays
-    /// (so the worker can still be woken) until the worker is done.
-    join: Option<JoinHandle<()>>,
-}
-
-/// What garbage collection needs to know of an alloc, published with its status.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) struct AllocFacts {
-    /// Terminal, nothing in flight, and no spec declares it any more.
-    pub(crate) collectable: bool,
-    /// When its last task finished.
-    pub(crate) finished_at: Option<Timestamp>,
-}
-
-/// What workers share with the dispatcher.
-pub(crate) struct Shared {
-    pub(crate) config: NodeConfig,
-    pub(crate) drivers: Drivers,
-    pub(crate) store: Arc<dyn Store>,
-    pub(crate) clock: Clock,
-    /// Where alloc dirs live, when the node has them (sticky disks move between them,
-    /// and destroying an alloc removes its own).
-    pub(crate) alloc_dirs: Option<AllocDirs>,
-    facts: RwLock<HashMap<Name, AllocFacts>>,
-    /// The diagnostics of each alloc whose spec is broken now, shown with its status.
-    spec_errors: RwLock<HashMap<Name, Arc<str>>>,
-    registry: Mutex<HashMap<Name, Entry>>,
-    /// Set (under the registry's lock) when the node's shutdown began: no worker is
-    /// started or given new input after it, and user commands are refused.
-    shutting_down: AtomicBool,
-    statuses: RwLock<BTreeMap<Name, Arc<AllocStatus>>>,
-    /// The driver handles of each alloc's tasks, published with its status (for stats).
-    handles: RwLock<HashMap<Name, Arc<BTreeMap<Name, TaskHandle>>>>,
-    version: watch::Sender<u64>,
-    store_errors: Mutex<StoreHealth>,
-    /// Drivers whose last fingerprint was not healthy, with why.
-    unavailable_drivers: RwLock<BTreeMap<DriverKind, String>>,
-    /// The first steps of workers and the task starts not yet answered (see
-    /// [`Node::settled`]).
-    pub(crate) in_flight: InFlight,
-}
-
-/// A count of work under way, with a wake-up when it falls to zero: each piece holds an
-/// [`InFlightToken`] until it is done (or dropped, whatever the path).
-#[derive(Debug, Default)]
-pub(crate) struct InFlight(Arc<Counter>);
-
-#[derive(Debug, Default)]
-struct Counter {
-    held: AtomicUsize,
-    idle: tokio::sync::Notify,
-}
-
-/// One piece of work counted by an [`InFlight`], until dropped.
-#[derive(Debug)]
-pub(crate) struct InFlightToken(Arc<Counter>);
-
-impl InFlight {
-    /// Counts one more piece of work, until the token is dropped.
-    pub(crate) fn token(&self) -> InFlightToken {
-        self.0.held.fetch_add(1, Ordering::AcqRel);
-        InFlightToken(Arc::clone(&self.0))
-    }
-
-    /// Returns once no token is held.
-    async fn idle(&self) {
-        loop {
-            let idle = self.0.idle.notified();
-            tokio::pin!(idle);
-            // Registered before the count is read, so a drop in between still wakes it.
-            idle.as_mut().enable();
-            if self.0.held.load(Ordering::Acquire) == 0 {
-                return;
-            }
-            idle.await;
-        }
-    }
-}
-
-impl Drop for InFlightToken {
-    fn drop(&mut self) {
-        if self.0.held.fetch_sub(1, Ordering::AcqRel) == 1 {
-            self.0.idle.notify_waiters();
-        }
-    }
-}
-
-/// Failed store writes: how many so far, and the allocs whose records are behind.
-#[derive(Debug, Default)]
-struct StoreHealth {
-    failures: u64,
-    behind: BTreeSet<Name>,
-}
-
 /// The state store's health, as `/v1/health` shows it.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct StoreHealthReport {
@@ -171,102 +77,13 @@ impl StoreHealthReport {
     }
 }
 
-impl Shared {
-    fn registry(&self) -> MutexGuard<'_, HashMap<Name, Entry>> {
-        self.registry.lock().unwrap_or_else(|e| e.into_inner())
-    }
-
-    /// Publishes an alloc's status snapshot and its tasks' driver handles.
-    pub(crate) fn publish(
-        &self,
-        name: &Name,
-        status: AllocStatus,
-        handles: BTreeMap<Name, TaskHandle>,
-        facts: AllocFacts,
-    ) {
-        self.facts
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.clone(), facts);
-        self.handles
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.clone(), Arc::new(handles));
-        self.statuses
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .insert(name.clone(), Arc::new(status));
-        self.version.send_modify(|v| *v += 1);
-    }
-
-    /// Drivers that cannot start tasks now, with why.
-    pub(crate) fn unavailable_drivers(&self) -> BTreeMap<DriverKind, String> {
-        self.unavailable_drivers
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
-    }
-
-    /// Counts a failed store write; the worker retries it with backoff.
-    pub(crate) fn report_store_error(&self, name: &Name, error: &StoreError) {
-        tracing::warn!(alloc = %name, error = %crate::alloc::error_chain(error), "store write failed");
-        {
-            let mut health = self.store_errors.lock().unwrap_or_else(|e| e.into_inner());
-            health.failures += 1;
-            health.behind.insert(name.clone());
-        }
-        // Waiters on the node's state (`Node::wait_until`) look again.
-        self.version.send_modify(|v| *v += 1);
-    }
-
-    /// The alloc's record is stored again after failed writes.
-    pub(crate) fn store_recovered(&self, name: &Name) {
-        tracing::info!(alloc = %name, "store write succeeded after retries");
-        self.no_longer_behind(name);
-        self.version.send_modify(|v| *v += 1);
-    }
-
-    /// The alloc's state no longer waits for a store write.
-    fn no_longer_behind(&self, name: &Name) {
-        self.store_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .behind
-            .remove(name);
-    }
-
-    /// Wakes every worker for a level re-check.
-    fn wake_all(&self) {
-        for entry in self.registry().values() {
-            entry.mailbox.wake();
-        }
-    }
-
-    /// A destroyed alloc's worker leaves the registry, unless new input arrived for it
-    /// meanwhile (then it carries on); true when it left.
-    pub(crate) fn retire(&self, name: &Name, mailbox: &Mailbox) -> bool {
-        let mut registry = self.registry();
-        if mailbox.has_target() {
-            return false;
-        }
-        registry.remove(name);
-        self.statuses
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        self.handles
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        self.facts
-            .write()
-            .unwrap_or_else(|e| e.into_inner())
-            .remove(name);
-        // A destroyed alloc has no state left to store: it no longer holds the store back.
-        self.no_longer_behind(name);
-        self.version.send_modify(|v| *v += 1);
-        true
-    }
+/// What the node's methods and its background loops share.
+struct Shared {
+    config: NodeConfig,
+    /// What every worker is given.
+    context: Arc<WorkerContext>,
+    /// The allocs' slots (also the workers' publisher, in `context`).
+    registry: Arc<Registry>,
 }
 
 /// The level re-check: wakes every worker once per tick, until the node is gone. One
@@ -283,7 +100,7 @@ async fn tick(shared: std::sync::Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        shared.wake_all();
+        shared.registry.wake_all();
     }
 }
 
@@ -298,7 +115,7 @@ async fn fingerprint_drivers(shared: std::sync::Weak<Shared>) {
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         interval.tick().await;
-        let Some(drivers) = shared.upgrade().map(|s| s.drivers.clone()) else {
+        let Some(drivers) = shared.upgrade().map(|s| s.context.drivers.clone()) else {
             return;
         };
         let mut unavailable = BTreeMap::new();
@@ -316,6 +133,7 @@ async fn fingerprint_drivers(shared: std::sync::Weak<Shared>) {
         };
         let changed = {
             let mut current = shared
+                .registry
                 .unavailable_drivers
                 .write()
                 .unwrap_or_else(|e| e.into_inner());
@@ -337,7 +155,7 @@ async fn fingerprint_drivers(shared: std::sync::Weak<Shared>) {
             changed
         };
         if changed {
-            shared.wake_all();
+            shared.registry.wake_all();
         }
     }
 }
@@ -354,9 +172,9 @@ async fn watch_devices(shared: std::sync::Weak<Shared>) {
         let Some(shared) = shared.upgrade() else {
             return;
         };
-        shared.wake_all();
+        shared.registry.wake_all();
         // The node's devices are part of what it shows: waiters look again.
-        shared.version.send_modify(|v| *v += 1);
+        shared.registry.changed();
     }
 }
 
@@ -404,30 +222,31 @@ impl Node {
         clock: Clock,
         alloc_dirs: Option<AllocDirs>,
     ) -> Self {
-        let (version, _) = watch::channel(0);
+        let registry = Arc::new(Registry::new());
+        let worker_config = WorkerConfig {
+            limits: config.limits,
+            seed: config.seed,
+            devices: config.devices.clone(),
+        };
+        let context = WorkerContext::new(
+            worker_config,
+            drivers,
+            store,
+            clock,
+            alloc_dirs,
+            registry.clone(),
+        );
         let node = Node {
             shared: Arc::new(Shared {
                 config,
-                drivers,
-                store,
-                clock,
-                alloc_dirs,
-                facts: RwLock::new(HashMap::new()),
-                spec_errors: RwLock::new(HashMap::new()),
-                registry: Mutex::new(HashMap::new()),
-                in_flight: InFlight::default(),
-                shutting_down: AtomicBool::new(false),
-                statuses: RwLock::new(BTreeMap::new()),
-                handles: RwLock::new(HashMap::new()),
-                version,
-                store_errors: Mutex::new(StoreHealth::default()),
-                unavailable_drivers: RwLock::new(BTreeMap::new()),
+                context: Arc::new(context),
+                registry,
             }),
         };
         tokio::spawn(tick(Arc::downgrade(&node.shared)));
         tokio::spawn(fingerprint_drivers(Arc::downgrade(&node.shared)));
         tokio::spawn(watch_devices(Arc::downgrade(&node.shared)));
-        node.shared.config.devices.start(node.shared.clock);
+        node.shared.config.devices.start(node.shared.context.clock);
         node
     }
 
@@ -438,7 +257,7 @@ impl Node {
         let mut report = RestoreReport::default();
         let mut resumed = Vec::new();
         let mut recorded = RecordedRuns::default();
-        for loaded in self.shared.store.load_allocs()? {
+        for loaded in self.shared.context.store.load_allocs()? {
             let record = match loaded {
                 Ok(record) => record,
                 Err(corrupt) => {
@@ -462,8 +281,8 @@ impl Node {
             if record.state.tasks.is_empty() {
                 // Nothing of it ever ran: forget it; its spec, if still there, starts it anew.
                 tracing::warn!(alloc = %name, "dropping a stored alloc with no task state");
-                if let Err(error) = self.shared.store.delete_alloc(&name) {
-                    self.shared.report_store_error(&name, &error);
+                if let Err(error) = self.shared.context.store.delete_alloc(&name) {
+                    self.shared.registry.report_store_error(&name, &error);
                 }
                 report.dropped += 1;
                 continue;
@@ -493,12 +312,12 @@ impl Node {
         }
         // Before any worker runs, so that no start of this agent can be taken for one the
         // last agent made and never recorded.
-        for (_, driver) in self.shared.drivers.iter() {
+        for (_, driver) in self.shared.context.drivers.iter() {
             driver.stop_unrecorded(&recorded);
         }
         for (name, restored) in resumed {
             self.spawn(
-                &mut self.shared.registry(),
+                &mut self.shared.registry.slots_mut(),
                 name,
                 Start::Restored(Box::new(restored)),
             );
@@ -514,43 +333,55 @@ impl Node {
         let Ok(name) = corrupt.name.parse::<Name>() else {
             return;
         };
-        let reason = crate::alloc::error_chain(corrupt);
+        let reason = crate::errors::error_chain(corrupt);
         self.spawn(
-            &mut self.shared.registry(),
+            &mut self.shared.registry.slots_mut(),
             name,
             Start::Broken { reason, revision },
         );
     }
 
-    /// Starts a worker for `name`; the caller holds the registry lock, so a retiring
+    /// Starts a worker for `name`; the caller holds the slots' write lock, so a retiring
     /// worker and a new input cannot cross.
-    fn spawn(&self, registry: &mut HashMap<Name, Entry>, name: Name, start: Start) {
+    fn spawn(&self, slots: &mut HashMap<Name, AllocSlot>, name: Name, start: Start) {
         let mailbox = Mailbox::default();
-        let worker = Worker::new(self.shared.clone(), name.clone(), mailbox.clone(), start);
+        let worker = Worker::new(
+            self.shared.context.clone(),
+            name.clone(),
+            mailbox.clone(),
+            start,
+        );
+        // A broken record's status is there from the start.
+        let view = AllocView {
+            status: worker.broken_status().map(Arc::new),
+            ..AllocView::default()
+        };
         let span = tracing::info_span!("alloc", alloc = %name);
         let join = tokio::spawn(tracing::Instrument::instrument(worker.run(), span));
-        registry.insert(
+        slots.insert(
             name,
-            Entry {
+            AllocSlot {
                 mailbox,
                 join: Some(join),
+                view: Mutex::new(Arc::new(view)),
             },
         );
+        self.shared.registry.changed();
     }
 
     /// The mailbox of alloc `name` for a user command, refused once the node shuts down
     /// (its workers only stop or leave then).
     fn mailbox(&self, name: &str) -> Result<Mailbox, CommandError> {
-        let registry = self.shared.registry();
-        if self.shared.shutting_down.load(Ordering::Relaxed) {
+        let slots = self.shared.registry.slots();
+        if self.shared.registry.shutting_down.load(Ordering::Relaxed) {
             return Err(CommandError::ShuttingDown {
                 name: name.to_owned(),
             });
         }
         name.parse::<Name>()
             .ok()
-            .and_then(|name| registry.get(&name))
-            .map(|e| e.mailbox.clone())
+            .and_then(|name| slots.get(&name))
+            .map(|slot| slot.mailbox.clone())
             .ok_or_else(|| CommandError::UnknownAlloc {
                 name: name.to_owned(),
             })
@@ -561,34 +392,25 @@ impl Node {
     pub fn apply(&self, spec: ValidSpec) {
         let name = spec.name().clone();
         let target = Target::Spec(Arc::new(spec));
-        let mut registry = self.shared.registry();
-        if self.shared.shutting_down.load(Ordering::Relaxed) {
+        let mut slots = self.shared.registry.slots_mut();
+        if self.shared.registry.shutting_down.load(Ordering::Relaxed) {
             return;
         }
-        match registry.get(&name) {
-            Some(entry) => entry.mailbox.set_target(target),
-            None => self.spawn(&mut registry, name, Start::Fresh(target)),
+        match slots.get(&name) {
+            Some(slot) => slot.mailbox.set_target(target),
+            None => self.spawn(&mut slots, name, Start::Fresh(target)),
         }
-    }
-
-    /// Returns once every alloc has taken its first step and every task start has been
-    /// answered by its driver and the answer published: at once on a node with nothing
-    /// to start. A start made later (a restart, a new spec, a task after its prestart
-    /// tasks) counts from when it is made. The agent creates a new node's store only
-    /// then, so that the creation does not take the CPU from the first task starts.
-    pub async fn settled(&self) {
-        self.shared.in_flight.idle().await;
     }
 
     /// Declares that the alloc `name` should no longer exist: it is stopped, then
     /// destroyed. Never waits. Ignored once the node shuts down.
     pub fn remove(&self, name: &Name) {
-        let registry = self.shared.registry();
-        if self.shared.shutting_down.load(Ordering::Relaxed) {
+        let slots = self.shared.registry.slots();
+        if self.shared.registry.shutting_down.load(Ordering::Relaxed) {
             return;
         }
-        if let Some(entry) = registry.get(name) {
-            entry.mailbox.set_target(Target::Absent);
+        if let Some(slot) = slots.get(name) {
+            slot.mailbox.set_target(Target::Absent);
         }
     }
 
@@ -622,14 +444,16 @@ impl Node {
     /// Every alloc as garbage collection sees it.
     pub fn gc_candidates(&self) -> Vec<GcCandidate<Name>> {
         self.shared
-            .facts
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .registry
+            .slots()
             .iter()
-            .map(|(name, facts)| GcCandidate {
-                key: name.clone(),
-                collectable: facts.collectable,
-                finished_at: facts.finished_at,
+            .map(|(name, slot)| {
+                let facts = slot.view().facts;
+                GcCandidate {
+                    key: name.clone(),
+                    collectable: facts.collectable,
+                    finished_at: facts.finished_at,
+                }
             })
             .collect()
     }
@@ -637,34 +461,9 @@ impl Node {
     /// Records that the spec of alloc `name` is broken (`Some(diagnostics)`) or fine again
     /// (`None`); the alloc's status shows it as `specError`.
     pub fn set_spec_error(&self, name: &Name, error: Option<String>) {
-        {
-            let mut errors = self
-                .shared
-                .spec_errors
-                .write()
-                .unwrap_or_else(|e| e.into_inner());
-            match error {
-                Some(error) => errors.insert(name.clone(), error.into()),
-                None => errors.remove(name),
-            };
-        }
-        self.shared.version.send_modify(|v| *v += 1);
-    }
-
-    /// `status` with the alloc's current spec error, if any.
-    fn with_spec_error(&self, name: &Name, status: Arc<AllocStatus>) -> Arc<AllocStatus> {
-        let errors = self
-            .shared
-            .spec_errors
-            .read()
-            .unwrap_or_else(|e| e.into_inner());
-        match errors.get(name) {
-            Some(error) => Arc::new(AllocStatus {
-                spec_error: Some(error.to_string()),
-                ..(*status).clone()
-            }),
-            None => status,
-        }
+        self.shared
+            .registry
+            .update_view(name, |view| view.spec_error = error.map(Arc::from));
     }
 
     /// The node's devices.
@@ -672,99 +471,116 @@ impl Node {
         &self.shared.config.devices
     }
 
+    /// Everything alloc `name` shows, as one snapshot.
+    pub fn view(&self, name: &str) -> Option<Arc<AllocView>> {
+        let name: Name = name.parse().ok()?;
+        self.shared.registry.slots().get(&name).map(AllocSlot::view)
+    }
+
     /// The published status of alloc `name`.
     pub fn status(&self, name: &str) -> Option<Arc<AllocStatus>> {
-        let name: Name = name.parse().ok()?;
-        let status = self
-            .shared
-            .statuses
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&name)
-            .cloned()?;
-        Some(self.with_spec_error(&name, status))
+        self.view(name)?.status()
     }
 
     /// The driver handles of alloc `name`'s started tasks, as last published.
     pub fn task_handles(&self, name: &str) -> Option<Arc<BTreeMap<Name, TaskHandle>>> {
-        let name: Name = name.parse().ok()?;
-        self.shared
-            .handles
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .get(&name)
-            .cloned()
+        Some(self.view(name)?.handles.clone())
     }
 
     /// Every published status, by name.
     pub fn statuses(&self) -> Vec<Arc<AllocStatus>> {
-        let statuses: Vec<(Name, Arc<AllocStatus>)> = self
+        let mut views: Vec<(Name, Arc<AllocView>)> = self
             .shared
-            .statuses
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
+            .registry
+            .slots()
             .iter()
-            .map(|(name, status)| (name.clone(), status.clone()))
+            .map(|(name, slot)| (name.clone(), slot.view()))
             .collect();
-        statuses
+        views.sort_unstable_by(|a, b| a.0.cmp(&b.0));
+        views
             .into_iter()
-            .map(|(name, status)| self.with_spec_error(&name, status))
+            .filter_map(|(_, view)| view.status())
             .collect()
     }
 
     /// How many allocs have a worker.
     pub fn alloc_count(&self) -> usize {
-        self.shared.registry().len()
+        self.shared.registry.slots().len()
     }
 
     /// Pending spec updates replaced by newer ones before being applied, over all allocs.
     pub fn coalesced_updates(&self) -> u64 {
         self.shared
-            .registry()
+            .registry
+            .slots()
             .values()
-            .map(|e| e.mailbox.coalesced())
+            .map(|slot| slot.mailbox.coalesced())
             .sum()
     }
 
     /// Inputs waiting in alloc mailboxes, over all allocs.
     pub fn queue_depth(&self) -> usize {
         self.shared
-            .registry()
+            .registry
+            .slots()
             .values()
-            .map(|e| e.mailbox.depth())
+            .map(|slot| slot.mailbox.depth())
             .sum()
+    }
+
+    /// The levels `/metrics` shows, read now.
+    pub fn metrics_levels(&self) -> NodeLevels {
+        let mut allocs_by_status = [0; CLIENT_STATUSES.len()];
+        for status in self.statuses() {
+            if let Some(i) = CLIENT_STATUSES
+                .iter()
+                .position(|s| *s == status.client_status)
+            {
+                allocs_by_status[i] += 1;
+            }
+        }
+        NodeLevels {
+            queue_depth: self.queue_depth(),
+            allocs_by_status,
+            store: self.store_metrics(),
+            store_write_errors: self.store_errors(),
+        }
     }
 
     /// What the store did since it was opened.
     pub fn store_metrics(&self) -> store::StoreMetrics {
-        self.shared.store.metrics()
+        self.shared.context.store.metrics()
     }
 
     /// The node's clock.
     pub fn clock(&self) -> Clock {
-        self.shared.clock
+        self.shared.context.clock
     }
 
     /// Store writes that failed.
     pub fn store_errors(&self) -> u64 {
-        self.store_health().failures
+        self.shared.registry.store_failures.load(Ordering::Relaxed)
     }
 
     /// Whether the node's shutdown (detach or drain) has begun.
     pub fn is_shutting_down(&self) -> bool {
-        self.shared.shutting_down.load(Ordering::Relaxed)
+        self.shared.registry.shutting_down.load(Ordering::Relaxed)
     }
 
     /// Failed store writes and the allocs whose records are behind.
     pub fn store_health(&self) -> StoreHealthReport {
-        let health = self
+        let mut behind: Vec<String> = self
             .shared
-            .store_errors
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
+            .registry
+            .slots()
+            .iter()
+            .filter(|(_, slot)| slot.view().store_behind)
+            .map(|(name, _)| name.to_string())
+            .collect();
+        behind.sort_unstable();
         StoreHealthReport {
-            failures: health.failures,
-            behind: health.behind.iter().map(ToString::to_string).collect(),
+            failures: self.shared.registry.store_failures.load(Ordering::Relaxed),
+            behind,
         }
     }
 
@@ -775,7 +591,7 @@ impl Node {
         deadline: Duration,
         mut condition: impl FnMut(&Node) -> bool,
     ) -> bool {
-        let mut version = self.shared.version.subscribe();
+        let mut version = self.shared.registry.version.subscribe();
         let wait = async {
             loop {
                 if condition(self) {
@@ -801,14 +617,14 @@ impl Node {
     /// ticker, a driver's or a device's change of health) still reach it: a drain may
     /// wait on one, say a poststop task held back by an unhealthy driver.
     pub async fn shutdown(&self, how: Shutdown) {
-        let mut version = self.shared.version.subscribe();
+        let mut version = self.shared.registry.version.subscribe();
         let joins: Vec<(Name, JoinHandle<()>)> = {
-            let mut registry = self.shared.registry();
-            self.shared.shutting_down.store(true, Ordering::Relaxed);
-            let mut joins = Vec::with_capacity(registry.len());
-            for (name, entry) in registry.iter_mut() {
-                entry.mailbox.shutdown(how);
-                if let Some(join) = entry.join.take() {
+            let mut slots = self.shared.registry.slots_mut();
+            self.shared.registry.shutting_down.store(true, Ordering::Relaxed);
+            let mut joins = Vec::with_capacity(slots.len());
+            for (name, slot) in slots.iter_mut() {
+                slot.mailbox.shutdown(how);
+                if let Some(join) = slot.join.take() {
                     joins.push((name.clone(), join));
                 }
             }
@@ -817,8 +633,8 @@ impl Node {
         for (name, join) in joins {
             // A worker that panicked has nothing left to stop.
             let _ = join.await;
-            self.shared.registry().remove(&name);
-            self.shared.version.send_modify(|v| *v += 1);
+            self.shared.registry.slots_mut().remove(&name);
+            self.shared.registry.changed();
         }
         // Workers an earlier call awaits: done when they have left the registry.
         while self.alloc_count() > 0 {

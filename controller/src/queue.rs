@@ -11,12 +11,50 @@
 
 use std::collections::VecDeque;
 use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
 
+use stead_reconcilers::alloc::CommandRefusal;
 use stead_schemas::ValidSpec;
 use stead_schemas::spec::{Name, Signal};
+use thiserror::Error;
 use tokio::sync::{Notify, oneshot};
 
-use crate::alloc::CommandError;
+use crate::driver::DriverError;
+
+/// Why a user command failed.
+#[derive(Debug, Error)]
+pub enum CommandError {
+    /// No alloc has that name.
+    #[error("alloc {name:?} not found")]
+    UnknownAlloc {
+        /// The name asked for.
+        name: String,
+    },
+    /// The alloc refused it (unknown task, task not running).
+    #[error(transparent)]
+    Refused(#[from] CommandRefusal),
+    /// The driver failed to carry it out.
+    #[error("signalling task {task:?} failed")]
+    Driver {
+        /// The task.
+        task: String,
+        /// The driver's error.
+        #[source]
+        source: DriverError,
+    },
+    /// The alloc's worker is gone (the agent is shutting down).
+    #[error("alloc {name:?} is shutting down")]
+    ShuttingDown {
+        /// The alloc.
+        name: String,
+    },
+    /// Garbage collection asked for an alloc that is running or still declared.
+    #[error("alloc {name:?} is not collectable: it is not terminal or a spec declares it")]
+    NotCollectable {
+        /// The alloc.
+        name: String,
+    },
+}
 
 /// What the alloc should be, as the specs say.
 #[derive(Debug, Clone)]
@@ -159,10 +197,28 @@ impl Mailbox {
     }
 }
 
+/// How long a user command may wait for its alloc's worker.
+pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
+
+/// Sends `command` built around a reply channel and waits for the answer.
+pub(crate) async fn ask(
+    mailbox: &Mailbox,
+    name: &str,
+    build: impl FnOnce(oneshot::Sender<Result<(), CommandError>>) -> UserCommand,
+) -> Result<(), CommandError> {
+    let (reply, answer) = oneshot::channel();
+    mailbox.push_command(build(reply));
+    let gone = || CommandError::ShuttingDown {
+        name: name.to_owned(),
+    };
+    match tokio::time::timeout(COMMAND_TIMEOUT, answer).await {
+        Ok(Ok(result)) => result,
+        Ok(Err(_)) | Err(_) => Err(gone()),
+    }
+}
+
 #[cfg(test)]
 mod tests {
-    use std::time::Duration;
-
     use super::*;
 
     fn spec(command: &str) -> Arc<ValidSpec> {

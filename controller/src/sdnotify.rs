@@ -123,7 +123,7 @@ pub fn notify(notifier: Option<&Notifier>, state: &str) {
     if let Some(notifier) = notifier
         && let Err(error) = notifier.notify(state)
     {
-        tracing::warn!(error = %crate::alloc::error_chain(&error), "sd_notify failed");
+        tracing::warn!(error = %crate::errors::error_chain(&error), "sd_notify failed");
     }
 }
 
@@ -133,7 +133,7 @@ pub fn start() -> Option<Notifier> {
     let notifier = match Notifier::from_env() {
         Ok(notifier) => notifier?,
         Err(error) => {
-            tracing::warn!(error = %crate::alloc::error_chain(&error), "sd_notify disabled");
+            tracing::warn!(error = %crate::errors::error_chain(&error), "sd_notify disabled");
             return None;
         }
     };
@@ -151,7 +151,7 @@ pub fn start() -> Option<Notifier> {
                 });
             }
             Err(error) => {
-                tracing::warn!(error = %crate::alloc::error_chain(&error), "watchdog disabled");
+                tracing::warn!(error = %crate::errors::error_chain(&error), "watchdog disabled");
             }
         }
     }

@@ -126,18 +126,6 @@ pub fn list_specs(dir: &Path) -> Listing {
 /// since a pass at least [`RACY_MARGIN`] after their last change; `now` is the time of
 /// this pass.
 pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -> Listing {
-    list_specs_streaming(dir, cache, now, |_| {})
-}
-
-/// [`list_specs_cached`], also handing each spec that will be in the listing to `found`
-/// as soon as it is read: files are read in the order that decides between two
-/// declarations of one name, so a spec handed over is the one the listing keeps.
-pub fn list_specs_streaming(
-    dir: &Path,
-    cache: &mut ListingCache,
-    now: Timestamp,
-    mut found: impl FnMut(&ValidSpec),
-) -> Listing {
     let mut listing = Listing::default();
     let mut seen: HashMap<PathBuf, CachedFile> = HashMap::new();
     let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
@@ -211,7 +199,6 @@ pub fn list_specs_streaming(
                         listing.conflicts.entry(name).or_default().push(diagnostic);
                     }
                     None => {
-                        found(&spec);
                         listing.specs.insert(name, (path.clone(), spec));
                     }
                 },
@@ -336,9 +323,8 @@ impl Syncer {
     }
 
     /// Applies `spec` unless the node runs it already (same revision and desired status);
-    /// whether it did. Applying ahead of a full pass is safe for a spec that pass will
-    /// hold, as [`list_specs_streaming`] hands over: the pass then finds it applied.
-    pub fn apply(&mut self, node: &Node, spec: &ValidSpec) -> bool {
+    /// whether it did.
+    fn apply(&mut self, node: &Node, spec: &ValidSpec) -> bool {
         let name = &spec.spec.metadata.name;
         let key = (Some(spec.revision.clone()), spec.spec.spec.desired_status);
         if self.applied.get(name) == Some(&key) {
@@ -430,39 +416,6 @@ mod tests {
         assert_eq!(conflicts, &listing.diagnostics);
         assert!(listing.broken.is_empty());
         std::fs::remove_dir_all(&dir).expect("cleanup");
-    }
-
-    #[test]
-    fn streaming_hands_over_exactly_the_specs_the_listing_keeps_in_reading_order() {
-        let temp = tempfile::tempdir().expect("temp dir");
-        let dir = temp.path();
-        std::fs::create_dir_all(dir.join("sub")).expect("dir");
-        write(dir, "b.yaml", "web");
-        write(dir, "a.yaml", "web"); // wins over b.yaml
-        write(dir, "c.yaml", "api");
-        write(&dir.join("sub"), "d.yaml", "db");
-        std::fs::write(dir.join("e.yaml"), "not: [a spec").expect("write");
-        let mut found = Vec::new();
-        let listing = list_specs_streaming(
-            dir,
-            &mut ListingCache::default(),
-            Timestamp::EPOCH,
-            |spec| found.push(spec.clone()),
-        );
-        let order: Vec<&str> = found
-            .iter()
-            .map(|s| s.spec.metadata.name.as_str())
-            .collect();
-        assert_eq!(order, ["web", "api", "db"]);
-        assert_eq!(found.len(), listing.specs.len());
-        for spec in &found {
-            assert_eq!(&listing.specs[&spec.spec.metadata.name].1, spec);
-        }
-        assert!(
-            listing.specs[&"web".parse::<Name>().expect("name")]
-                .0
-                .ends_with("a.yaml")
-        );
     }
 
     #[test]

@@ -957,33 +957,3 @@ async fn a_task_whose_driver_is_unhealthy_stays_pending_with_driver_failure_and_
     assert_eq!(h.starts("t").len(), 1);
     assert!(h.starts("t")[0] <= recovered_at + Duration::from_secs(5));
 }
-
-#[tokio::test(start_paused = true)]
-async fn a_node_settles_once_every_first_task_start_is_answered() {
-    let h = harness();
-    // Nothing to start: settled at once.
-    tokio::time::timeout(Duration::ZERO, h.node.settled())
-        .await
-        .expect("an empty node is settled");
-    h.node.apply(alloc(
-        "slow",
-        "  tasks:\n    - {name: t, driver: mock, config: {startBlockFor: 5s}}\n",
-    ));
-    h.node.apply(alloc(
-        "quick",
-        "  tasks:\n    - {name: t, driver: mock, config: {}}\n",
-    ));
-    let began = tokio::time::Instant::now();
-    tokio::time::timeout(DEADLINE, h.node.settled())
-        .await
-        .expect("settled once the blocked start returns");
-    assert_eq!(began.elapsed(), Duration::from_secs(5));
-    assert_eq!(h.mock.running().len(), 2, "both starts answered");
-    for name in ["slow", "quick"] {
-        assert!(
-            h.events(name, "t").contains(&"Started".to_owned()),
-            "{name}'s start is published: {:?}",
-            h.events(name, "t")
-        );
-    }
-}

@@ -43,7 +43,7 @@ fn live_bytes() -> i64 {
 }
 
 fn reconciles(agent: &api_support::TestAgent) -> f64 {
-    let text = Metrics::new().render(&agent.node).expect("renders");
+    let text = Metrics::new().render(&agent.node.metrics_levels()).expect("renders");
     text.lines()
         .find_map(|line| line.strip_prefix(&format!("{} ", metrics::RECONCILES)))
         .and_then(|value| value.parse().ok())

@@ -857,9 +857,9 @@ async fn agent_sends_ready_only_once_restored_and_serving_then_stopping_on_sigte
     let mut agent = Agent::start(path.to_str().expect("utf-8 path"), &[]);
 
     until_message(&socket, &agent, "READY=1").await;
-    // The log lines that follow the restore, the creation of a new node's store and the
-    // API's bind are written (synchronously) before READY=1 is sent, so they are in the
-    // file by now; and the API already answers.
+    // The log lines that follow the store's open, the restore and the API's bind are
+    // written (synchronously) before READY=1 is sent, so they are in the file by now; and
+    // the API already answers.
     let log = agent.log();
     let position = |needle: &str| log.lines().position(|l| l.contains(needle));
     assert!(
@@ -868,10 +868,10 @@ async fn agent_sends_ready_only_once_restored_and_serving_then_stopping_on_sigte
     );
     let api = position("api listening")
         .unwrap_or_else(|| panic!("READY=1 came before the API listened:\n{log}"));
-    // This data dir is new: its store is created once the first tasks' starts are
-    // answered, and the API waits for it.
+    // This data dir is new: its store is created before anything starts, the API
+    // included.
     assert!(
-        position("state store created").is_some_and(|created| created < api),
+        position("state store opened").is_some_and(|opened| opened < api),
         "the API listened before the new store was created:\n{log}"
     );
     let health = reqwest::get(format!("http://127.0.0.1:{}/v1/health", agent.port))
@@ -1134,5 +1134,62 @@ fn the_supervisor_says_its_version_so_a_package_can_be_checked() {
     assert_eq!(
         String::from_utf8_lossy(&output.stdout),
         format!("stead-supervisor {}\n", env!("CARGO_PKG_VERSION"))
+    );
+}
+
+/// The JSON log's events named `message`, as their `fields` objects.
+fn logged(log: &str, message: &str) -> Vec<serde_json::Map<String, Value>> {
+    log.lines()
+        .filter_map(|line| serde_json::from_str::<Value>(line).ok())
+        .filter_map(|event| match event.get("fields") {
+            Some(Value::Object(fields)) if fields.get("message") == Some(&Value::from(message)) => {
+                Some(fields.clone())
+            }
+            _ => None,
+        })
+        .collect()
+}
+
+#[tokio::test]
+async fn json_log_fields_carry_values_and_leave_out_the_unset_ones() {
+    let agent = Agent::start("", &[]);
+    std::fs::write(
+        agent._dir.path().join("specs/signalled.yaml"),
+        r#"apiVersion: stead/v1
+kind: Alloc
+metadata: {name: signalled}
+spec:
+  type: batch
+  restart: {attempts: 0, mode: fail}
+  tasks:
+    - {name: main, driver: mock, config: {runFor: 10ms, exitSignal: 2}}
+"#,
+    )
+    .expect("spec written");
+    let deadline = tokio::time::Instant::now() + DEADLINE;
+    let exited = loop {
+        let exited = logged(&agent.log(), "task exited");
+        if let Some(fields) = exited.into_iter().next() {
+            break fields;
+        }
+        assert!(
+            tokio::time::Instant::now() < deadline,
+            "no `task exited` event within {DEADLINE:?}:\n{}",
+            agent.log()
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    };
+    // A value is the value itself, not its Debug form in a string.
+    assert_eq!(exited.get("signal"), Some(&Value::from(2)), "{exited:?}");
+    // Unset is absent, not "None".
+    assert!(!exited.contains_key("error"), "{exited:?}");
+    let started = logged(&agent.log(), "task started");
+    let started = started.first().expect("the start is logged");
+    // A mock task has no pid.
+    assert!(!started.contains_key("pid"), "{started:?}");
+    let log = agent.log();
+    assert!(
+        !log.contains("Some(") && !log.contains("\"None\""),
+        "a field shows an Option's Debug form:\n{log}"
     );
 }

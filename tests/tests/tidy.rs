@@ -282,3 +282,121 @@ fn the_supervisor_links_only_crates_that_build_without_std_or_a_c_library() {
         assert!(linked.contains("rustix"), "{linked:?}");
     }
 }
+
+/// The modules (first path segment below the crate root) each module of the crate in
+/// `src` refers to through `crate::`, leaving out comments and itself: its module graph.
+fn module_graph(src: &Path) -> BTreeMap<String, BTreeSet<String>> {
+    let mut graph: BTreeMap<String, BTreeSet<String>> = BTreeMap::new();
+    let mut files = Vec::new();
+    fn walk(dir: &Path, files: &mut Vec<PathBuf>) {
+        for entry in std::fs::read_dir(dir).expect("readable directory") {
+            let path = entry.expect("readable entry").path();
+            if path.is_dir() {
+                walk(&path, files);
+            } else if path.extension().is_some_and(|e| e == "rs") {
+                files.push(path);
+            }
+        }
+    }
+    walk(src, &mut files);
+    for path in files {
+        let relative = path.strip_prefix(src).expect("below src");
+        let module = relative
+            .components()
+            .next()
+            .expect("a file")
+            .as_os_str()
+            .to_string_lossy()
+            .trim_end_matches(".rs")
+            .to_owned();
+        if module == "lib" || module == "main" {
+            continue;
+        }
+        let text = std::fs::read_to_string(&path).expect("readable source");
+        let edges = graph.entry(module.clone()).or_default();
+        for line in text.lines() {
+            let code = line.split("//").next().unwrap_or_default();
+            let mut rest = code;
+            while let Some(at) = rest.find("crate::") {
+                rest = &rest[at + "crate::".len()..];
+                let names: Vec<&str> = match rest.strip_prefix('{') {
+                    // `crate::{a, b::c}`: every first segment in the braces on this line.
+                    Some(group) => group
+                        .split(['}', ','])
+                        .map(|item| item.trim().split("::").next().unwrap_or_default())
+                        .collect(),
+                    None => vec![rest.split(|c: char| !c.is_alphanumeric() && c != '_').next().unwrap_or_default()],
+                };
+                for name in names {
+                    if !name.is_empty() && name != module && name.chars().all(|c| c.is_ascii_lowercase() || c == '_') {
+                        edges.insert(name.to_owned());
+                    }
+                }
+            }
+        }
+    }
+    graph
+}
+
+/// A cycle of `graph`, as the modules along it, when it has one.
+fn find_cycle(graph: &BTreeMap<String, BTreeSet<String>>) -> Option<Vec<String>> {
+    fn visit(
+        node: &str,
+        graph: &BTreeMap<String, BTreeSet<String>>,
+        path: &mut Vec<String>,
+        done: &mut BTreeSet<String>,
+    ) -> Option<Vec<String>> {
+        if let Some(start) = path.iter().position(|n| n == node) {
+            let mut cycle = path[start..].to_vec();
+            cycle.push(node.to_owned());
+            return Some(cycle);
+        }
+        if done.contains(node) {
+            return None;
+        }
+        path.push(node.to_owned());
+        for next in graph.get(node).into_iter().flatten() {
+            if let Some(cycle) = visit(next, graph, path, done) {
+                return Some(cycle);
+            }
+        }
+        path.pop();
+        done.insert(node.to_owned());
+        None
+    }
+    let mut done = BTreeSet::new();
+    graph
+        .keys()
+        .find_map(|node| visit(node, graph, &mut Vec::new(), &mut done))
+}
+
+#[test]
+fn the_module_graph_of_every_shell_crate_is_acyclic() {
+    for krate in ["controller"] {
+        let graph = module_graph(&workspace_dir().join(krate).join("src"));
+        assert!(graph.len() > 5, "{krate}: modules found: {graph:?}");
+        if let Some(cycle) = find_cycle(&graph) {
+            panic!("{krate}: modules import each other in a circle: {}", cycle.join(" -> "));
+        }
+    }
+}
+
+#[test]
+fn the_cycle_check_finds_a_circle_of_modules() {
+    let graph: BTreeMap<String, BTreeSet<String>> = [
+        ("node", &["alloc", "queue"][..]),
+        ("alloc", &["queue", "metrics"][..]),
+        ("metrics", &["node"][..]),
+        ("queue", &[][..]),
+    ]
+    .into_iter()
+    .map(|(module, uses)| (module.to_owned(), uses.iter().map(|u| (*u).to_owned()).collect()))
+    .collect();
+    assert_eq!(
+        find_cycle(&graph),
+        Some(["node", "alloc", "metrics", "node"].map(str::to_owned).to_vec())
+    );
+    let mut acyclic = graph;
+    acyclic.insert("metrics".to_owned(), BTreeSet::new());
+    assert_eq!(find_cycle(&acyclic), None);
+}

@@ -9,7 +9,7 @@ use axum::response::{IntoResponse, Response};
 use stead_schemas::api::ErrorBody;
 use thiserror::Error;
 
-use crate::alloc::CommandError;
+use crate::queue::CommandError;
 use crate::driver::DriverError;
 
 /// A request that failed.
@@ -212,7 +212,7 @@ impl ApiError {
     pub fn body(&self) -> ErrorBody {
         ErrorBody {
             code: self.code().to_owned(),
-            message: crate::alloc::error_chain(self),
+            message: crate::errors::error_chain(self),
             details: Vec::new(),
         }
     }

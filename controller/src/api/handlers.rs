@@ -373,7 +373,7 @@ pub(super) async fn metrics(State(state): State<ApiState>) -> Result<Response, A
         .as_ref()
         .ok_or(ApiError::MetricsDisabled)?;
     let text = metrics
-        .render(state.node())
+        .render(&state.node().metrics_levels())
         .map_err(|source| ApiError::Metrics { source })?;
     Ok((
         [(

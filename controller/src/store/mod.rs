@@ -7,12 +7,10 @@
 //! no other: [`Store::load_allocs`] reports it as a [`CorruptRecord`] beside the rest.
 //!
 //! Implementations: [`MemoryStore`] and [`RocksDbStore`]. Both pass [`conformance`].
-//! [`OpeningStore`] puts a database being created in front of the first writes.
 
 pub mod conformance;
 pub mod faulty;
 pub mod memory;
-pub mod opening;
 pub mod rocks;
 
 use std::collections::hash_map::DefaultHasher;
@@ -39,7 +37,6 @@ use crate::driver::TaskHandle;
 
 pub use faulty::FaultyStore;
 pub use memory::MemoryStore;
-pub use opening::{OpeningError, OpeningStore};
 pub use rocks::{RocksDbOptions, RocksDbStore};
 
 /// Where allocs' records are kept across agent restarts.

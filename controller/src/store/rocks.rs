@@ -27,7 +27,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, Env, InfoLogger,
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, InfoLogger,
     IteratorMode, LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
 };
 use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRecord};
@@ -49,19 +49,6 @@ const FAMILIES: [&str; 5] = [ALLOCS, TASKS, HANDLES, DEVICES, META];
 /// RocksDB's background jobs: one flush and one compaction at a time, for a store this
 /// small.
 const BACKGROUND_JOBS: i32 = 2;
-/// The flushes and compactions RocksDB makes of [`BACKGROUND_JOBS`] (its
-/// `GetBGJobLimits`: a quarter, at least one, for flushes, the rest for compactions), and
-/// so the high- and low-priority threads an open of the store starts.
-const BACKGROUND_FLUSHES: i32 = if BACKGROUND_JOBS / 4 > 1 {
-    BACKGROUND_JOBS / 4
-} else {
-    1
-};
-const BACKGROUND_COMPACTIONS: i32 = if BACKGROUND_JOBS - BACKGROUND_FLUSHES > 1 {
-    BACKGROUND_JOBS - BACKGROUND_FLUSHES
-} else {
-    1
-};
 const LAYOUT_KEY: &[u8] = b"layout";
 
 /// How the database is sized and how durable its writes are.
@@ -165,28 +152,6 @@ fn rocksdb_message(level: LogLevel, message: &str) {
 }
 
 impl RocksDbStore {
-    /// Opens like [`RocksDbStore::open`] (creating the database), on a thread of its own
-    /// while the agent's first tasks start: the calling thread's CPU priority is lowered
-    /// first ([`crate::priority`]), so that the creation, a few milliseconds of CPU,
-    /// gives way to those starts on a busy node. RocksDB's flush and compaction threads
-    /// ([`BACKGROUND_FLUSHES`], [`BACKGROUND_COMPACTIONS`]) are started before that, at
-    /// the caller's priority: started by the open, they would keep the lowered one for the
-    /// life of the agent. (Its timer thread, which only schedules a periodic log flush,
-    /// is started by the open and keeps it.) The pools are process-wide: the counts here
-    /// are the ones every open of this store asks for, so they never shrink one.
-    pub fn create_in_background(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
-        match Env::new() {
-            Ok(mut env) => {
-                env.set_low_priority_background_threads(BACKGROUND_COMPACTIONS);
-                env.set_high_priority_background_threads(BACKGROUND_FLUSHES);
-            }
-            // The open starts them then, and reports the failure if it persists.
-            Err(error) => tracing::debug!(%error, "rocksdb's threads start with the store"),
-        }
-        crate::priority::lower_current_thread();
-        Self::open(path, options)
-    }
-
     /// Opens (creating when missing) the database in `path`.
     pub fn open(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
         let open_error = |source| OpenError::Open {

@@ -803,7 +803,7 @@ fn recorded_exit(control: &Path, run: &str) -> ExitResult {
         Err(error) => ExitResult {
             exit_code: 0,
             signal: None,
-            error: Some(crate::alloc::error_chain(&error)),
+            error: Some(crate::errors::error_chain(&error)),
         },
     }
 }
@@ -932,7 +932,7 @@ impl Driver for ExecDriver {
                 .map_err(|error| DriverError::Start {
                     alloc_id,
                     task,
-                    message: crate::alloc::error_chain(&error),
+                    message: crate::errors::error_chain(&error),
                     recoverable: error.recoverable(),
                 })
         })
