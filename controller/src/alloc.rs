@@ -20,7 +20,11 @@ use stead_reconcilers::alloc::{AllocDesired, AllocState, CommandRefusal, Limits,
 use stead_reconcilers::device::{AllocDevices, DeviceUnavailable, FlagReason};
 use stead_reconcilers::exit::ExitResult;
 use stead_reconcilers::restart::Jitter;
-use stead_reconcilers::task::{Effect, Process};
+use stead_reconcilers::revision::{
+    self, AfterReconcile, AgentShutdown, BrokenRecord, CurrentRevision, RevisionDecision,
+    RevisionInputs, TargetRevision,
+};
+use stead_reconcilers::task::Effect;
 use stead_schemas::device::{AssignedDevice, DeviceHealth};
 use stead_schemas::record::{ALLOC_RECORD_VERSION, AllocRecord};
 use stead_schemas::spec::{
@@ -344,13 +348,7 @@ impl Worker {
             Target::Spec(spec.clone())
         };
         let desired = self.desired_for(&spec);
-        for (task, task_state) in &mut state.tasks {
-            // A start in flight when the agent died has no handle: its outcome is unknown,
-            // so the task starts again.
-            if task_state.process != Process::Idle && !handles.contains_key(task) {
-                task_state.process = Process::Idle;
-            }
-        }
+        revision::reset_starts_in_flight(&mut state, |task| handles.contains_key(task));
         if let Some(reason) = self.missing_alloc_dir(&spec, &state) {
             // Whatever still runs of it cannot be resumed without its dir: stop it.
             tracing::error!(alloc = %self.name, %reason, "cannot resume alloc");
@@ -445,64 +443,45 @@ impl Worker {
         }
     }
 
-    /// One reconcile of the current revision, and the transitions between revisions.
+    /// One reconcile of the current revision, and the transitions between revisions:
+    /// [`revision::decide`] and [`revision::after_reconcile`] decide, the worker carries
+    /// their decisions out.
     fn step(&mut self, now: Timestamp) -> Step {
-        if let Some(broken) = &mut self.broken {
-            match (&self.target, self.shutdown) {
-                (_, Some(_)) => return Step::Exit,
-                (Target::Absent, None) if !broken.heard => return Step::Wait(None),
-                (Target::Absent, None) => {
+        let reconcile = loop {
+            match revision::decide(&self.revision_inputs()) {
+                RevisionDecision::Exit => return Step::Exit,
+                RevisionDecision::Wait => return Step::Wait(None),
+                RevisionDecision::AdoptBrokenRevision(revision) => {
+                    if let Some(broken) = &mut self.broken {
+                        broken.revision = Some(revision.to_string());
+                    }
+                    return Step::Wait(None);
+                }
+                RevisionDecision::LeaveBroken => self.broken = None,
+                RevisionDecision::Destroy => {
                     self.broken = None;
                     return self.finish_destroy();
                 }
-                (Target::Spec(spec), None) => {
-                    let revision = spec.revision.to_string();
-                    match &broken.revision {
-                        None => {
-                            broken.revision = Some(revision);
-                            return Step::Wait(None);
-                        }
-                        Some(stored) if *stored == revision => return Step::Wait(None),
-                        // A new revision: it starts afresh.
-                        Some(_) => self.broken = None,
+                RevisionDecision::StartRevision => {
+                    if let Target::Spec(spec) = &self.target {
+                        let spec = spec.clone();
+                        let desired = self.desired_for(&spec);
+                        let state = AllocState::new(&desired, now);
+                        self.current = Some(Current::new(spec, desired, state));
                     }
                 }
+                RevisionDecision::PersistAndExit => return self.persist_and_exit(),
+                RevisionDecision::Reconcile(reconcile) => break reconcile,
             }
-        }
-        if self.current.is_none() {
-            match (&self.target, self.shutdown) {
-                (Target::Spec(spec), None) => {
-                    let spec = spec.clone();
-                    let desired = self.desired_for(&spec);
-                    let state = AllocState::new(&desired, now);
-                    self.current = Some(Current::new(spec, desired, state));
-                }
-                // Nothing runs: nothing to drain, nothing to keep.
-                (_, Some(_)) => return Step::Exit,
-                (Target::Absent, None) => return self.finish_destroy(),
-            }
-        }
-        let run = self.should_run();
-        let current = self.current.as_mut().expect("set above");
-        if self.shutdown == Some(Shutdown::Drain)
-            && current.state.is_terminal()
-            && self.ops.is_empty()
+        };
+        let current = self.current.as_mut().expect("a revision to reconcile");
+        if reconcile.adopt_target_spec
+            && let Target::Spec(spec) = &self.target
         {
-            // Nothing of it runs, so the drain has nothing to stop; reconciling it with
-            // `run` off would record a stop, and the next agent would take a completed
-            // batch alloc for one the drain cut short and run it again.
-            self.persist_and_publish();
-            return Step::Exit;
-        }
-        if let Target::Spec(spec) = &self.target
-            && spec.revision == current.spec.revision
-        {
-            // Same revision, maybe another desiredStatus: adopt it in place.
             current.spec = spec.clone();
         }
-        current.desired.run = run;
-        if !matches!(&self.target, Target::Spec(spec) if spec.revision != current.spec.revision) {
-            // No other revision waits for this one's sticky disk any more.
+        current.desired.run = reconcile.run;
+        if reconcile.clear_hand_over_error {
             current.hand_over_error = None;
         }
         current.desired.unavailable_drivers = self.shared.unavailable_drivers();
@@ -518,23 +497,16 @@ impl Worker {
         self.execute(plan.effects, now);
         crate::metrics::reconciled(began.elapsed());
         self.release_devices();
-        let current = self.current.as_ref().expect("still set");
-        if !current.desired.run && current.state.is_terminal() && self.ops.is_empty() {
-            if self.shutdown == Some(Shutdown::Drain) {
-                self.persist_and_publish();
-                return Step::Exit;
-            }
-            match &self.target {
-                // The spec is gone and the alloc terminal: it stays (stopped) until
-                // garbage collection destroys it.
-                Target::Absent => {
-                    if let Some(reply) = self.collect.take() {
-                        return Step::Collect(reply);
-                    }
+        match revision::after_reconcile(&self.revision_inputs()) {
+            AfterReconcile::Wait => {}
+            AfterReconcile::PersistAndExit => return self.persist_and_exit(),
+            AfterReconcile::Collect => {
+                if let Some(reply) = self.collect.take() {
+                    return Step::Collect(reply);
                 }
-                Target::Spec(spec) if spec.revision != current.spec.revision => {
-                    // The old revision is terminal: the new one may start now, with the
-                    // old one's sticky disk.
+            }
+            AfterReconcile::HandOver => {
+                if let Target::Spec(spec) = &self.target {
                     let spec = spec.clone();
                     self.persist_and_publish();
                     if let Err(error) = self.hand_over_alloc_dir(&spec) {
@@ -557,10 +529,49 @@ impl Worker {
                     self.current = None;
                     return Step::Again;
                 }
-                Target::Spec(_) => {}
             }
         }
         Step::Wait(plan.wake_at)
+    }
+
+    /// What [`revision`] decides from: the target, the agent's leaving, the broken
+    /// record and the current revision as this worker holds them.
+    fn revision_inputs(&self) -> RevisionInputs<'_> {
+        RevisionInputs {
+            target: match &self.target {
+                Target::Spec(spec) => TargetRevision::Spec {
+                    revision: &spec.revision,
+                    stop: spec.spec.spec.desired_status == Some(DesiredStatus::Stop),
+                },
+                Target::Absent => TargetRevision::Absent,
+            },
+            shutdown: self.shutdown.map(|how| match how {
+                Shutdown::Detach => AgentShutdown::Detach,
+                Shutdown::Drain => AgentShutdown::Drain,
+            }),
+            broken: self.broken.as_ref().map(|broken| BrokenRecord {
+                revision: broken.revision.as_deref(),
+                heard: broken.heard,
+            }),
+            current: self.current.as_ref().map(|current| CurrentRevision {
+                revision: &current.spec.revision,
+                terminal: current.state.is_terminal(),
+                in_flight: !self.ops.is_empty(),
+                collect_requested: self.collect.is_some(),
+                hand_over_failed: current.hand_over_error.is_some(),
+            }),
+        }
+    }
+
+    /// The agent leaves: writes and publishes what the current revision is, stops
+    /// watching its tasks (they go on running for the next agent) and exits.
+    fn persist_and_exit(&mut self) -> Step {
+        self.persist_and_publish();
+        for ops in self.ops.values() {
+            ops.cancel_start.cancel();
+            ops.cancel_wait.cancel();
+        }
+        Step::Exit
     }
 
     /// Gets the current revision its devices before anything of it starts: all tasks'
@@ -632,21 +643,6 @@ impl Worker {
         }
         self.shared.config.devices.release(&self.name);
         tracing::info!("devices released");
-    }
-
-    /// Whether the current revision's tasks should run.
-    fn should_run(&self) -> bool {
-        let Some(current) = &self.current else {
-            return false;
-        };
-        self.shutdown.is_none()
-            && match &self.target {
-                Target::Spec(spec) => {
-                    spec.revision == current.spec.revision
-                        && spec.spec.spec.desired_status != Some(DesiredStatus::Stop)
-                }
-                Target::Absent => false,
-            }
     }
 
     fn desired_for(&self, spec: &ValidSpec) -> AllocDesired {
@@ -894,14 +890,11 @@ impl Worker {
             && let UserCommand::Restart { reply, .. } = command
         {
             // Starting afresh is the way out of a record that cannot be used.
-            let result = match self.target {
-                Target::Spec(_) => {
-                    self.broken = None;
-                    Ok(())
-                }
-                Target::Absent => Err(CommandError::Refused(CommandRefusal::TaskNotRunning)),
-            };
-            let _ = reply.send(result);
+            let result = revision::restart_broken(self.revision_inputs().target);
+            if result.is_ok() {
+                self.broken = None;
+            }
+            let _ = reply.send(result.map_err(CommandError::Refused));
             return;
         }
         let command = match command {

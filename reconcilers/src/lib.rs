@@ -4,6 +4,7 @@
 //! - [`restart`]: the restart tracker (Nomad's rules, plus `maxDelay`).
 //! - [`task`]: one task's state and its steps towards running or dead.
 //! - [`alloc`]: lifecycle stages, leader and sibling deaths, kill order, client status.
+//! - [`revision`]: an alloc's revisions: broken records, take-overs, removal, leaving.
 //! - [`event`]: task events with Nomad's type strings and messages.
 //! - [`device`]: fingerprints, the node's inventory, device assignment, flags, stats, env.
 //! - [`gc`]: which terminal allocs garbage collection destroys (Nomad's policy).
@@ -14,6 +15,7 @@ pub mod event;
 pub mod exit;
 pub mod gc;
 pub mod restart;
+pub mod revision;
 pub mod task;
 
 pub use stead_schemas::Timestamp;
