@@ -71,7 +71,7 @@ CRASH_ITERATIONS ?= 500
 CRASH_SEED ?= $(shell date +%s)
 soak: deps
 	STEAD_CRASH_ITERATIONS=$(CRASH_ITERATIONS) STEAD_CRASH_SEED=$(CRASH_SEED) \
-	  $(CARGO) test --locked --workspace --test state_crash -- --nocapture
+	  $(CARGO) test --locked -p stead-tests --test scenarios state_crash -- --nocapture
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

@@ -8,10 +8,12 @@
 # interpreter (its runtime is supervisor/src/main.rs, its link arguments
 # supervisor/build.rs). One supervisor runs per task, forked from the fork server, and
 # with nothing but its own code mapped each one faults in few pages (ARCHITECTURE.md
-# has the figures). It builds for Linux on x86_64 and aarch64, with its `runtime`
+# has the figures). That runtime is Linux on x86_64 only; it builds with its `runtime`
 # feature and `-C panic=abort` (it has no unwinder) on that one crate: `cargo rustc`
 # passes the flag to it alone, whatever RUSTFLAGS or a config's rustflags say, and the
-# workspace's other builds stay as they are. STEAD_REQUIRE_STATIC is accepted and no
+# workspace's other builds stay as they are. On any other architecture the same
+# supervisor code ships on the standard library's runtime instead: the binary the exec
+# tests run (`stead-test-supervisor`), installed as `stead-supervisor`. STEAD_REQUIRE_STATIC is accepted and no
 # longer changes anything: the supervisor is static or the build fails. The agent stays
 # dynamically linked: a `listen` host name goes through glibc's NSS, which a static
 # binary cannot load reliably.
@@ -65,7 +67,12 @@ done
 if [ ${#selected[@]} -gt 0 ]; then
   "${cargo[@]}" build --locked --profile "$profile" --target "$host" "${selected[@]}"
 fi
-if $supervisor; then
+std_supervisor=false
+if $supervisor && [[ $host != x86_64-*-linux-* ]]; then
+  std_supervisor=true
+  "${cargo[@]}" build --locked --profile "$profile" --target "$host" \
+    -p stead-tests --bin stead-test-supervisor
+elif $supervisor; then
   "${cargo[@]}" rustc --locked --profile "$profile" --target "$host" \
     -p stead-supervisor --bin stead-supervisor --features runtime -- -C panic=abort
   if LC_ALL=C readelf --program-headers --wide "$built/stead-supervisor" 2>/dev/null |
@@ -75,4 +82,10 @@ if $supervisor; then
   fi
 fi
 mkdir -p "$out"
-install -m 0755 "${binaries[@]}" "$out/"
+for binary in "${binaries[@]}"; do
+  if $std_supervisor && [[ $binary == "$built/stead-supervisor" ]]; then
+    install -m 0755 "$built/stead-test-supervisor" "$out/stead-supervisor"
+  else
+    install -m 0755 "$binary" "$out/"
+  fi
+done

@@ -475,6 +475,15 @@ impl Signals {
         })
     }
 
+    /// The next SIGHUP (true) or SIGTERM or SIGINT (false).
+    async fn next_is_hangup(&mut self) -> bool {
+        tokio::select! {
+            _ = self.hangup.recv() => true,
+            _ = self.terminate.recv() => false,
+            _ = self.interrupt.recv() => false,
+        }
+    }
+
     /// Returns at the next SIGTERM or SIGINT.
     async fn stop(&mut self) {
         tokio::select! {
@@ -607,8 +616,10 @@ impl Agent {
             let trigger = tokio::select! {
                 _ = resync.tick() => Trigger::Resync,
                 () = changed.notified() => Trigger::Watch,
-                _ = self.signals.hangup.recv() => Trigger::Hangup,
-                () = self.signals.stop() => break,
+                hangup = self.signals.next_is_hangup() => match hangup {
+                    true => Trigger::Hangup,
+                    false => break,
+                },
             };
             if trigger == Trigger::Watch {
                 // Let the burst settle (an editor's save is several events), then list

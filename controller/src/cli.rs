@@ -28,8 +28,10 @@ pub const EXIT_INVALID: u8 = 1;
 pub const EXIT_USAGE: u8 = 2;
 
 /// What `stead --help` opens with: what stead is.
-pub const ABOUT: &str = "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared";
-const LONG_ABOUT: &str = "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
+pub const ABOUT: &str =
+    "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared";
+const LONG_ABOUT: &str =
+    "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
 
 An alloc is a group of tasks (processes) that live and die together. `stead agent` watches a \
 directory of alloc specs and converges the node on them: it starts, restarts (Nomad's \

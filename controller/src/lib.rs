@@ -1,26 +1,25 @@
-//! stead's shell: everything that touches the world (files, processes, the network,
-//! the clock) around the pure decisions of `stead-reconcilers`, and the `stead` CLI.
+//! The `stead` binary's library: the agent's wiring (`agent`), its HTTP API (`api`), the
+//! command-line interface (`cli`) and logging, over the runtime (`stead-runtime`) and the
+//! RocksDB store (`stead-store-rocksdb`), whose modules it re-exports under the names the
+//! shell has always used.
 
 pub mod agent;
-pub mod alloc;
-pub mod allocdir;
 pub mod api;
 pub mod cli;
-pub mod clock;
-pub mod devices;
-pub mod driver;
-pub mod errors;
-pub mod gc;
 pub mod logging;
-pub mod metrics;
-pub mod node;
-pub mod queue;
-pub mod registry;
 pub mod sdnotify;
-pub mod source;
-pub mod spec_files;
-pub mod store;
-pub mod watch;
 
-/// Whether this build links the C++ runtime RocksDB needs statically (`build.rs`).
-pub const STATIC_CPP_RUNTIME: bool = cfg!(stead_static_libstdcxx);
+pub use stead_runtime::{
+    alloc, allocdir, clock, devices, driver, errors, gc, metrics, node, queue, registry, source,
+    spec_files, watch,
+};
+
+/// Persisted state: the runtime's [`Store`](store::Store) seam and stores, and RocksDB's.
+pub mod store {
+    pub use stead_runtime::store::*;
+    pub use stead_store_rocksdb as rocks;
+    pub use stead_store_rocksdb::{RocksDbOptions, RocksDbStore};
+}
+
+/// Whether this build links the C++ runtime RocksDB needs statically.
+pub const STATIC_CPP_RUNTIME: bool = stead_store_rocksdb::STATIC_CPP_RUNTIME;

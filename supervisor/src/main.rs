@@ -18,7 +18,9 @@
 //! It builds only with the `runtime` feature and `-C panic=abort`, the way
 //! `scripts/build-release.sh` builds it (`build.rs` adds the link arguments of a static
 //! executable without start files): `cargo rustc -p stead-supervisor --bin
-//! stead-supervisor --features runtime -- -C panic=abort`. Linux on x86_64 and aarch64.
+//! stead-supervisor --features runtime -- -C panic=abort`. Linux on x86_64 only: elsewhere
+//! the release script ships the same code on the standard library's runtime
+//! (`tests/src/bin/stead-test-supervisor.rs`).
 
 #![no_std]
 #![no_main]
@@ -27,11 +29,10 @@
 #![no_builtins]
 #![allow(unsafe_code)]
 
-#[cfg(not(all(
-    target_os = "linux",
-    any(target_arch = "x86_64", target_arch = "aarch64")
-)))]
-compile_error!("stead-supervisor's runtime supports Linux on x86_64 and aarch64");
+#[cfg(not(all(target_os = "linux", target_arch = "x86_64")))]
+compile_error!(
+    "stead-supervisor's own runtime supports Linux on x86_64; elsewhere scripts/build-release.sh ships the standard library's"
+);
 
 extern crate alloc;
 // Under this name in the manifest: rustix without its `std` feature.
@@ -59,7 +60,6 @@ use talc::source::Source;
 // The entry point: the kernel starts the process here, with the stack pointer at argc,
 // followed by argv, NULL, envp, NULL and the auxiliary vector. No frame to return to
 // (a zero frame pointer ends backtraces), and the stack aligned as a call expects.
-#[cfg(target_arch = "x86_64")]
 core::arch::global_asm!(
     ".globl _start",
     ".type _start, %function",
@@ -69,21 +69,6 @@ core::arch::global_asm!(
     "and rsp, -16",
     "call {entry}",
     "ud2",
-    ".size _start, . - _start",
-    entry = sym entry,
-);
-
-#[cfg(target_arch = "aarch64")]
-core::arch::global_asm!(
-    ".globl _start",
-    ".type _start, %function",
-    "_start:",
-    "mov x29, xzr",
-    "mov x30, xzr",
-    "mov x0, sp",
-    "and sp, x0, #-16",
-    "bl {entry}",
-    "udf #0",
     ".size _start, . - _start",
     entry = sym entry,
 );
@@ -319,7 +304,6 @@ fn write(fd: c_int, bytes: &[u8]) -> isize {
     let result: isize;
     // SAFETY: `write` reads `bytes.len()` bytes at `bytes`, which are borrowed for it,
     // and writes no memory of this process.
-    #[cfg(target_arch = "x86_64")]
     unsafe {
         core::arch::asm!(
             "syscall",
@@ -332,18 +316,6 @@ fn write(fd: c_int, bytes: &[u8]) -> isize {
             options(nostack, preserves_flags, readonly),
         );
     }
-    // SAFETY: as above.
-    #[cfg(target_arch = "aarch64")]
-    unsafe {
-        core::arch::asm!(
-            "svc 0",
-            in("x8") 64isize,
-            inlateout("x0") fd as isize => result,
-            in("x1") bytes.as_ptr(),
-            in("x2") bytes.len(),
-            options(nostack, preserves_flags, readonly),
-        );
-    }
     result
 }
 
@@ -351,10 +323,7 @@ fn write(fd: c_int, bytes: &[u8]) -> isize {
 fn trap() -> ! {
     // SAFETY: the instruction faults; nothing after it runs.
     unsafe {
-        #[cfg(target_arch = "x86_64")]
         core::arch::asm!("ud2", options(noreturn, nomem, nostack));
-        #[cfg(target_arch = "aarch64")]
-        core::arch::asm!("udf #0", options(noreturn, nomem, nostack));
     }
 }
 
@@ -374,10 +343,8 @@ extern "C" fn _Unwind_Resume(_exception: *mut c_void) -> ! {
     trap()
 }
 
-// The memory functions. On x86_64 they are the string instructions, fast on every CPU
-// with ERMS (2013 on); elsewhere byte loops, which LLVM vectorises. `#![no_builtins]`
-// (and LLVM's own rule for functions of these names) keeps the loops from being turned
-// back into calls to themselves.
+// The memory functions: the string instructions, fast on every x86_64 CPU with ERMS
+// (2013 on).
 
 /// Copies `n` bytes from `src` to `dest`, first byte first: right for any two ranges
 /// unless `dest` starts inside the source, where it would overwrite bytes before they
@@ -388,7 +355,6 @@ extern "C" fn _Unwind_Resume(_exception: *mut c_void) -> ! {
 /// Both ranges are valid for `n` bytes, and `dest` does not start inside the source.
 unsafe fn copy_forwards(dest: *mut u8, src: *const u8, n: usize) {
     // SAFETY: the caller's contract; the direction flag is clear at every call (ABI).
-    #[cfg(target_arch = "x86_64")]
     unsafe {
         core::arch::asm!(
             "rep movsb",
@@ -397,11 +363,6 @@ unsafe fn copy_forwards(dest: *mut u8, src: *const u8, n: usize) {
             inout("rsi") src => _,
             options(nostack, preserves_flags),
         );
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    for index in 0..n {
-        // SAFETY: the caller's contract.
-        unsafe { *dest.add(index) = *src.add(index) };
     }
 }
 
@@ -432,7 +393,6 @@ unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8
     }
     // SAFETY: the caller's contract; with the direction flag set the string instruction
     // copies from the last byte down, and it is cleared again, as the ABI wants it.
-    #[cfg(target_arch = "x86_64")]
     unsafe {
         core::arch::asm!(
             "std",
@@ -443,11 +403,6 @@ unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8
             inout("rsi") src.add(n).wrapping_sub(1) => _,
             options(nostack),
         );
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    for index in (0..n).rev() {
-        // SAFETY: the caller's contract.
-        unsafe { *dest.add(index) = *src.add(index) };
     }
     dest
 }
@@ -460,7 +415,6 @@ unsafe extern "C" fn memmove(dest: *mut u8, src: *const u8, n: usize) -> *mut u8
 #[unsafe(no_mangle)]
 unsafe extern "C" fn memset(dest: *mut u8, c: c_int, n: usize) -> *mut u8 {
     // SAFETY: the caller's contract; the direction flag is clear at every call (ABI).
-    #[cfg(target_arch = "x86_64")]
     unsafe {
         core::arch::asm!(
             "rep stosb",
@@ -469,11 +423,6 @@ unsafe extern "C" fn memset(dest: *mut u8, c: c_int, n: usize) -> *mut u8 {
             in("al") c as u8,
             options(nostack, preserves_flags),
         );
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    for index in 0..n {
-        // SAFETY: the caller's contract.
-        unsafe { *dest.add(index) = c as u8 };
     }
     dest
 }

@@ -1,6 +1,7 @@
 //! An agent that nobody scrapes keeps a flat heap: the reconcile passes of its level
 //! re-check are counted in fixed-size metrics, never kept as samples until a scrape.
 
+#[path = "scenarios/api_support/mod.rs"]
 mod api_support;
 
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -43,7 +44,9 @@ fn live_bytes() -> i64 {
 }
 
 fn reconciles(agent: &api_support::TestAgent) -> f64 {
-    let text = Metrics::new().render(&agent.node.metrics_levels()).expect("renders");
+    let text = Metrics::new()
+        .render(&agent.node.metrics_levels())
+        .expect("renders");
     text.lines()
         .find_map(|line| line.strip_prefix(&format!("{} ", metrics::RECONCILES)))
         .and_then(|value| value.parse().ok())

@@ -9,8 +9,8 @@ use axum::response::{IntoResponse, Response};
 use stead_schemas::api::ErrorBody;
 use thiserror::Error;
 
-use crate::queue::CommandError;
 use crate::driver::DriverError;
+use crate::queue::CommandError;
 
 /// A request that failed.
 #[derive(Debug, Error)]

@@ -3,7 +3,7 @@
 //! a fixed instant, so every time shown is exact; the CLI runs on a blocking thread, which
 //! keeps tokio's paused clock from moving while it talks to the agent.
 
-mod api_support;
+use crate::api_support;
 
 use api_support::{TestAgent, agent, alloc, cli_args, serve_tcp, stead};
 

@@ -2,7 +2,7 @@
 //! user and groups; reattach that refuses a reused pid; signals; stats; the fingerprint
 //! and its health hook.
 
-mod exec_support;
+use crate::exec_support;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

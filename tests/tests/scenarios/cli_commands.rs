@@ -1,7 +1,7 @@
 //! `stead alloc logs|restart|signal|list` and the CLI's connection handling, against an
 //! agent on real sockets in real time.
 
-mod api_support;
+use crate::api_support;
 
 use std::io::Write;
 use std::path::Path;

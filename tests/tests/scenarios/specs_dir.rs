@@ -6,7 +6,7 @@
 //! The tests in this file run one at a time (they measure latencies on a shared machine)
 //! and synchronise only by polling what the API and the agent's log show, with deadlines.
 
-mod agent_support;
+use crate::agent_support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;

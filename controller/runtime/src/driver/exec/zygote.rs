@@ -140,7 +140,10 @@ impl Zygote {
                 tracing::warn!(pid = dead.pid, %status, "the supervisors' fork server exited; starting another")
             }
             _ => {
-                tracing::warn!(pid = dead.pid, "the supervisors' fork server is gone; starting another")
+                tracing::warn!(
+                    pid = dead.pid,
+                    "the supervisors' fork server is gone; starting another"
+                )
             }
         }
         let mut slot = self.server.lock().unwrap_or_else(PoisonError::into_inner);

@@ -19,6 +19,9 @@
 //!
 //! Names are validated `[a-z0-9-]` strings, so `\0` separates an alloc's part keys from
 //! every other alloc's and a prefix scan finds exactly its tasks.
+//!
+//! This crate is the project's only C++ build; its build script links the C++ runtime
+//! statically where it can ([`STATIC_CPP_RUNTIME`]).
 
 use std::collections::{BTreeMap, HashMap};
 use std::hash::{DefaultHasher, Hash, Hasher};
@@ -34,8 +37,11 @@ use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRe
 use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStateRecord};
 use stead_schemas::spec::Name;
 
-use super::conformance::PlantRaw;
-use super::{CorruptRecord, Store, StoreError, StoreMetrics, decode_stored};
+use stead_runtime::store::conformance::PlantRaw;
+use stead_runtime::store::{CorruptRecord, Store, StoreError, StoreMetrics, decode_stored};
+
+/// Whether this build links the C++ runtime RocksDB needs statically (`build.rs`).
+pub const STATIC_CPP_RUNTIME: bool = cfg!(stead_static_libstdcxx);
 
 /// The layout this agent writes; a database with a newer one is refused at open.
 pub const LAYOUT_VERSION: u32 = 1;
@@ -562,7 +568,7 @@ fn load_error(error: rocksdb::Error) -> StoreError {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::store::conformance::{self, sample_record};
+    use stead_runtime::store::conformance::{self, sample_record};
 
     fn open(dir: &Path) -> RocksDbStore {
         RocksDbStore::open(dir, RocksDbOptions::default()).expect("opens")

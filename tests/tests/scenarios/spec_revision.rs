@@ -782,7 +782,14 @@ fn revision_goldens_of_every_valid_example_and_fixture_are_pinned() {
     // upgrade, so the agent restarts it. A new spec field must leave every line here as
     // it is (omitted from the canonical form while unset); only a deliberate edit of an
     // example or fixture changes its own line.
-    expect_test::expect![[r#""#]].assert_eq(&golden_revisions());
+    expect_test::expect![[r#"
+        deploy/examples/nightly-report.yaml nightly-report 359b32f7cb982fc1f024d2203bbfb104d567f2c2f253c08d3ea2d2b1398534c9
+        deploy/examples/queue-worker.yaml queue-worker 9b3ad651f66fe99801f449e655796f02e38ec9e479374154677844cab239c90f
+        deploy/examples/web.yaml web b13d1e03c09bd711ce45d0f8ccae221d04f74658e175014709a7392f7c4a5952
+        tests/fixtures/invalid/multi-document-duplicate-env-key.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157
+        tests/fixtures/invalid/multi-document-duplicate-names.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157
+        tests/fixtures/invalid/multi-document-duplicate-names.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157
+        tests/fixtures/invalid/multi-document-one-invalid.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157"#]].assert_eq(&golden_revisions());
 }
 
 /// Every `null` in `value`, by JSON path.

@@ -4,7 +4,7 @@
 //! node's tasks start while its store is still being created, which begins once their
 //! starts are answered.
 
-mod agent_support;
+use crate::agent_support;
 
 use std::io::{Read, Write};
 use std::path::PathBuf;

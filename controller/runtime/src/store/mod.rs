@@ -6,12 +6,13 @@
 //! counted, as Nomad's boltdd does. A record that cannot be read fails its own alloc and
 //! no other: [`Store::load_allocs`] reports it as a [`CorruptRecord`] beside the rest.
 //!
-//! Implementations: [`MemoryStore`] and [`RocksDbStore`]. Both pass [`conformance`].
+//! Implementations: [`MemoryStore`] here, and `RocksDbStore` in `stead-store-rocksdb`.
+//! Both pass [`conformance`].
 
 pub mod conformance;
 pub mod faulty;
 pub mod memory;
-pub mod rocks;
+pub mod writer;
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::{BTreeMap, HashMap, VecDeque};
@@ -37,12 +38,13 @@ use crate::driver::TaskHandle;
 
 pub use faulty::FaultyStore;
 pub use memory::MemoryStore;
-pub use rocks::{RocksDbOptions, RocksDbStore};
+pub use writer::{StoreWrite, StoreWriter};
 
 /// Where allocs' records are kept across agent restarts.
 ///
-/// Calls are synchronous and may block on disk; async callers go through
-/// `spawn_blocking`. Each alloc's records are written by one worker at a time.
+/// Calls are synchronous and may block on disk; workers write through the node's
+/// [`StoreWriter`], which keeps them off the async runtime's threads. Each alloc's records
+/// are written by one worker at a time.
 pub trait Store: Send + Sync + 'static {
     /// Writes the alloc's record atomically, replacing any earlier one.
     fn put_alloc(&self, record: &AllocRecord) -> Result<(), StoreError>;
@@ -54,6 +56,11 @@ pub trait Store: Send + Sync + 'static {
     /// Counters: writes performed, writes skipped because the content hash equals the last
     /// written one for that key, deletes.
     fn metrics(&self) -> StoreMetrics;
+    /// Whether calls block on storage: then the node's [`StoreWriter`] writes on a thread
+    /// of its own rather than on the async runtime's.
+    fn blocks(&self) -> bool {
+        true
+    }
 }
 
 /// What a store did since it was opened.

@@ -6,8 +6,8 @@
 //!
 //! The mock-driver scenarios run under paused time; the exec one uses real processes.
 
-mod api_support;
-mod exec_support;
+use crate::api_support;
+use crate::exec_support;
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;

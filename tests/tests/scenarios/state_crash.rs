@@ -7,7 +7,7 @@
 //! `STEAD_CRASH_ITERATIONS` and `STEAD_CRASH_SEED` override the defaults (`make soak`
 //! runs many more iterations).
 
-mod agent_support;
+use crate::agent_support;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::time::Duration;

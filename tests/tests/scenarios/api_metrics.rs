@@ -1,7 +1,7 @@
 //! `GET /metrics`: OpenMetrics text that a Prometheus parser accepts, with every series the
 //! agent promises, moved by what the node does.
 
-mod api_support;
+use crate::api_support;
 
 use std::collections::BTreeSet;
 

@@ -69,4 +69,8 @@ impl Store for FaultyStore {
     fn metrics(&self) -> StoreMetrics {
         self.inner.metrics()
     }
+
+    fn blocks(&self) -> bool {
+        self.inner.blocks()
+    }
 }

@@ -3,7 +3,7 @@
 //! "The agent restarts" is a fresh node and a fresh exec driver over the same store and
 //! data dir: what a restarted agent has.
 
-mod exec_support;
+use crate::exec_support;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! The exec driver through the real `stead agent` binary: when its fork server starts,
 //! and what a task inherits from the way the agent was launched.
 
-mod agent_support;
+use crate::agent_support;
 
 use std::time::Duration;
 

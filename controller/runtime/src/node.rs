@@ -6,16 +6,15 @@
 //! never across an `.await`.
 
 use std::collections::{BTreeMap, HashMap};
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::atomic::Ordering;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::Limits;
 use stead_reconcilers::gc::GcCandidate;
-use stead_schemas::spec::{DriverKind, Name, Signal};
+use stead_schemas::ValidSpec;
+use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;
-use stead_schemas::{Timestamp, ValidSpec};
-use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::alloc::{Start, Worker, WorkerConfig, WorkerContext};
@@ -257,7 +256,7 @@ impl Node {
         let mut report = RestoreReport::default();
         let mut resumed = Vec::new();
         let mut recorded = RecordedRuns::default();
-        for loaded in self.shared.context.store.load_allocs()? {
+        for loaded in self.shared.context.writer.store().load_allocs()? {
             let record = match loaded {
                 Ok(record) => record,
                 Err(corrupt) => {
@@ -281,7 +280,7 @@ impl Node {
             if record.state.tasks.is_empty() {
                 // Nothing of it ever ran: forget it; its spec, if still there, starts it anew.
                 tracing::warn!(alloc = %name, "dropping a stored alloc with no task state");
-                if let Err(error) = self.shared.context.store.delete_alloc(&name) {
+                if let Err(error) = self.shared.context.writer.store().delete_alloc(&name) {
                     self.shared.registry.report_store_error(&name, &error);
                 }
                 report.dropped += 1;
@@ -549,7 +548,7 @@ impl Node {
 
     /// What the store did since it was opened.
     pub fn store_metrics(&self) -> store::StoreMetrics {
-        self.shared.context.store.metrics()
+        self.shared.context.writer.store().metrics()
     }
 
     /// The node's clock.
@@ -620,7 +619,10 @@ impl Node {
         let mut version = self.shared.registry.version.subscribe();
         let joins: Vec<(Name, JoinHandle<()>)> = {
             let mut slots = self.shared.registry.slots_mut();
-            self.shared.registry.shutting_down.store(true, Ordering::Relaxed);
+            self.shared
+                .registry
+                .shutting_down
+                .store(true, Ordering::Relaxed);
             let mut joins = Vec::with_capacity(slots.len());
             for (name, slot) in slots.iter_mut() {
                 slot.mailbox.shutdown(how);

@@ -111,6 +111,10 @@ impl Store for MemoryStore {
     fn metrics(&self) -> StoreMetrics {
         self.inner.dedupe.metrics()
     }
+
+    fn blocks(&self) -> bool {
+        false
+    }
 }
 
 impl PlantRaw for MemoryStore {

@@ -193,4 +193,3 @@ impl Registry {
         true
     }
 }
-

@@ -2,7 +2,7 @@
 //! driver's recovery), the API answering while a drain lasts, and a second SIGTERM that
 //! ends a drain at once, through the node in-process and through the real agent binary.
 
-mod agent_support;
+use crate::agent_support;
 
 use std::sync::Arc;
 use std::time::Duration;

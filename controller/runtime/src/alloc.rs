@@ -44,7 +44,7 @@ use crate::driver::{
 use crate::errors::error_chain;
 use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand};
 use crate::registry::{AllocFacts, Registry};
-use crate::store::{self, Store, StoreError};
+use crate::store::{self, Store, StoreError, StoreWrite, StoreWriter};
 
 /// What a worker is given: the seams it acts through, the limits it applies, and the
 /// node's registry only as the publisher of its own alloc. It never sees another alloc's
@@ -52,7 +52,8 @@ use crate::store::{self, Store, StoreError};
 pub(crate) struct WorkerContext {
     pub(crate) config: WorkerConfig,
     pub(crate) drivers: Drivers,
-    pub(crate) store: Arc<dyn Store>,
+    /// The node's one writer of its store.
+    pub(crate) writer: StoreWriter,
     pub(crate) clock: Clock,
     /// Where alloc dirs live, when the node has them (sticky disks move between them,
     /// and destroying an alloc removes its own).
@@ -82,7 +83,7 @@ impl WorkerContext {
         WorkerContext {
             config,
             drivers,
-            store,
+            writer: StoreWriter::new(store).expect("the store's writer thread starts"),
             clock,
             alloc_dirs,
             registry,
@@ -405,14 +406,14 @@ impl Worker {
                 self.handle_command(command, now);
             }
             if self.shutdown == Some(Shutdown::Detach) {
-                self.persist_and_publish();
+                self.persist_and_publish().await;
                 for ops in self.ops.values() {
                     ops.cancel_start.cancel();
                     ops.cancel_wait.cancel();
                 }
                 return;
             }
-            let wake_at = match self.step(now) {
+            let wake_at = match self.step(now).await {
                 Step::Exit => return,
                 Step::Again => continue,
                 Step::Wait(wake_at) => wake_at,
@@ -421,7 +422,7 @@ impl Worker {
                     _ => continue,
                 },
             };
-            self.persist_and_publish();
+            self.persist_and_publish().await;
             let wake_at = match (wake_at, self.store_retry.as_ref().map(|r| r.at)) {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
@@ -446,7 +447,7 @@ impl Worker {
     /// One reconcile of the current revision, and the transitions between revisions:
     /// [`revision::decide`] and [`revision::after_reconcile`] decide, the worker carries
     /// their decisions out.
-    fn step(&mut self, now: Timestamp) -> Step {
+    async fn step(&mut self, now: Timestamp) -> Step {
         let reconcile = loop {
             match revision::decide(&self.revision_inputs()) {
                 RevisionDecision::Exit => return Step::Exit,
@@ -460,7 +461,7 @@ impl Worker {
                 RevisionDecision::LeaveBroken => self.broken = None,
                 RevisionDecision::Destroy => {
                     self.broken = None;
-                    return self.finish_destroy();
+                    return self.finish_destroy().await;
                 }
                 RevisionDecision::StartRevision => {
                     if let Target::Spec(spec) = &self.target {
@@ -470,7 +471,7 @@ impl Worker {
                         self.current = Some(Current::new(spec, desired, state));
                     }
                 }
-                RevisionDecision::PersistAndExit => return self.persist_and_exit(),
+                RevisionDecision::PersistAndExit => return self.persist_and_exit().await,
                 RevisionDecision::Reconcile(reconcile) => break reconcile,
             }
         };
@@ -499,7 +500,7 @@ impl Worker {
         self.release_devices();
         match revision::after_reconcile(&self.revision_inputs()) {
             AfterReconcile::Wait => {}
-            AfterReconcile::PersistAndExit => return self.persist_and_exit(),
+            AfterReconcile::PersistAndExit => return self.persist_and_exit().await,
             AfterReconcile::Collect => {
                 if let Some(reply) = self.collect.take() {
                     return Step::Collect(reply);
@@ -508,7 +509,7 @@ impl Worker {
             AfterReconcile::HandOver => {
                 if let Target::Spec(spec) = &self.target {
                     let spec = spec.clone();
-                    self.persist_and_publish();
+                    self.persist_and_publish().await;
                     if let Err(error) = self.hand_over_alloc_dir(&spec) {
                         // The new revision waits, rather than start without the data it
                         // should have: the old alloc dir stays, and every tick tries
@@ -523,7 +524,7 @@ impl Worker {
                             tracing::error!(%reason, "cannot hand the alloc dir over");
                             current.hand_over_error = Some(reason);
                         }
-                        self.persist_and_publish();
+                        self.persist_and_publish().await;
                         return Step::Wait(None);
                     }
                     self.current = None;
@@ -565,8 +566,8 @@ impl Worker {
 
     /// The agent leaves: writes and publishes what the current revision is, stops
     /// watching its tasks (they go on running for the next agent) and exits.
-    fn persist_and_exit(&mut self) -> Step {
-        self.persist_and_publish();
+    async fn persist_and_exit(&mut self) -> Step {
+        self.persist_and_publish().await;
         for ops in self.ops.values() {
             ops.cancel_start.cancel();
             ops.cancel_wait.cancel();
@@ -986,7 +987,7 @@ impl Worker {
             }
         }
         tracing::info!("garbage collected");
-        let step = self.destroy();
+        let step = self.destroy().await;
         let _ = reply.send(Ok(()));
         step
     }
@@ -1040,7 +1041,7 @@ impl Worker {
     }
 
     /// The alloc is terminal and its spec is gone: release everything and leave.
-    fn destroy(&mut self) -> Step {
+    async fn destroy(&mut self) -> Step {
         if let Some(current) = self.current.take() {
             for handle in current.handles.into_values() {
                 if let Some(driver) = self.shared.drivers.get(handle.driver) {
@@ -1048,14 +1049,15 @@ impl Worker {
                 }
             }
         }
-        self.finish_destroy()
+        self.finish_destroy().await
     }
 
     /// Removes the alloc from the store, the status map and the registry, unless a new
     /// spec arrived meanwhile.
-    fn finish_destroy(&mut self) -> Step {
+    async fn finish_destroy(&mut self) -> Step {
         self.shared.config.devices.release(&self.name);
-        if let Err(error) = self.shared.store.delete_alloc(&self.name) {
+        let delete = StoreWrite::Delete(self.name.clone());
+        if let Err(error) = self.shared.writer.write(delete).await {
             self.shared.report_store_error(&self.name, &error);
         }
         if self.shared.retire(&self.name, &self.mailbox) {
@@ -1066,7 +1068,7 @@ impl Worker {
     }
 
     /// Writes the record and publishes the status when either changed.
-    fn persist_and_publish(&mut self) {
+    async fn persist_and_publish(&mut self) {
         let removed = matches!(self.target, Target::Absent);
         let Some(current) = &mut self.current else {
             return;
@@ -1099,7 +1101,7 @@ impl Worker {
                     .is_none_or(|retry| now >= retry.at);
             if due {
                 let record = record_of(&self.name, current, removed);
-                match self.shared.store.put_alloc(&record) {
+                match self.shared.writer.write(StoreWrite::Put(record)).await {
                     Ok(()) => {
                         current.saved = Some(fingerprint);
                         if self.store_retry.take().is_some() {

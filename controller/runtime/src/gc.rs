@@ -17,8 +17,8 @@ use stead_schemas::spec::Name;
 use thiserror::Error;
 use tokio::task::JoinSet;
 
-use crate::queue::CommandError;
 use crate::node::Node;
+use crate::queue::CommandError;
 
 /// How garbage collection runs (the agent's `gc` config).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -2,7 +2,7 @@
 //! `oneshot`, over TCP on 127.0.0.1 and over a unix socket; plus the socket's mode, the
 //! token and the body limit.
 
-mod api_support;
+use crate::api_support;
 
 use std::os::unix::fs::PermissionsExt;
 

@@ -1,0 +1,30 @@
+//! stead's scenario tests, one module per area, in one test binary: the runtime and
+//! RocksDB are linked once for all of them. (`metrics_memory`, which installs a counting
+//! global allocator, is a binary of its own.)
+
+mod agent_support;
+mod api_support;
+mod exec_support;
+
+mod agent_shutdown;
+mod alloc_scenarios;
+mod api_endpoints;
+mod api_metrics;
+mod cli_commands;
+mod cli_proxy;
+mod cli_status;
+mod device_scenarios;
+mod exec_agent;
+mod exec_driver;
+mod exec_scenarios;
+mod packaging;
+mod spec_fixtures;
+mod spec_revision;
+mod spec_roundtrip;
+mod spec_schema;
+mod spec_source;
+mod specs_dir;
+mod state_crash;
+mod state_restore;
+mod state_store;
+mod tidy;
