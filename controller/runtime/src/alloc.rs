@@ -83,7 +83,7 @@ impl WorkerContext {
         WorkerContext {
             config,
             drivers,
-            writer: StoreWriter::new(store).expect("the store's writer thread starts"),
+            writer: StoreWriter::new(store),
             clock,
             alloc_dirs,
             registry,

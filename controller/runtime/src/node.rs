@@ -362,6 +362,7 @@ impl Node {
             AllocSlot {
                 mailbox,
                 join: Some(join),
+                worker_done: false,
                 view: Mutex::new(Arc::new(view)),
             },
         );
@@ -504,7 +505,12 @@ impl Node {
 
     /// How many allocs have a worker.
     pub fn alloc_count(&self) -> usize {
-        self.shared.registry.slots().len()
+        self.shared
+            .registry
+            .slots()
+            .values()
+            .filter(|slot| !slot.worker_done)
+            .count()
     }
 
     /// Pending spec updates replaced by newer ones before being applied, over all allocs.
@@ -614,7 +620,8 @@ impl Node {
     ///
     /// Each worker stays in the registry until it is done, so the node's wake-ups (the
     /// ticker, a driver's or a device's change of health) still reach it: a drain may
-    /// wait on one, say a poststop task held back by an unhealthy driver.
+    /// wait on one, say a poststop task held back by an unhealthy driver. Its slot stays
+    /// after that, so the last status it published is still shown.
     pub async fn shutdown(&self, how: Shutdown) {
         let mut version = self.shared.registry.version.subscribe();
         let joins: Vec<(Name, JoinHandle<()>)> = {
@@ -635,10 +642,13 @@ impl Node {
         for (name, join) in joins {
             // A worker that panicked has nothing left to stop.
             let _ = join.await;
-            self.shared.registry.slots_mut().remove(&name);
+            // Its last view stays: the API serves what the shutdown left to the end.
+            if let Some(slot) = self.shared.registry.slots_mut().get_mut(&name) {
+                slot.worker_done = true;
+            }
             self.shared.registry.changed();
         }
-        // Workers an earlier call awaits: done when they have left the registry.
+        // Workers an earlier call awaits: done when every slot's worker is.
         while self.alloc_count() > 0 {
             if version.changed().await.is_err() {
                 return;

@@ -27,6 +27,8 @@ pub(crate) struct AllocSlot {
     /// The worker's task; taken by the shutdown, which awaits it while the slot stays
     /// (so the worker can still be woken) until the worker is done.
     pub(crate) join: Option<JoinHandle<()>>,
+    /// Its worker left at the node's shutdown (the slot stays, showing its last view).
+    pub(crate) worker_done: bool,
     /// What the alloc shows, swapped whole: every read sees one publish.
     pub(crate) view: Mutex<Arc<AllocView>>,
 }

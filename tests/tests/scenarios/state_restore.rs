@@ -6,7 +6,7 @@
 
 use crate::agent_support;
 
-use std::io::{Read, Write};
+use std::io::Read;
 use std::path::PathBuf;
 use std::process::Command;
 use std::time::Duration;
@@ -343,13 +343,14 @@ fn a_spec_deleted_while_the_agent_was_down_stops_only_that_alloc_after_the_first
     agent.terminate();
 }
 
-/// A new node whose database creation is held: the agent runs `names` (service specs
-/// marked `<token>-<name>.`) with `config`; returns once every task runs, with the gate.
+/// A new node whose database creation is held: `names` (service specs marked
+/// `<token>-<name>.`) are declared, and the agent is launched with `config`; returns the
+/// gate that holds the creation.
 fn new_node_with_store_held(
     token: &str,
     names: &[&str],
     config: &str,
-) -> (AgentDirs, PathBuf, agent_support::Agent, Vec<u32>) {
+) -> (AgentDirs, PathBuf, agent_support::Agent) {
     let dirs = AgentDirs::new(config);
     for name in names {
         dirs.write_spec(name, &service_spec(name, &format!("{token}-{name}.")));
@@ -357,8 +358,8 @@ fn new_node_with_store_held(
     // Hold the creation of the database: RocksDB writes a new database's identity
     // through `000000.dbtmp` before anything else is durable, and a FIFO there blocks
     // that write until someone opens it for reading. (A RocksDB that named its first
-    // file otherwise would not be held, and the callers' checks that nothing is served
-    // yet would fail.)
+    // file otherwise would not be held, and the callers' checks that nothing runs yet
+    // would fail.)
     let state = dirs.data.join("state");
     std::fs::create_dir_all(&state).expect("state dir");
     let gate = state.join("000000.dbtmp");
@@ -368,71 +369,62 @@ fn new_node_with_store_held(
         .expect("mkfifo runs");
     assert!(made.success(), "mkfifo {}", gate.display());
     let agent = dirs.launch();
-    let pids = wait_for(
-        "tasks run while the store is created",
-        Duration::from_secs(10),
-        || {
-            let pids: Vec<Vec<u32>> = names
-                .iter()
-                .map(|n| processes_with(&format!("{token}-{n}.")))
-                .collect();
-            if pids.iter().all(|p| p.len() == 1) {
-                Ok(pids.iter().map(|p| p[0]).collect())
-            } else {
-                Err(format!("{pids:?}"))
-            }
-        },
-    );
-    (dirs, gate, agent, pids)
+    (dirs, gate, agent)
 }
 
 #[test]
-fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does_and_a_crash_meanwhile_starts_each_task_once_more()
+fn a_new_node_creates_its_store_before_it_starts_or_serves_anything_and_its_tasks_then_survive_a_crash()
  {
     let token = format!("stead-new-{}", std::process::id());
     let _cleanup = Cleanup(token.clone());
     let names = ["a", "b", "c"];
     let marker = |name: &str| format!("{token}-{name}.");
-    let (dirs, gate, agent, first) = new_node_with_store_held(&token, &names, "shutdown: detach\n");
+    let (dirs, gate, agent) = new_node_with_store_held(&token, &names, "shutdown: detach\n");
     let state = dirs.data.join("state");
-    // The port is bound from the start, so a taken one fails the agent at once, but
-    // nothing is served before the store exists.
-    let mut probe =
-        std::net::TcpStream::connect(("127.0.0.1", dirs.port)).expect("the port is bound");
-    probe
-        .set_read_timeout(Some(Duration::from_millis(300)))
-        .expect("timeout");
-    write!(probe, "GET /v1/health HTTP/1.1\r\nHost: localhost\r\n\r\n").expect("sent");
-    let answer = probe.read(&mut [0u8; 1]);
-    assert!(
-        matches!(&answer, Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut)),
-        "the API answered while the store was held ({answer:?}):\n{}",
-        agent.log_text()
+    // Held at the store's creation, the agent has started nothing: one of its threads
+    // waits in the FIFO's open (the database's identity written through it, the kernel's
+    // `wait_for_partner`), and no task exists.
+    wait_for(
+        "the agent waits on the held creation",
+        Duration::from_secs(10),
+        || {
+            let waiting = std::fs::read_dir(format!("/proc/{}/task", agent.child.id()))
+                .map_err(|e| e.to_string())?
+                .filter_map(Result::ok)
+                .any(|task| {
+                    std::fs::read_to_string(task.path().join("wchan"))
+                        .is_ok_and(|wchan| wchan.trim() == "wait_for_partner")
+                });
+            if waiting {
+                Ok(())
+            } else {
+                Err("not waiting in the FIFO's open yet".to_owned())
+            }
+        },
     );
-    assert!(!state.join("CURRENT").exists(), "the database was held");
-    agent.kill9();
-    for (name, pid) in names.iter().zip(&first) {
+    for name in names {
         assert_eq!(
             processes_with(&marker(name)),
-            [*pid],
-            "{name} outlives the agent"
+            Vec::<u32>::new(),
+            "{name} started before the store exists:\n{}",
+            agent.log_text()
         );
     }
+    assert!(!state.join("CURRENT").exists(), "the database was held");
+    agent.kill9();
 
-    // The next agent has no record of them: each starts once more, and the run the
-    // crashed agent left is stopped, never doubled.
+    // The next agent creates it, then runs each task once.
     std::fs::remove_file(&gate).expect("gate removed");
     let agent = dirs.start();
-    let second: Vec<u32> = wait_for("each task runs once, anew", Duration::from_secs(10), || {
+    let first: Vec<u32> = wait_for("each task runs once", Duration::from_secs(10), || {
         names
             .iter()
-            .zip(&first)
-            .map(|(name, old)| {
+            .map(|name| {
                 match (
                     &processes_with(&marker(name))[..],
                     running_pid(&agent, name),
                 ) {
-                    ([pid], Ok(shown)) if pid != old && *pid == shown => Ok(*pid),
+                    ([pid], Ok(shown)) if *pid == shown => Ok(*pid),
                     (pids, shown) => Err(format!("{name}: {pids:?} shown {shown:?}")),
                 }
             })
@@ -440,10 +432,10 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
     });
     assert!(state.join("CURRENT").exists(), "the store exists now");
 
-    // And from now on the tasks survive a crash as usual: the store has them.
+    // And from now on the tasks survive a crash: the store has them.
     agent.kill9();
     let agent = dirs.start();
-    for (name, pid) in names.iter().zip(&second) {
+    for (name, pid) in names.iter().zip(&first) {
         let pid = *pid;
         wait_for(
             &format!("{name} reattached"),
@@ -463,39 +455,11 @@ fn a_new_node_runs_its_tasks_before_its_store_exists_serves_no_api_until_it_does
 }
 
 #[test]
-fn a_new_nodes_store_is_created_once_its_first_task_starts_are_answered() {
-    // A start that takes 500 ms: the store's creation, and the API that waits for it,
-    // come after it, where they would otherwise come within milliseconds. (The creation
-    // waits 1 s at most: the margin either way is half a second.)
-    let dirs = AgentDirs::new("drivers: {exec: {enabled: false}, mock: {enabled: true}}\n");
-    dirs.write_spec(
-        "slow",
-        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: slow}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {startBlockFor: 500ms}}\n",
-    );
-    let agent = dirs.start();
-    let status = agent.status("slow").expect("the alloc is shown");
-    let events: Vec<&str> = status.tasks["main"]
-        .events
-        .iter()
-        .map(|e| e.event_type.as_str())
-        .collect();
-    assert!(
-        events.contains(&"Started"),
-        "the API served before the start was answered: {events:?}\n{}",
-        agent.log_text()
-    );
-    let status = agent.terminate();
-    assert!(status.success(), "{status}");
-}
-
-#[test]
-fn a_new_node_whose_store_cannot_be_created_stops_the_tasks_it_started_and_exits_with_why() {
+fn a_new_node_whose_store_cannot_be_created_exits_with_why_before_starting_anything() {
     let token = format!("stead-nostore-{}", std::process::id());
     let _cleanup = Cleanup(token.clone());
     let names = ["a", "b"];
-    // Detach is configured, yet nothing could take these tasks over: they are stopped.
-    let (_dirs, gate, mut agent, _) =
-        new_node_with_store_held(&token, &names, "shutdown: detach\n");
+    let (_dirs, gate, mut agent) = new_node_with_store_held(&token, &names, "shutdown: detach\n");
     // Opening the FIFO lets RocksDB write into it, and its sync of a pipe fails.
     let reader = std::thread::spawn(move || {
         let mut fifo = std::fs::File::open(&gate).expect("fifo opened");
@@ -511,12 +475,12 @@ fn a_new_node_whose_store_cannot_be_created_stops_the_tasks_it_started_and_exits
     reader.join().expect("reader");
     let log = agent.log_text();
     assert!(!status.success(), "{status}:\n{log}");
-    assert!(log.contains("cannot create the state store"), "{log}");
+    assert!(log.contains("cannot open the state database"), "{log}");
     for name in names {
         assert_eq!(
             processes_with(&format!("{token}-{name}.")),
             Vec::<u32>::new(),
-            "{name} was stopped:\n{log}"
+            "{name} never started:\n{log}"
         );
     }
 }

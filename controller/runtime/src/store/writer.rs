@@ -1,21 +1,20 @@
 //! The node's one writer of its store: workers hand it their alloc's newest record (or
 //! its removal) and await the outcome, so no store IO runs on the async runtime's threads.
 //!
-//! A store whose calls block on disk ([`Store::blocks`]) is written on a thread of its
-//! own, in the order the writes arrive. Each worker awaits its write before it publishes
-//! or writes again, so the writer holds at most one write per alloc, always that alloc's
-//! newest, and a worker's status is shown only once the record it stands for has been
-//! written (or its write has failed, which the store's health then shows). A store that
-//! does not block (the in-memory one of paused-time tests) is written inline: the await
-//! completes at once and the worker's steps are exactly as they were.
+//! A store whose calls block on disk ([`Store::blocks`]) is written by the writer's task:
+//! it takes every write queued so far, in arrival order, and carries them out together on
+//! the blocking pool (which also holds paused test time still while it works). Each
+//! worker awaits its write before it publishes or writes again, so the queue holds at most
+//! one write per alloc, always that alloc's newest, and a worker's status is shown only
+//! once the record it stands for has been written (or its write has failed, which the
+//! store's health then shows). A store that does not block (the in-memory one of
+//! paused-time tests) is written inline: the await completes at once.
 
-use std::collections::VecDeque;
-use std::sync::{Arc, Condvar, Mutex, PoisonError};
-use std::thread::JoinHandle;
+use std::sync::{Arc, Weak};
 
 use stead_schemas::record::AllocRecord;
 use stead_schemas::spec::Name;
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 
 use super::{Store, StoreError};
 
@@ -48,31 +47,33 @@ impl StoreWrite {
 #[derive(Clone)]
 pub struct StoreWriter {
     store: Arc<dyn Store>,
-    thread: Option<Arc<WriterThread>>,
+    /// The writer task's queue, for a store that blocks.
+    queue: Option<mpsc::UnboundedSender<Job>>,
 }
 
 impl std::fmt::Debug for StoreWriter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("StoreWriter")
-            .field("threaded", &self.thread.is_some())
+            .field("queued", &self.queue.is_some())
             .finish_non_exhaustive()
     }
 }
 
 /// Why a write got no answer.
 #[derive(Debug, thiserror::Error)]
-#[error("the store's writer thread is gone")]
+#[error("the store's writer is gone")]
 pub struct WriterGone;
 
 impl StoreWriter {
-    /// The writer of `store`: on a thread of its own when the store blocks.
-    pub fn new(store: Arc<dyn Store>) -> Result<Self, std::io::Error> {
-        let thread = if store.blocks() {
-            Some(Arc::new(WriterThread::start(store.clone())?))
-        } else {
-            None
-        };
-        Ok(StoreWriter { store, thread })
+    /// The writer of `store`; call within a tokio runtime, which runs the writer's task
+    /// for a store that blocks until every clone is dropped and the queue is written.
+    pub fn new(store: Arc<dyn Store>) -> Self {
+        let queue = store.blocks().then(|| {
+            let (queue, jobs) = mpsc::unbounded_channel();
+            tokio::spawn(write_until_closed(Arc::downgrade(&store), jobs));
+            queue
+        });
+        StoreWriter { store, queue }
     }
 
     /// The store written to, for reads and counters.
@@ -80,26 +81,22 @@ impl StoreWriter {
         &self.store
     }
 
-    /// Carries `write` out and returns its outcome: on the writer's thread when there is
-    /// one, at once otherwise.
+    /// Carries `write` out and returns its outcome: through the writer's task when the
+    /// store blocks, at once otherwise.
     pub async fn write(&self, write: StoreWrite) -> Result<(), StoreError> {
-        let Some(thread) = &self.thread else {
+        let Some(queue) = &self.queue else {
             return write.apply(self.store.as_ref());
         };
         let name = write.name().clone();
         let (reply, answer) = oneshot::channel();
-        thread.push(Job { write, reply });
-        answer.await.unwrap_or_else(|_| {
-            Err(StoreError::Write {
-                name,
-                source: Box::new(WriterGone),
-            })
-        })
-    }
-
-    /// Writes waiting for the writer's thread (none without one).
-    pub fn queued(&self) -> usize {
-        self.thread.as_ref().map_or(0, |thread| thread.queued())
+        let gone = |name| StoreError::Write {
+            name,
+            source: Box::new(WriterGone),
+        };
+        if queue.send(Job { write, reply }).is_err() {
+            return Err(gone(name));
+        }
+        answer.await.unwrap_or_else(|_| Err(gone(name)))
     }
 }
 
@@ -108,101 +105,49 @@ struct Job {
     reply: oneshot::Sender<Result<(), StoreError>>,
 }
 
-#[derive(Default)]
-struct Queue {
-    jobs: VecDeque<Job>,
-    closed: bool,
-}
-
-/// The thread that writes a blocking store, and its queue.
-struct WriterThread {
-    shared: Arc<(Mutex<Queue>, Condvar)>,
-    handle: Option<JoinHandle<()>>,
-}
-
-impl WriterThread {
-    fn start(store: Arc<dyn Store>) -> Result<Self, std::io::Error> {
-        let shared = Arc::new((Mutex::new(Queue::default()), Condvar::new()));
-        let queue = shared.clone();
-        let handle = std::thread::Builder::new()
-            .name("stead-store".to_owned())
-            .spawn(move || write_until_closed(store.as_ref(), &queue))?;
-        Ok(WriterThread {
-            shared,
-            handle: Some(handle),
-        })
-    }
-
-    fn push(&self, job: Job) {
-        let (queue, ready) = &*self.shared;
-        queue
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .jobs
-            .push_back(job);
-        ready.notify_one();
-    }
-
-    fn queued(&self) -> usize {
-        self.shared
-            .0
-            .lock()
-            .unwrap_or_else(PoisonError::into_inner)
-            .jobs
-            .len()
-    }
-}
-
-impl Drop for WriterThread {
-    /// Writes what is queued, then lets the thread end and waits for it: the store is
-    /// closed by the thread's last reference before the agent exits.
-    fn drop(&mut self) {
-        let (queue, ready) = &*self.shared;
-        queue.lock().unwrap_or_else(PoisonError::into_inner).closed = true;
-        ready.notify_one();
-        if let Some(handle) = self.handle.take() {
-            let _ = handle.join();
-        }
-    }
-}
-
-/// The writer thread's loop: each queued write in turn, until the queue is closed and
-/// empty.
-fn write_until_closed(store: &dyn Store, shared: &(Mutex<Queue>, Condvar)) {
-    let (queue, ready) = shared;
-    loop {
-        let job = {
-            let mut queue = queue.lock().unwrap_or_else(PoisonError::into_inner);
-            loop {
-                if let Some(job) = queue.jobs.pop_front() {
-                    break job;
-                }
-                if queue.closed {
-                    return;
-                }
-                queue = ready.wait(queue).unwrap_or_else(PoisonError::into_inner);
-            }
+/// The writer's task: every write queued so far, in order, on the blocking pool, until
+/// every sender is gone and the queue is empty. It holds the store only while it writes:
+/// the store closes when the node that owns it is dropped, not when this task next runs.
+async fn write_until_closed(store: Weak<dyn Store>, mut jobs: mpsc::UnboundedReceiver<Job>) {
+    let mut batch = Vec::new();
+    while jobs.recv_many(&mut batch, usize::MAX).await > 0 {
+        let taken = std::mem::take(&mut batch);
+        // Writes queued by a writer whose store is gone get no answer: they see it gone.
+        let Some(store) = store.upgrade() else {
+            continue;
         };
-        // A worker that left without waiting no longer needs the answer.
-        let _ = job.reply.send(job.write.apply(store));
+        let written = tokio::task::spawn_blocking(move || {
+            taken
+                .into_iter()
+                .map(|job| (job.write.apply(store.as_ref()), job.reply))
+                .collect::<Vec<_>>()
+        })
+        .await;
+        // A panicked batch drops its replies: those writers see the writer gone.
+        for (outcome, reply) in written.into_iter().flatten() {
+            // A worker that left without waiting no longer needs the answer.
+            let _ = reply.send(outcome);
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::sync::{Mutex, PoisonError};
+
     use super::*;
     use crate::store::MemoryStore;
     use crate::store::conformance::sample_record;
 
-    /// A memory store that says it blocks, and counts the threads that wrote it.
+    /// A memory store that says it blocks, and records the threads that wrote it.
     struct Blocking {
         inner: MemoryStore,
-        writers: Mutex<Vec<Option<String>>>,
+        writers: Mutex<Vec<std::thread::ThreadId>>,
     }
 
     impl Store for Blocking {
         fn put_alloc(&self, record: &AllocRecord) -> Result<(), StoreError> {
-            let thread = std::thread::current().name().map(str::to_owned);
+            let thread = std::thread::current().id();
             self.writers
                 .lock()
                 .unwrap_or_else(PoisonError::into_inner)
@@ -232,12 +177,12 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_blocking_store_is_written_on_the_writer_thread_not_the_runtime() {
+    async fn a_blocking_store_is_written_on_the_blocking_pool_not_the_runtime() {
         let store = Arc::new(Blocking {
             inner: MemoryStore::new(),
             writers: Mutex::default(),
         });
-        let writer = StoreWriter::new(store.clone()).expect("writer starts");
+        let writer = StoreWriter::new(store.clone());
         writer
             .write(StoreWrite::Put(sample_record("web", 1)))
             .await
@@ -252,26 +197,24 @@ mod tests {
             .await
             .expect("deleted");
         assert_eq!(loaded_names(store.as_ref()), ["api"]);
+        let runtime = std::thread::current().id();
         let writers = store
             .writers
             .lock()
             .unwrap_or_else(PoisonError::into_inner)
             .clone();
-        assert_eq!(
-            writers,
-            [
-                Some("stead-store".to_owned()),
-                Some("stead-store".to_owned())
-            ]
+        assert_eq!(writers.len(), 2);
+        assert!(
+            writers.iter().all(|thread| *thread != runtime),
+            "a write ran on the runtime's thread"
         );
-        assert_eq!(writer.queued(), 0);
     }
 
     #[tokio::test]
     async fn a_store_that_does_not_block_is_written_inline() {
         let store = Arc::new(MemoryStore::new());
-        let writer = StoreWriter::new(store.clone()).expect("writer");
-        assert!(writer.thread.is_none());
+        let writer = StoreWriter::new(store.clone());
+        assert!(writer.queue.is_none());
         writer
             .write(StoreWrite::Put(sample_record("web", 1)))
             .await
@@ -279,28 +222,21 @@ mod tests {
         assert_eq!(loaded_names(store.as_ref()), ["web"]);
     }
 
-    #[test]
-    fn dropping_the_writer_writes_what_is_queued_first() {
+    #[tokio::test(start_paused = true)]
+    async fn paused_time_stands_still_while_a_blocking_store_is_written() {
         let store = Arc::new(Blocking {
             inner: MemoryStore::new(),
             writers: Mutex::default(),
         });
-        let writer = StoreWriter::new(store.clone()).expect("writer starts");
-        let thread = writer.thread.clone().expect("a thread");
-        let mut answers = Vec::new();
-        for name in ["a", "b", "c"] {
-            let (reply, answer) = oneshot::channel();
-            thread.push(Job {
-                write: StoreWrite::Put(sample_record(name, 1)),
-                reply,
-            });
-            answers.push(answer);
+        let writer = StoreWriter::new(store.clone());
+        let write = writer.write(StoreWrite::Put(sample_record("web", 1)));
+        // A timer that auto-advanced time would fire while the write is on the pool.
+        tokio::select! {
+            written = write => written.expect("written"),
+            () = tokio::time::sleep(std::time::Duration::from_secs(3600)) => {
+                panic!("time advanced past a write in flight")
+            }
         }
-        drop(thread);
-        drop(writer);
-        assert_eq!(loaded_names(store.as_ref()), ["a", "b", "c"]);
-        for answer in answers {
-            answer.blocking_recv().expect("answered").expect("written");
-        }
+        assert_eq!(loaded_names(store.as_ref()), ["web"]);
     }
 }
