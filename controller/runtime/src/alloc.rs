@@ -1101,7 +1101,12 @@ impl Worker {
                     .is_none_or(|retry| now >= retry.at);
             if due {
                 let record = record_of(&self.name, current, removed);
-                match self.shared.writer.write(StoreWrite::Put(record)).await {
+                match self
+                    .shared
+                    .writer
+                    .write(StoreWrite::Put(Box::new(record)))
+                    .await
+                {
                     Ok(()) => {
                         current.saved = Some(fingerprint);
                         if self.store_retry.take().is_some() {

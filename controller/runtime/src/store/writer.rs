@@ -22,7 +22,7 @@ use super::{Store, StoreError};
 #[derive(Debug)]
 pub enum StoreWrite {
     /// Store the record, replacing the alloc's earlier one.
-    Put(AllocRecord),
+    Put(Box<AllocRecord>),
     /// Remove the alloc's record.
     Delete(Name),
 }
@@ -184,11 +184,11 @@ mod tests {
         });
         let writer = StoreWriter::new(store.clone());
         writer
-            .write(StoreWrite::Put(sample_record("web", 1)))
+            .write(StoreWrite::Put(Box::new(sample_record("web", 1))))
             .await
             .expect("written");
         writer
-            .write(StoreWrite::Put(sample_record("api", 1)))
+            .write(StoreWrite::Put(Box::new(sample_record("api", 1))))
             .await
             .expect("written");
         assert_eq!(loaded_names(store.as_ref()), ["api", "web"]);
@@ -216,7 +216,7 @@ mod tests {
         let writer = StoreWriter::new(store.clone());
         assert!(writer.queue.is_none());
         writer
-            .write(StoreWrite::Put(sample_record("web", 1)))
+            .write(StoreWrite::Put(Box::new(sample_record("web", 1))))
             .await
             .expect("written");
         assert_eq!(loaded_names(store.as_ref()), ["web"]);
@@ -229,7 +229,7 @@ mod tests {
             writers: Mutex::default(),
         });
         let writer = StoreWriter::new(store.clone());
-        let write = writer.write(StoreWrite::Put(sample_record("web", 1)));
+        let write = writer.write(StoreWrite::Put(Box::new(sample_record("web", 1))));
         // A timer that auto-advanced time would fire while the write is on the pool.
         tokio::select! {
             written = write => written.expect("written"),
