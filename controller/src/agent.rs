@@ -439,9 +439,11 @@ fn raise_open_files_limit() -> Option<u64> {
 /// What wakes the specs loop for a listing of the specs dir.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Trigger {
+    /// Start-up's first listing, before the API serves.
+    Start,
     /// A file event in the specs dir (or a watcher (re)started, which may have missed one).
     Watch,
-    /// The periodic full re-listing; its first tick is at once, the first listing.
+    /// The periodic full re-listing.
     Resync,
     /// SIGHUP: `systemctl reload`, a habitual `kill -HUP`.
     Hangup,
@@ -451,6 +453,7 @@ impl Trigger {
     /// The name logged with what the listing applied.
     fn as_str(self) -> &'static str {
         match self {
+            Trigger::Start => "start",
             Trigger::Watch => "watch",
             Trigger::Resync => "resync",
             Trigger::Hangup => "hangup",
@@ -501,9 +504,12 @@ struct Agent {
     data_dir: PathBuf,
     node: Arc<Node>,
     syncer: Syncer,
+    /// The parses of the last listing, reused for files unchanged since.
+    cache: ListingCache,
     signals: Signals,
     notifier: Option<crate::sdnotify::Notifier>,
-    api: std::thread::JoinHandle<()>,
+    /// The API's thread, once it serves.
+    api: Option<std::thread::JoinHandle<()>>,
     stop_api: tokio_util::sync::CancellationToken,
 }
 
@@ -559,22 +565,28 @@ impl Agent {
             .with_token(settings.token.clone())
             .with_metrics(Metrics::new());
         let stop_api = state.shutdown_token();
-        let api = start_api(state, listeners)?;
-        tracing::info!(listen = %settings.listen, "api listening");
-        tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
-        // Ready for systemd (`Type=notify`): state restored, the API serving.
-        crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
-        Ok(Agent {
+        let mut agent = Agent {
             settings,
             clock,
             data_dir,
             node,
             syncer,
+            cache: ListingCache::default(),
             signals,
             notifier,
-            api,
+            api: None,
             stop_api,
-        })
+        };
+        // Nothing is removed before this first full listing.
+        agent.list(Trigger::Start).await;
+        agent.api = Some(start_api(state, listeners)?);
+        let settings = &agent.settings;
+        tracing::info!(listen = %settings.listen, "api listening");
+        tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
+        // Ready for systemd (`Type=notify`): state restored, the specs taken up, the API
+        // serving.
+        crate::sdnotify::notify(agent.notifier.as_ref(), crate::sdnotify::READY);
+        Ok(agent)
     }
 
     /// Runs the specs loop until SIGINT or SIGTERM, then shuts down (detach or drain); a
@@ -589,14 +601,21 @@ impl Agent {
     /// Lists the specs dir at every trigger and brings the node in line, until SIGINT or
     /// SIGTERM; returns the watcher, which the shutdown drops.
     async fn specs_loop(&mut self) -> Option<SpecsWatcher> {
-        let settings = &self.settings;
         let changed = Arc::new(tokio::sync::Notify::new());
-        let mut resync = tokio::time::interval(settings.resync);
+        // The first listing was start-up's: the next resync is a period away.
+        let period = self.settings.resync;
+        let mut resync = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-        let mut cache = ListingCache::default();
         let mut watcher: Option<SpecsWatcher> = None;
-        let mut gc: Option<tokio::task::JoinHandle<()>> = None;
+        // Garbage collection starts after the first full listing: an alloc restored as
+        // removed whose file came back while the agent was away is declared again first.
+        let gc = tokio::spawn(crate::gc::run(
+            self.node.clone(),
+            self.settings.gc,
+            self.data_dir.clone(),
+        ));
         loop {
+            let settings = &self.settings;
             // (Re)start the watcher before listing, so no change falls between the two:
             // when there is none (a directory that cannot be watched yet is tried again at
             // the next resync), and when the directory at the path is not the one watched
@@ -628,39 +647,32 @@ impl Agent {
                 tokio::time::sleep(crate::watch::DEBOUNCE).await;
                 let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
             }
-            let dir = settings.specs_dir.clone();
-            let now = self.clock.now();
-            let taken = std::mem::take(&mut cache);
-            let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
-            // A panicked pass loses the cache: the next pass reads everything again.
-            let Ok((listing, kept)) = pass else { continue };
-            cache = kept;
-            for diagnostic in &listing.diagnostics {
-                tracing::warn!("{diagnostic}");
-            }
-            let report = self.syncer.sync(&self.node, &listing);
-            let trigger = trigger.as_str();
-            for name in &report.applied {
-                tracing::info!(alloc = %name, trigger, "applied");
-            }
-            for name in &report.removed {
-                tracing::info!(alloc = %name, trigger, "removed");
-            }
-            // Garbage collection starts after the first full listing: an alloc restored
-            // as removed whose file came back while the agent was away is declared again
-            // first.
-            if gc.is_none() {
-                gc = Some(tokio::spawn(crate::gc::run(
-                    self.node.clone(),
-                    settings.gc,
-                    self.data_dir.clone(),
-                )));
-            }
+            self.list(trigger).await;
         }
-        if let Some(gc) = gc {
-            gc.abort();
-        }
+        gc.abort();
         watcher
+    }
+
+    /// Lists the specs dir once and tells the node what changed.
+    async fn list(&mut self, trigger: Trigger) {
+        let dir = self.settings.specs_dir.clone();
+        let now = self.clock.now();
+        let taken = std::mem::take(&mut self.cache);
+        let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
+        // A panicked pass loses the cache: the next pass reads everything again.
+        let Ok((listing, kept)) = pass else { return };
+        self.cache = kept;
+        for diagnostic in &listing.diagnostics {
+            tracing::warn!("{diagnostic}");
+        }
+        let report = self.syncer.sync(&self.node, &listing);
+        let trigger = trigger.as_str();
+        for name in &report.applied {
+            tracing::info!(alloc = %name, trigger, "applied");
+        }
+        for name in &report.removed {
+            tracing::info!(alloc = %name, trigger, "removed");
+        }
     }
 
     /// Shuts the node down as configured while the API keeps serving (operators can
@@ -685,7 +697,13 @@ impl Agent {
         }
         // The API's thread holds the node, and so the store, which must be closed before
         // the process exits (RocksDB's threads must not outlive its static state).
-        let api = self.api;
+        let Some(api) = self.api.take() else {
+            return if cut_short {
+                Err(AgentError::CutShort)
+            } else {
+                Ok(())
+            };
+        };
         let joined = tokio::task::spawn_blocking(move || api.join());
         if cut_short {
             if tokio::time::timeout(CUT_SHORT_GRACE, joined).await.is_err() {
