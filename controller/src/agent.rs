@@ -604,7 +604,7 @@ impl Agent {
         let changed = Arc::new(tokio::sync::Notify::new());
         // The first listing was start-up's: the next resync is a period away.
         let period = self.settings.resync;
-        let mut resync = tokio::time::interval_at(tokio::time::Instant::now() + period, period);
+        let mut resync = tokio::time::interval_at(self.clock.instant() + period, period);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut watcher: Option<SpecsWatcher> = None;
         // Garbage collection starts after the first full listing: an alloc restored as

@@ -1,0 +1,103 @@
+//! The worker's user commands: restart, signal, and garbage collection's request.
+
+use super::*;
+
+impl Worker {
+    /// Whether garbage collection may destroy the alloc now: its spec is gone, and it is
+    /// terminal with no driver operation in flight.
+    pub(super) fn collectable(&self) -> bool {
+        matches!(self.target, Target::Absent)
+            && self.ops.is_empty()
+            && self
+                .current
+                .as_ref()
+                .is_some_and(|c| !c.desired.run && c.state.is_terminal())
+    }
+
+    pub(super) fn handle_command(&mut self, command: UserCommand, now: Timestamp) {
+        if self.broken.is_some()
+            && let UserCommand::Restart { reply, .. } = command
+        {
+            // Starting afresh is the way out of a record that cannot be used.
+            let result = revision::restart_broken(self.revision_inputs().target);
+            if result.is_ok() {
+                self.broken = None;
+            }
+            let _ = reply.send(result.map_err(CommandError::Refused));
+            return;
+        }
+        let command = match command {
+            UserCommand::Collect { reply } => {
+                let refused = if self.collectable() {
+                    self.collect.replace(reply)
+                } else {
+                    Some(reply)
+                };
+                if let Some(reply) = refused {
+                    let _ = reply.send(Err(CommandError::NotCollectable {
+                        name: self.name.to_string(),
+                    }));
+                }
+                return;
+            }
+            command => command,
+        };
+        let Some(current) = &mut self.current else {
+            let error = CommandError::Refused(CommandRefusal::TaskNotRunning);
+            match command {
+                UserCommand::Restart { reply, .. }
+                | UserCommand::Signal { reply, .. }
+                | UserCommand::Collect { reply } => {
+                    let _ = reply.send(Err(error));
+                }
+            }
+            return;
+        };
+        match command {
+            UserCommand::Collect { reply } => {
+                let _ = reply.send(Err(CommandError::NotCollectable {
+                    name: self.name.to_string(),
+                }));
+            }
+            UserCommand::Restart { task, reply } => {
+                let result = current
+                    .state
+                    .request_restart(&current.desired, task.as_ref(), now)
+                    .map_err(CommandError::from);
+                let _ = reply.send(result);
+            }
+            UserCommand::Signal {
+                task,
+                signal,
+                reply,
+            } => {
+                let result =
+                    current
+                        .state
+                        .request_signal(&current.desired, &task, signal.clone(), now);
+                match result {
+                    Err(refusal) => {
+                        let _ = reply.send(Err(refusal.into()));
+                    }
+                    Ok(_) => match self.driver_and_handle(&task) {
+                        Some((driver, handle)) => {
+                            tokio::spawn(async move {
+                                let result =
+                                    driver.signal(&handle, &signal).await.map_err(|source| {
+                                        CommandError::Driver {
+                                            task: task.to_string(),
+                                            source,
+                                        }
+                                    });
+                                let _ = reply.send(result);
+                            });
+                        }
+                        None => {
+                            let _ = reply.send(Err(CommandRefusal::TaskNotRunning.into()));
+                        }
+                    },
+                }
+            }
+        }
+    }
+}

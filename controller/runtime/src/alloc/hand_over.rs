@@ -1,0 +1,124 @@
+//! The end of a revision or an alloc: the sticky disk handed to the next revision, garbage
+//! collection, and removal from the store and the node.
+
+use super::*;
+
+impl Worker {
+    /// Garbage collection: removes the alloc dir (off the runtime's threads), then the
+    /// record, and leaves; answers `reply` once done.
+    pub(super) async fn collect(
+        &mut self,
+        reply: oneshot::Sender<Result<(), CommandError>>,
+    ) -> Step {
+        let dir = match (&self.shared.alloc_dirs, &self.current) {
+            (Some(dirs), Some(current)) => Some(dirs.alloc(&current.spec.id)),
+            _ => None,
+        };
+        if let Some(dir) = dir {
+            let removed = tokio::task::spawn_blocking(move || dir.remove()).await;
+            if let Ok(Err(error)) = removed {
+                tracing::warn!(error = %error_chain(&error), "cannot remove the alloc dir");
+            }
+        }
+        tracing::info!("garbage collected");
+        let step = self.destroy().await;
+        let _ = reply.send(Ok(()));
+        step
+    }
+
+    /// The old revision is terminal and `next` takes over: with a sticky (or migrating)
+    /// ephemeral disk, the old alloc dir's `alloc/data` and each shared task's `local`
+    /// move into the new one before any of its tasks start; then the old alloc dir goes
+    /// (nothing refers to it any more: the record now follows the new revision).
+    ///
+    /// When the sticky disk cannot be moved, the old alloc dir is kept whole and the error
+    /// returned: what was moved stays moved, and the next try moves the rest.
+    pub(super) fn hand_over_alloc_dir(&self, next: &ValidSpec) -> Result<(), AllocDirError> {
+        let (Some(dirs), Some(current)) = (&self.shared.alloc_dirs, &self.current) else {
+            return Ok(());
+        };
+        if current.spec.id == next.id {
+            return Ok(()); // two revisions sharing an id prefix share the directory too
+        }
+        let old = dirs.alloc(&current.spec.id);
+        let new = dirs.alloc(&next.id);
+        let disk = next.spec.spec.ephemeral_disk.as_ref();
+        let sticky = disk.is_some_and(|d| d.sticky == Some(true) || d.migrate == Some(true));
+        if sticky {
+            let tasks: Vec<Name> = next
+                .spec
+                .spec
+                .tasks
+                .iter()
+                .filter(|t| {
+                    current
+                        .spec
+                        .spec
+                        .spec
+                        .tasks
+                        .iter()
+                        .any(|o| o.name == t.name)
+                })
+                .map(|t| t.name.clone())
+                .collect();
+            // A few renames on one filesystem: done here, before the new revision exists,
+            // so no task of it can start first.
+            new.migrate_from(&old, &tasks)?;
+            tracing::info!(from = %current.spec.id, to = %next.id, "sticky disk migrated");
+        }
+        tokio::task::spawn_blocking(move || {
+            if let Err(error) = old.remove() {
+                tracing::warn!(error = %error_chain(&error), "cannot remove the replaced alloc dir");
+            }
+        });
+        Ok(())
+    }
+
+    /// The alloc is terminal and its spec is gone: release everything and leave.
+    pub(super) async fn destroy(&mut self) -> Step {
+        if let Some(current) = self.current.take() {
+            for handle in current.handles.into_values() {
+                if let Some(driver) = self.shared.drivers.get(handle.driver) {
+                    tokio::spawn(async move { driver.destroy(&handle).await });
+                }
+            }
+        }
+        self.finish_destroy().await
+    }
+
+    /// Removes the alloc from the store, the status map and the registry, unless a new
+    /// spec arrived meanwhile.
+    pub(super) async fn finish_destroy(&mut self) -> Step {
+        self.shared.config.devices.release(&self.name);
+        let delete = StoreWrite::Delete(self.name.clone());
+        if let Err(error) = self.shared.writer.write(delete).await {
+            self.shared.report_store_error(&self.name, &error);
+        }
+        if self.shared.retire(&self.name, &self.mailbox) {
+            Step::Exit
+        } else {
+            Step::Again
+        }
+    }
+
+    /// Why a restored alloc cannot resume for want of its alloc dir: a task of a driver
+    /// that builds one (exec) has started, yet the dir is gone.
+    pub(super) fn missing_alloc_dir(&self, spec: &ValidSpec, state: &AllocState) -> Option<String> {
+        let root = self.shared.alloc_dirs.as_ref()?.root();
+        let needs_dir = spec.spec.spec.tasks.iter().any(|task| {
+            task.driver == stead_schemas::spec::DriverKind::Exec
+                && state
+                    .tasks
+                    .get(&task.name)
+                    .is_some_and(|t| t.started_at.is_some())
+        });
+        let dir = root.join(spec.id.as_str());
+        (needs_dir && !dir.is_dir()).then(|| {
+            format!(
+                "alloc {}: alloc dir {} is missing, so its tasks cannot be resumed",
+                self.name,
+                dir.display()
+            )
+        })
+    }
+}

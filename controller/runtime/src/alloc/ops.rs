@@ -1,0 +1,289 @@
+//! The worker's driver operations: each start, wait, signal, kill and destroy is spawned,
+//! never awaited by the worker, and reports back through its mailbox.
+
+use super::*;
+
+/// What a spawned driver operation reports.
+#[derive(Debug)]
+pub(super) enum OpReport {
+    Started(TaskHandle),
+    StartFailed(DriverError),
+    StartCancelled,
+    Exited(ExitResult),
+    RecoverFailed(DriverError),
+}
+
+/// The reports of a worker's driver operations: a queue that wakes the worker through
+/// its mailbox. (A channel per worker would hold a block of slots for every alloc.)
+#[derive(Clone)]
+pub(super) struct Reports {
+    pub(super) queue: Arc<Mutex<VecDeque<Report>>>,
+    pub(super) mailbox: Mailbox,
+}
+
+pub(super) type Report = (Name, u64, OpReport);
+
+impl Reports {
+    pub(super) fn send(&self, task: Name, run: u64, report: OpReport) {
+        self.queue
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .push_back((task, run, report));
+        self.mailbox.wake();
+    }
+
+    pub(super) fn take(&self) -> VecDeque<Report> {
+        std::mem::take(&mut *self.queue.lock().unwrap_or_else(PoisonError::into_inner))
+    }
+}
+
+/// The driver operations in flight for one run of a task.
+#[derive(Debug)]
+pub(super) struct TaskOps {
+    pub(super) run: u64,
+    pub(super) cancel_start: CancellationToken,
+    pub(super) cancel_wait: CancellationToken,
+}
+
+/// Waits for the task to exit and reports it, unless cancelled first: a driver is never
+/// trusted to end its wait after a kill.
+pub(super) async fn watch_exit(
+    driver: Arc<dyn Driver>,
+    handle: TaskHandle,
+    cancel: CancellationToken,
+    tx: Reports,
+    task: Name,
+    run: u64,
+) {
+    tokio::select! {
+        result = driver.wait(handle) => tx.send(task, run, OpReport::Exited(result)),
+        () = cancel.cancelled() => {}
+    }
+}
+
+impl Worker {
+    pub(super) fn new_ops(&mut self, task: &Name) -> TaskOps {
+        self.next_run += 1;
+        let ops = TaskOps {
+            run: self.next_run,
+            cancel_start: CancellationToken::new(),
+            cancel_wait: CancellationToken::new(),
+        };
+        if let Some(old) = self.ops.insert(
+            task.clone(),
+            TaskOps {
+                run: ops.run,
+                cancel_start: ops.cancel_start.clone(),
+                cancel_wait: ops.cancel_wait.clone(),
+            },
+        ) {
+            old.cancel_start.cancel();
+            old.cancel_wait.cancel();
+        }
+        ops
+    }
+
+    pub(super) fn execute(&mut self, effects: Vec<Effect>, now: Timestamp) {
+        for effect in effects {
+            match effect {
+                Effect::Start { task } => self.start_task(task, now),
+                Effect::CancelStart { task } => {
+                    if let Some(ops) = self.ops.get(&task) {
+                        ops.cancel_start.cancel();
+                    }
+                }
+                Effect::Signal { task, signal } => {
+                    if let Some((driver, handle)) = self.driver_and_handle(&task) {
+                        tokio::spawn(async move {
+                            // A failed kill signal is covered by the force kill at the timeout.
+                            let _ = driver.signal(&handle, &signal).await;
+                        });
+                    }
+                }
+                Effect::ForceKill { task } => {
+                    if let Some((driver, handle)) = self.driver_and_handle(&task) {
+                        tokio::spawn(async move {
+                            let _ = driver.kill(&handle).await;
+                        });
+                    }
+                }
+                Effect::Forget { task } => {
+                    if let Some(ops) = self.ops.remove(&task) {
+                        ops.cancel_wait.cancel();
+                    }
+                    if let Some((driver, handle)) = self.driver_and_handle(&task) {
+                        tokio::spawn(async move { driver.destroy(&handle).await });
+                    }
+                    if let Some(current) = &mut self.current {
+                        current.handles.remove(&task);
+                    }
+                }
+            }
+        }
+    }
+
+    pub(super) fn driver_and_handle(&self, task: &Name) -> Option<(Arc<dyn Driver>, TaskHandle)> {
+        let handle = self.current.as_ref()?.handles.get(task)?.clone();
+        let driver = self.shared.drivers.get(handle.driver)?;
+        Some((driver, handle))
+    }
+
+    pub(super) fn start_task(&mut self, task: Name, now: Timestamp) {
+        let Some(current) = &self.current else { return };
+        let Some(spec) = current.spec.spec.spec.tasks.iter().find(|t| t.name == task) else {
+            return;
+        };
+        let mut env: BTreeMap<String, String> = spec
+            .env
+            .iter()
+            .flatten()
+            .map(|(k, v)| (k.as_str().to_owned(), v.clone()))
+            .collect();
+        let agent_env = [
+            ("STEAD_ALLOC_ID", current.spec.id.to_string()),
+            ("STEAD_ALLOC_NAME", self.name.to_string()),
+            ("STEAD_TASK_NAME", task.to_string()),
+        ];
+        env.extend(agent_env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+        let (max_files, max_file_size_mb) = spec.effective_logs();
+        let held = current.devices.get(&task).cloned().unwrap_or_default();
+        let mut request = StartRequest {
+            alloc_id: current.spec.id.clone(),
+            task: task.clone(),
+            config: spec.config.clone(),
+            env,
+            user: spec.user.as_ref().map(|u| u.to_string()),
+            logs: LogLimits {
+                max_files,
+                max_file_size_mb,
+            },
+            devices: DeviceAccess::default(),
+        };
+        let kind = match &spec.config {
+            DriverConfig::Exec(_) => stead_schemas::spec::DriverKind::Exec,
+            DriverConfig::Mock(_) => stead_schemas::spec::DriverKind::Mock,
+        };
+        let ops = self.new_ops(&task);
+        let tx = self.reports.clone();
+        let run = ops.run;
+        let Some(driver) = self.shared.drivers.get(kind) else {
+            let message = format!("driver {kind} is not enabled on this agent");
+            let current = self.current.as_mut().expect("checked above");
+            let jitter = Jitter::from_bits(self.rng.u32(..));
+            current.state.observe(
+                &current.desired,
+                &task,
+                Observation::StartFailed {
+                    message,
+                    recoverable: false,
+                },
+                jitter,
+                now,
+            );
+            self.ops.remove(&task);
+            return;
+        };
+        let span = tracing::info_span!("task", task = %task, run);
+        let devices = self.shared.config.devices.clone();
+        let operation = async move {
+            if !held.is_empty() {
+                match devices.reservation(&held).await {
+                    Ok(reservation) => {
+                        // Over the spec's env, under the agent's own variables.
+                        request.env.extend(reservation.env);
+                        request
+                            .env
+                            .extend(agent_env.map(|(k, v)| (k.to_owned(), v)));
+                        request.devices = DeviceAccess {
+                            mounts: reservation.mounts,
+                            device_nodes: reservation.device_nodes,
+                        };
+                    }
+                    Err(error) => {
+                        let error = DriverError::Start {
+                            alloc_id: request.alloc_id.clone(),
+                            task: task.clone(),
+                            message: format!("reserving its devices: {error}"),
+                            recoverable: true,
+                        };
+                        tx.send(task, run, OpReport::StartFailed(error));
+                        return;
+                    }
+                }
+            }
+            let started = tokio::select! {
+                result = driver.start(request) => Some(result),
+                () = ops.cancel_start.cancelled() => None,
+            };
+            match started {
+                None => tx.send(task, run, OpReport::StartCancelled),
+                Some(Err(error)) => {
+                    tx.send(task, run, OpReport::StartFailed(error));
+                }
+                Some(Ok(handle)) => {
+                    let report = OpReport::Started(handle.clone());
+                    tx.send(task.clone(), run, report);
+                    watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
+                }
+            }
+        };
+        tokio::spawn(tracing::Instrument::instrument(operation, span));
+    }
+
+    pub(super) fn apply_report(&mut self, task: Name, run: u64, report: OpReport, now: Timestamp) {
+        if self.ops.get(&task).is_none_or(|ops| ops.run != run) {
+            return; // a report from an abandoned run
+        }
+        let jitter = Jitter::from_bits(self.rng.u32(..));
+        let Some(current) = &mut self.current else {
+            return;
+        };
+        let observation = match report {
+            OpReport::Started(handle) => {
+                tracing::info!(task = %task, pid = handle.pid, "task started");
+                crate::metrics::task_started();
+                current.handles.insert(task.clone(), handle);
+                Observation::Started
+            }
+            OpReport::StartFailed(error) => {
+                tracing::warn!(task = %task, error = %error_chain(&error), "task failed to start");
+                self.ops.remove(&task);
+                let recoverable = error.is_recoverable();
+                Observation::StartFailed {
+                    message: error_chain(&error),
+                    recoverable,
+                }
+            }
+            OpReport::StartCancelled => {
+                self.ops.remove(&task);
+                Observation::StartCancelled
+            }
+            OpReport::Exited(result) => {
+                tracing::info!(
+                    task = %task,
+                    exit_code = result.exit_code,
+                    signal = result.signal,
+                    error = result.error.as_deref(),
+                    "task exited"
+                );
+                self.ops.remove(&task);
+                if let Some(handle) = current.handles.remove(&task)
+                    && let Some(driver) = self.shared.drivers.get(handle.driver)
+                {
+                    tokio::spawn(async move { driver.destroy(&handle).await });
+                }
+                Observation::Exited(result)
+            }
+            OpReport::RecoverFailed(error) => {
+                self.ops.remove(&task);
+                current.handles.remove(&task);
+                Observation::RecoverFailed {
+                    message: format!("failed to reattach to the task: {}", error_chain(&error)),
+                }
+            }
+        };
+        current
+            .state
+            .observe(&current.desired, &task, observation, jitter, now);
+    }
+}

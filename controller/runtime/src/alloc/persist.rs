@@ -1,0 +1,268 @@
+//! The worker's persistence and publishing: the record written through the node's store
+//! writer (retried with backoff), then the status shown, when either changed.
+
+use super::*;
+
+/// Retrying a failed store write with exponential backoff.
+pub(super) struct StoreRetry {
+    pub(super) at: Timestamp,
+    pub(super) delays: backon::ExponentialBackoff,
+}
+
+/// The record of the current revision.
+pub(super) fn record_of(name: &Name, current: &Current, removed: bool) -> AllocRecord {
+    AllocRecord {
+        version: ALLOC_RECORD_VERSION,
+        name: name.clone(),
+        spec: current.spec.spec.clone(),
+        revision: current.spec.revision.to_string(),
+        removed,
+        state: store::state_to_record(&current.state),
+        handles: current
+            .handles
+            .iter()
+            .map(|(task, handle)| (task.to_string(), store::handle_to_record(handle)))
+            .collect(),
+        devices: current
+            .devices
+            .iter()
+            .map(|(task, devices)| (task.to_string(), devices.clone()))
+            .collect(),
+    }
+}
+
+/// The longest wait between retries of a failed store write.
+pub(super) const STORE_RETRY_MAX: Duration = Duration::from_secs(30);
+
+/// Retries of a failed store write: 100 ms doubling to 30 s, with jitter, forever (the
+/// tasks keep running meanwhile; the record is written as soon as storage takes it).
+pub(super) fn store_backoff() -> backon::ExponentialBackoff {
+    use backon::BackoffBuilder;
+    backon::ExponentialBuilder::default()
+        .with_min_delay(Duration::from_millis(100))
+        .with_max_delay(STORE_RETRY_MAX)
+        .with_jitter()
+        .without_max_times()
+        .build()
+}
+
+/// A hash of everything a record holds, computed on every pass to skip unchanged writes.
+/// Events only ever append (dropping the oldest at the cap), so their count, oldest and
+/// newest stand for all of them: hashing whole histories on every tick would cost more
+/// than the rest of the pass.
+pub(super) fn fingerprint(
+    state: &AllocState,
+    handles: &BTreeMap<Name, TaskHandle>,
+    devices: &AllocDevices,
+    removed: bool,
+    collectable: bool,
+) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    removed.hash(&mut hasher);
+    devices.hash(&mut hasher);
+    collectable.hash(&mut hasher);
+    handles.hash(&mut hasher);
+    state.shutdown.hash(&mut hasher);
+    state.main_released.hash(&mut hasher);
+    state.poststart_released.hash(&mut hasher);
+    for (name, task) in &state.tasks {
+        name.hash(&mut hasher);
+        task.phase.hash(&mut hasher);
+        task.failed.hash(&mut hasher);
+        task.restarts.hash(&mut hasher);
+        task.last_restart.hash(&mut hasher);
+        task.started_at.hash(&mut hasher);
+        task.finished_at.hash(&mut hasher);
+        task.tracker.hash(&mut hasher);
+        task.process.hash(&mut hasher);
+        task.restart_at.hash(&mut hasher);
+        task.kill.hash(&mut hasher);
+        task.set_up.hash(&mut hasher);
+        task.events.len().hash(&mut hasher);
+        task.events.front().hash(&mut hasher);
+        task.events.back().hash(&mut hasher);
+    }
+    hasher.finish()
+}
+
+/// Restarts over all tasks, and how many tasks failed: what the metrics count.
+pub(super) fn outcomes(state: &AllocState) -> (u64, u64) {
+    state
+        .tasks
+        .values()
+        .fold((0, 0), |(restarts, failures), task| {
+            (
+                restarts + u64::from(task.restarts),
+                failures + u64::from(task.failed),
+            )
+        })
+}
+
+/// The API's view of the current revision.
+pub(super) fn status_of(
+    name: &Name,
+    current: &Current,
+    removed: bool,
+    health: &BTreeMap<Name, Vec<Option<DeviceHealth>>>,
+) -> AllocStatus {
+    let desired_status =
+        if removed || current.spec.spec.spec.desired_status == Some(DesiredStatus::Stop) {
+            "stop"
+        } else {
+            "run"
+        };
+    AllocStatus {
+        name: name.to_string(),
+        id: current.spec.id.to_string(),
+        revision: current.spec.revision.to_string(),
+        desired_status: desired_status.to_owned(),
+        client_status: current.state.client_status().as_str().to_owned(),
+        spec_error: current.device_error.clone(),
+        state_error: current.hand_over_error.clone(),
+        tasks: current
+            .state
+            .tasks
+            .iter()
+            .map(|(task, state)| {
+                let status = TaskStatus {
+                    state: state.phase.as_str().to_owned(),
+                    failed: state.failed,
+                    restarts: state.restarts,
+                    last_restart: state.last_restart,
+                    started_at: state.started_at,
+                    finished_at: state.finished_at,
+                    pid: current.handles.get(task).and_then(|h| h.pid),
+                    devices: current
+                        .devices
+                        .get(task)
+                        .zip(health.get(task))
+                        .map(|(held, health)| task_devices(held, health))
+                        .unwrap_or_default(),
+                    events: state
+                        .events
+                        .iter()
+                        .map(|e| TaskEventStatus {
+                            event_type: e.event_type.as_str().to_owned(),
+                            time: e.time,
+                            message: e.message.clone(),
+                            exit_code: e.exit_code,
+                            signal: e.signal,
+                        })
+                        .collect(),
+                };
+                (task.to_string(), status)
+            })
+            .collect(),
+    }
+}
+
+impl Worker {
+    /// Writes the record and publishes the status when either changed.
+    pub(super) async fn persist_and_publish(&mut self) {
+        let removed = matches!(self.target, Target::Absent);
+        let Some(current) = &mut self.current else {
+            return;
+        };
+        let (restarts, failures) = outcomes(&current.state);
+        crate::metrics::task_outcomes(
+            restarts.saturating_sub(current.counted.0),
+            failures.saturating_sub(current.counted.1),
+        );
+        current.counted = (restarts, failures);
+        let collectable =
+            removed && !current.desired.run && current.state.is_terminal() && self.ops.is_empty();
+        let fingerprint = fingerprint(
+            &current.state,
+            &current.handles,
+            &current.devices,
+            removed,
+            collectable,
+        );
+        if current.saved != Some(fingerprint) {
+            let now = self.shared.clock.now();
+            // While the agent leaves, every write is tried at once: the worker may not be
+            // there when a retry would fall due, and a record left behind names runs that
+            // are gone (the next agent would count a failure) and not the live one (which
+            // it would stop as no record's).
+            let due = self.shutdown.is_some()
+                || self
+                    .store_retry
+                    .as_ref()
+                    .is_none_or(|retry| now >= retry.at);
+            if due {
+                let record = record_of(&self.name, current, removed);
+                match self
+                    .shared
+                    .writer
+                    .write(StoreWrite::Put(Box::new(record)))
+                    .await
+                {
+                    Ok(()) => {
+                        current.saved = Some(fingerprint);
+                        if self.store_retry.take().is_some() {
+                            self.shared.store_recovered(&self.name);
+                        }
+                    }
+                    Err(error) => {
+                        self.shared.report_store_error(&self.name, &error);
+                        let retry = self.store_retry.get_or_insert_with(|| StoreRetry {
+                            at: now,
+                            delays: store_backoff(),
+                        });
+                        let delay = retry.delays.next().unwrap_or(STORE_RETRY_MAX);
+                        retry.at = now + delay;
+                    }
+                }
+            }
+        }
+        // What is shown also follows the held devices' health, which the node's device
+        // manager changes without this worker's state changing.
+        let health: BTreeMap<Name, Vec<Option<DeviceHealth>>> = current
+            .devices
+            .iter()
+            .map(|(task, held)| (task.clone(), self.shared.config.devices.health(held)))
+            .collect();
+        let shown = {
+            use std::hash::{Hash, Hasher};
+            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            fingerprint.hash(&mut hasher);
+            current.device_error.hash(&mut hasher);
+            current.hand_over_error.hash(&mut hasher);
+            health.hash(&mut hasher);
+            hasher.finish()
+        };
+        if current.published == Some(shown) {
+            return;
+        }
+        current.published = Some(shown);
+        let status = status_of(&self.name, current, removed, &health);
+        let facts = AllocFacts {
+            collectable,
+            finished_at: current
+                .state
+                .tasks
+                .values()
+                .filter_map(|t| t.finished_at)
+                .max(),
+        };
+        self.shared
+            .publish(&self.name, status, current.handles.clone(), facts);
+    }
+
+    /// The status of a broken alloc: failed, with why; none when it is not broken. The
+    /// node shows it from the moment the worker's slot exists.
+    pub(crate) fn broken_status(&self) -> Option<AllocStatus> {
+        let broken = self.broken.as_ref()?;
+        Some(AllocStatus {
+            name: self.name.to_string(),
+            id: String::new(),
+            revision: broken.revision.clone().unwrap_or_default(),
+            desired_status: "run".to_owned(),
+            client_status: "failed".to_owned(),
+            spec_error: None,
+            state_error: Some(broken.reason.clone()),
+            tasks: BTreeMap::new(),
+        })
+    }
+}
