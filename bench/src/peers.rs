@@ -240,6 +240,16 @@ impl<'t> Manager<'t> {
                 for task in &manager.tasks {
                     manager.write_spec(task)?;
                 }
+                if existing_store() {
+                    // A node whose store already exists (empty), as after an agent
+                    // upgrade or a restart with no allocs: its start opens it, not makes it.
+                    let state = dir.join("data/state");
+                    std::fs::create_dir_all(&state)?;
+                    drop(stead_controller::store::RocksDbStore::open(
+                        &state,
+                        stead_controller::store::RocksDbOptions::default(),
+                    )?);
+                }
                 let port = std::net::TcpListener::bind("127.0.0.1:0")?
                     .local_addr()?
                     .port();
@@ -518,6 +528,12 @@ fn all_running(count: usize) -> impl FnMut(&HashMap<u32, Marked>) -> bool {
         let tasks = sleep_tasks(marked);
         (0..count).all(|i| tasks.contains_key(&(i, 1)))
     }
+}
+
+/// Whether stead's cold start finds its store already made (`STEAD_BENCH_EXISTING_STORE`
+/// set): an existing node's start, rather than a new node's.
+fn existing_store() -> bool {
+    std::env::var_os("STEAD_BENCH_EXISTING_STORE").is_some()
 }
 
 /// Whether only cold start is measured (`STEAD_BENCH_COLD_ONLY` set): many quick
@@ -917,6 +933,14 @@ pub(crate) fn run_peers() -> anyhow::Result<()> {
         version(&supervisord, &["--version"]),
         pm2_version(&tools.pm2),
         version(Path::new("node"), &["--version"])
+    );
+    println!(
+        "stead's store: {}  ",
+        if existing_store() {
+            "already made before each cold start (an existing node)"
+        } else {
+            "made by each cold start (a new node)"
+        }
     );
     if cold_start_only() {
         println!(
