@@ -31,8 +31,8 @@ use stead_schemas::spec::Name;
 use crate::alloc::{AllocState, CommandRefusal};
 use crate::task::Process;
 
-/// How the agent is leaving.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// How the agent is leaving; a drain outranks a detach.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 pub enum AgentShutdown {
     /// The tasks go on running for the next agent to reattach.
     Detach,

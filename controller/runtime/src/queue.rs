@@ -65,14 +65,8 @@ pub enum Target {
     Absent,
 }
 
-/// How the agent is leaving.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
-pub enum Shutdown {
-    /// Leave the tasks running for the next agent to reattach.
-    Detach,
-    /// Stop every task, then exit.
-    Drain,
-}
+/// How the agent is leaving (detach, or drain which outranks it).
+pub use stead_reconcilers::revision::AgentShutdown as Shutdown;
 
 /// A user's request, answered on its reply channel.
 #[derive(Debug)]

@@ -26,8 +26,8 @@ use stead_reconcilers::device::{AllocDevices, DeviceUnavailable, FlagReason};
 use stead_reconcilers::exit::ExitResult;
 use stead_reconcilers::restart::Jitter;
 use stead_reconcilers::revision::{
-    self, AfterReconcile, AgentShutdown, BrokenRecord, CurrentRevision, RevisionDecision,
-    RevisionInputs, TargetRevision,
+    self, AfterReconcile, BrokenRecord, CurrentRevision, RevisionDecision, RevisionInputs,
+    TargetRevision,
 };
 use stead_reconcilers::task::Effect;
 use stead_schemas::device::{AssignedDevice, DeviceHealth};
@@ -526,10 +526,7 @@ impl Worker {
                 },
                 Target::Absent => TargetRevision::Absent,
             },
-            shutdown: self.shutdown.map(|how| match how {
-                Shutdown::Detach => AgentShutdown::Detach,
-                Shutdown::Drain => AgentShutdown::Drain,
-            }),
+            shutdown: self.shutdown,
             broken: self.broken.as_ref().map(|broken| BrokenRecord {
                 revision: broken.revision.as_deref(),
                 heard: broken.heard,
