@@ -7,7 +7,7 @@
 # The supervisor is a freestanding static executable: no C library, no `std`, no program
 # interpreter (its runtime is supervisor/src/main.rs, its link arguments
 # supervisor/build.rs). One supervisor runs per task, forked from the fork server, and
-# with nothing but its own code mapped each one faults in few pages (ARCHITECTURE.md
+# with nothing but its own code mapped each one faults in few pages (docs/decisions/0037
 # has the figures). That runtime is Linux on x86_64 only; it builds with its `runtime`
 # feature and `-C panic=abort` (it has no unwinder) on that one crate: `cargo rustc`
 # passes the flag to it alone, whatever RUSTFLAGS or a config's rustflags say, and the

@@ -579,7 +579,15 @@ impl Agent {
         };
         // Nothing is removed before this first full listing.
         agent.list(Trigger::Start).await;
-        agent.api = Some(start_api(state, listeners)?);
+        match start_api(state, listeners) {
+            Ok(api) => agent.api = Some(api),
+            Err(error) => {
+                // What the listing started is recorded and left running for the next
+                // agent, as at any detach.
+                agent.node.shutdown(Shutdown::Detach).await;
+                return Err(error);
+            }
+        }
         let settings = &agent.settings;
         tracing::info!(listen = %settings.listen, "api listening");
         tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");

@@ -30,18 +30,23 @@ pub const EXIT_USAGE: u8 = 2;
 /// What `stead --help` opens with: what stead is.
 pub const ABOUT: &str =
     "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared";
-const LONG_ABOUT: &str =
-    "stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
+/// What `stead --help` (not `-h`) ends with: what an alloc is and what the commands do.
+const MORE_ABOUT: &str = "An alloc is a group of tasks (processes) that live and die together. \
+`stead agent` watches a directory of alloc specs and converges the node on them: it starts, \
+restarts (Nomad's restart policies), stops and replaces tasks, keeps its state in an \
+embedded store that survives crashes, and leaves tasks running across its own restarts. \
+The other commands validate specs and talk to a running agent's HTTP API.";
 
-An alloc is a group of tasks (processes) that live and die together. `stead agent` watches a \
-directory of alloc specs and converges the node on them: it starts, restarts (Nomad's \
-restart policies), stops and replaces tasks, keeps its state in an embedded store that \
-survives crashes, and leaves tasks running across its own restarts. The other commands \
-validate specs and talk to a running agent's HTTP API.";
-
-/// stead: a node agent that keeps the allocs declared in YAML files running exactly as declared.
+/// The `stead` command line.
 #[derive(Debug, Parser)]
-#[command(name = "stead", version, about = ABOUT, long_about = LONG_ABOUT, max_term_width = 100)]
+#[command(
+    name = "stead",
+    version,
+    about = ABOUT,
+    long_about = None,
+    after_long_help = MORE_ABOUT,
+    max_term_width = 100
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,

@@ -2,7 +2,7 @@
 //! outlives the agent.
 //!
 //! The `exec` driver starts one supervisor per run of a task (conmon's shape; the
-//! measured cost is in ARCHITECTURE.md). It forks them from a fork server,
+//! measured cost is in docs/decisions/0033 and 0037). It forks them from a fork server,
 //! `stead-supervisor --zygote`, rather than executing this binary for each:
 //! a fork of a small process is cheaper than an exec, and the copies share the server's
 //! pages. The supervisor

@@ -77,3 +77,12 @@ pub fn running_as_root() -> bool {
             == Some("0")
     })
 }
+
+/// Taken by the tests that run real agents and bound how long something takes, and by the
+/// heaviest of them (the crash test): the scenario tests share one process and its two
+/// test threads, so such tests take turns rather than measure each other's load.
+pub fn real_time_turn() -> std::sync::MutexGuard<'static, ()> {
+    static TURN: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    TURN.lock()
+        .unwrap_or_else(std::sync::PoisonError::into_inner)
+}

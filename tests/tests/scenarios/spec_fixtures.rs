@@ -25,8 +25,13 @@ fn every_invalid_fixture_reports_exactly_its_expected_diagnostics() {
     let dir = package_dir().join("fixtures/invalid");
     let names = fixture_paths(&dir);
     assert!(names.len() >= 40, "only {} invalid fixtures", names.len());
-    // Relative paths keep the snapshots independent of where the checkout lives.
-    std::env::set_current_dir(package_dir()).expect("the package dir exists");
+    // Relative paths keep the snapshots independent of where the checkout lives: cargo
+    // runs the tests in the package dir, which this test must not change for the others.
+    assert_eq!(
+        std::env::current_dir().expect("a working directory"),
+        package_dir(),
+        "the tests run in the package dir"
+    );
     let mut failures = Vec::new();
     for name in &names {
         let relative = format!("fixtures/invalid/{name}");

@@ -10,15 +10,11 @@ use crate::agent_support;
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
 use agent_support::{AgentDirs, batch_spec, service_spec, show};
 use stead_schemas::api::AllocListItem;
 use stead_schemas::status::AllocStatus;
-
-/// The tests of this file take turns: each one runs an agent and some measure time.
-static ONE_AT_A_TIME: Mutex<()> = Mutex::new(());
 
 const DEADLINE: Duration = Duration::from_secs(30);
 
@@ -161,7 +157,7 @@ fn median(values: &mut [Duration]) -> Duration {
 
 #[test]
 fn a_new_spec_file_runs_within_100ms_of_the_write_with_the_watcher() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     // A resync of an hour: only file events can be that quick.
     let agent = Agent::start("watch: true\nresync: 1h\n", &[]);
     let warm = mock_spec("warm", "w");
@@ -189,7 +185,7 @@ fn a_new_spec_file_runs_within_100ms_of_the_write_with_the_watcher() {
 
 #[test]
 fn a_replaced_specs_directory_is_watched_again_and_its_new_files_run_without_a_resync() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     // A resync of an hour: only file events can start the new files.
     let agent = Agent::start("watch: true\nresync: 1h\n", &[]);
     let web = mock_spec("web", "w");
@@ -218,7 +214,7 @@ fn a_replaced_specs_directory_is_watched_again_and_its_new_files_run_without_a_r
 
 #[test]
 fn without_the_watcher_a_new_spec_file_runs_within_one_resync_period() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("watch: false\nresync: 1s\n", &[]);
     let text = mock_spec("web", "a");
     agent.write("web.yaml", &text);
@@ -232,7 +228,7 @@ fn without_the_watcher_a_new_spec_file_runs_within_one_resync_period() {
 
 #[test]
 fn a_sighup_lists_the_specs_directory_at_once_and_the_agent_keeps_running() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("watch: false\nresync: 1h\n", &[]);
     let text = mock_spec("web", "a");
     agent.write("web.yaml", &text);
@@ -250,7 +246,7 @@ fn a_sighup_lists_the_specs_directory_at_once_and_the_agent_keeps_running() {
 
 #[test]
 fn a_thousand_rapid_writes_end_with_the_last_revision_running_after_few_intermediate_starts() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("", &[]);
     let first = mock_spec("web", "v0");
     agent.write("web.yaml", &first);
@@ -316,7 +312,7 @@ fn a_migrating_disk_reaches_the_new_revision_the_same_way_on_one_node() {
 }
 
 fn disk_reaches_the_new_revision_after_the_old_one_stopped(disk: &str) {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("", &[]);
     let (v1, v2) = (sticky_spec(1, disk), sticky_spec(2, disk));
     agent.write("store.yaml", &v1);
@@ -382,7 +378,7 @@ fn disk_reaches_the_new_revision_after_the_old_one_stopped(disk: &str) {
 
 #[test]
 fn an_editor_save_by_rename_applies_once_and_temporaries_and_dotfiles_are_ignored() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("resync: 1h\n", &[]);
     let v1 = mock_spec("web", "v1");
     agent.write("web.yaml", &v1);
@@ -419,7 +415,7 @@ fn an_editor_save_by_rename_applies_once_and_temporaries_and_dotfiles_are_ignore
 
 #[test]
 fn an_invalid_edit_keeps_the_old_revision_running_and_shows_a_spec_error_until_fixed() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("resync: 1h\n", &[]);
     let good = mock_spec("web", "v1");
     agent.write("web.yaml", &good);
@@ -467,7 +463,7 @@ fn an_invalid_edit_keeps_the_old_revision_running_and_shows_a_spec_error_until_f
 
 #[test]
 fn a_deleted_file_stops_its_alloc_and_recreating_it_runs_the_alloc_again() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("resync: 1h\n", &[]);
     let text = mock_spec("web", "v1");
     let revision = revision_of(&text);
@@ -493,7 +489,7 @@ fn a_deleted_file_stops_its_alloc_and_recreating_it_runs_the_alloc_again() {
 
 #[test]
 fn desired_status_stop_and_run_act_in_place() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("resync: 1h\n", &[]);
     let run = mock_spec("web", "v1");
     agent.write("web.yaml", &run);
@@ -571,7 +567,7 @@ fn assert_same_run(now: &AllocStatus, before: &AllocStatus) {
 
 #[test]
 fn a_multi_document_file_is_one_alloc_per_document_and_changing_one_spares_the_others() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("resync: 200ms\n", &[]);
     let witness = |name: &str| agent.dirs.root.path().join(format!("{name}.pids"));
     let one = witnessed_spec("one", &witness("one"));
@@ -631,7 +627,7 @@ fn a_multi_document_file_is_one_alloc_per_document_and_changing_one_spares_the_o
 
 #[test]
 fn a_name_declared_in_two_files_is_reported_with_both_paths_and_the_path_that_sorts_first_runs() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let witnesses = tempfile::tempdir().expect("temp dir");
     let (a_witness, b_witness) = (
         witnesses.path().join("a.pids"),
@@ -710,7 +706,7 @@ fn a_name_declared_in_two_files_is_reported_with_both_paths_and_the_path_that_so
 
 #[test]
 fn a_directory_of_two_thousand_specs_all_run() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let files: Vec<(String, String)> = (0..2_000)
         .map(|i| {
             (
@@ -740,7 +736,7 @@ fn a_directory_of_two_thousand_specs_all_run() {
 
 #[test]
 fn garbage_collection_destroys_a_removed_alloc_later_and_never_a_running_one() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     let agent = Agent::start("resync: 1h\ngc: {interval: 1s, maxAllocs: 0}\n", &[]);
     let exec = |name: &str| {
         format!(
@@ -774,7 +770,7 @@ fn garbage_collection_destroys_a_removed_alloc_later_and_never_a_running_one() {
 
 #[test]
 fn a_disk_over_the_threshold_makes_garbage_collection_destroy_what_max_allocs_would_keep() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     // Any filesystem in use is over 0 %: only disk pressure can collect, since 50 allocs
     // may be kept by count.
     let agent = Agent::start(
@@ -820,7 +816,7 @@ fn collected_in_log(log: &str) -> Vec<String> {
 
 #[test]
 fn one_gc_pass_over_sixty_terminal_allocs_leaves_the_fifty_newest_and_never_a_running_one() {
-    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
+    let _turn = stead_tests::real_time_turn();
     // `maxAllocs` and `parallelDestroys` at their defaults (Nomad's 50 and 2); no
     // filesystem is over 100 %, so only the count collects.
     let agent = Agent::start(

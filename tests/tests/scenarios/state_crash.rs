@@ -162,6 +162,7 @@ fn converged(
 
 #[test]
 fn an_agent_killed_at_random_moments_resumes_every_task_exactly_once() {
+    let _turn = stead_tests::real_time_turn();
     let iterations = env_number("STEAD_CRASH_ITERATIONS", 50);
     let seed = env_number("STEAD_CRASH_SEED", 20_261_122);
     let mut rng = fastrand::Rng::with_seed(seed);
