@@ -503,14 +503,45 @@ struct Agent {
     clock: Clock,
     data_dir: PathBuf,
     node: Arc<Node>,
-    syncer: Syncer,
-    /// The parses of the last listing, reused for files unchanged since.
-    cache: ListingCache,
+    source: SpecsSource,
     signals: Signals,
     notifier: Option<crate::sdnotify::Notifier>,
-    /// The API's thread, once it serves.
-    api: Option<std::thread::JoinHandle<()>>,
+    /// The API's thread.
+    api: std::thread::JoinHandle<()>,
     stop_api: tokio_util::sync::CancellationToken,
+}
+
+/// The specs dir as the node's source of desired state: what the node was last told,
+/// and the parses of the last listing, reused for files unchanged since.
+struct SpecsSource {
+    dir: PathBuf,
+    clock: Clock,
+    syncer: Syncer,
+    cache: ListingCache,
+}
+
+impl SpecsSource {
+    /// Lists the specs dir once and tells `node` what changed.
+    async fn list(&mut self, node: &Node, trigger: Trigger) {
+        let dir = self.dir.clone();
+        let now = self.clock.now();
+        let taken = std::mem::take(&mut self.cache);
+        let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
+        // A panicked pass loses the cache: the next pass reads everything again.
+        let Ok((listing, kept)) = pass else { return };
+        self.cache = kept;
+        for diagnostic in &listing.diagnostics {
+            tracing::warn!("{diagnostic}");
+        }
+        let report = self.syncer.sync(node, &listing);
+        let trigger = trigger.as_str();
+        for name in &report.applied {
+            tracing::info!(alloc = %name, trigger, "applied");
+        }
+        for name in &report.removed {
+            tracing::info!(alloc = %name, trigger, "removed");
+        }
+    }
 }
 
 impl Agent {
@@ -560,55 +591,56 @@ impl Agent {
         for corrupt in &restored.corrupt {
             tracing::error!(alloc = %corrupt.name, error = %crate::errors::error_chain(corrupt), "cannot restore alloc");
         }
-        let syncer = Syncer::new(restored.allocs);
+        let mut source = SpecsSource {
+            dir: settings.specs_dir.clone(),
+            clock,
+            syncer: Syncer::new(restored.allocs),
+            cache: ListingCache::default(),
+        };
+        // Nothing is removed before this first full listing.
+        source.list(&node, Trigger::Start).await;
         let state = ApiState::new(node.clone(), drivers, data_dir.clone())
             .with_token(settings.token.clone())
             .with_metrics(Metrics::new());
         let stop_api = state.shutdown_token();
-        let mut agent = Agent {
-            settings,
-            clock,
-            data_dir,
-            node,
-            syncer,
-            cache: ListingCache::default(),
-            signals,
-            notifier,
-            api: None,
-            stop_api,
-        };
-        // Nothing is removed before this first full listing.
-        agent.list(Trigger::Start).await;
-        match start_api(state, listeners) {
-            Ok(api) => agent.api = Some(api),
+        let api = match start_api(state, listeners) {
+            Ok(api) => api,
             Err(error) => {
                 // What the listing started is recorded and left running for the next
                 // agent, as at any detach.
-                agent.node.shutdown(Shutdown::Detach).await;
+                node.shutdown(Shutdown::Detach).await;
                 return Err(error);
             }
-        }
-        let settings = &agent.settings;
+        };
         tracing::info!(listen = %settings.listen, "api listening");
         tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
         // Ready for systemd (`Type=notify`): state restored, the specs taken up, the API
         // serving.
-        crate::sdnotify::notify(agent.notifier.as_ref(), crate::sdnotify::READY);
-        Ok(agent)
+        crate::sdnotify::notify(notifier.as_ref(), crate::sdnotify::READY);
+        Ok(Agent {
+            settings,
+            clock,
+            data_dir,
+            node,
+            source,
+            signals,
+            notifier,
+            api,
+            stop_api,
+        })
     }
 
     /// Runs the specs loop until SIGINT or SIGTERM, then shuts down (detach or drain); a
     /// second SIGINT or SIGTERM during the shutdown ends it at once with
     /// [`AgentError::CutShort`].
     async fn run(mut self) -> Result<(), AgentError> {
-        let watcher = self.specs_loop().await;
-        drop(watcher);
+        self.specs_loop().await;
         self.shutdown().await
     }
 
     /// Lists the specs dir at every trigger and brings the node in line, until SIGINT or
-    /// SIGTERM; returns the watcher, which the shutdown drops.
-    async fn specs_loop(&mut self) -> Option<SpecsWatcher> {
+    /// SIGTERM; the watcher and GC end with it.
+    async fn specs_loop(&mut self) {
         let changed = Arc::new(tokio::sync::Notify::new());
         // The first listing was start-up's: the next resync is a period away.
         let period = self.settings.resync;
@@ -655,32 +687,9 @@ impl Agent {
                 tokio::time::sleep(crate::watch::DEBOUNCE).await;
                 let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
             }
-            self.list(trigger).await;
+            self.source.list(&self.node, trigger).await;
         }
         gc.abort();
-        watcher
-    }
-
-    /// Lists the specs dir once and tells the node what changed.
-    async fn list(&mut self, trigger: Trigger) {
-        let dir = self.settings.specs_dir.clone();
-        let now = self.clock.now();
-        let taken = std::mem::take(&mut self.cache);
-        let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
-        // A panicked pass loses the cache: the next pass reads everything again.
-        let Ok((listing, kept)) = pass else { return };
-        self.cache = kept;
-        for diagnostic in &listing.diagnostics {
-            tracing::warn!("{diagnostic}");
-        }
-        let report = self.syncer.sync(&self.node, &listing);
-        let trigger = trigger.as_str();
-        for name in &report.applied {
-            tracing::info!(alloc = %name, trigger, "applied");
-        }
-        for name in &report.removed {
-            tracing::info!(alloc = %name, trigger, "removed");
-        }
     }
 
     /// Shuts the node down as configured while the API keeps serving (operators can
@@ -705,13 +714,7 @@ impl Agent {
         }
         // The API's thread holds the node, and so the store, which must be closed before
         // the process exits (RocksDB's threads must not outlive its static state).
-        let Some(api) = self.api.take() else {
-            return if cut_short {
-                Err(AgentError::CutShort)
-            } else {
-                Ok(())
-            };
-        };
+        let api = self.api;
         let joined = tokio::task::spawn_blocking(move || api.join());
         if cut_short {
             if tokio::time::timeout(CUT_SHORT_GRACE, joined).await.is_err() {

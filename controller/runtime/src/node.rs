@@ -535,8 +535,11 @@ impl Node {
 
     /// The levels `/metrics` shows, read now.
     pub fn metrics_levels(&self) -> NodeLevels {
+        // Counted from the views as they are: no status is cloned or sorted for it.
         let mut allocs_by_status = [0; CLIENT_STATUSES.len()];
-        for status in self.statuses() {
+        for slot in self.shared.registry.slots().values() {
+            let view = slot.view();
+            let Some(status) = &view.status else { continue };
             if let Some(i) = CLIENT_STATUSES
                 .iter()
                 .position(|s| *s == status.client_status)
@@ -584,7 +587,7 @@ impl Node {
             .collect();
         behind.sort_unstable();
         StoreHealthReport {
-            failures: self.shared.registry.store_failures.load(Ordering::Relaxed),
+            failures: self.store_errors(),
             behind,
         }
     }

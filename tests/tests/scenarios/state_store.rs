@@ -345,3 +345,96 @@ async fn an_alloc_removed_while_its_writes_fail_no_longer_holds_the_store_degrad
     );
     node.shutdown(Shutdown::Detach).await;
 }
+
+/// A store that blocks, as RocksDB does (so the node writes it through its writer, off the
+/// runtime), and holds every put until its gate opens.
+struct GatedStore {
+    inner: stead_controller::store::MemoryStore,
+    open: std::sync::Mutex<bool>,
+    opened: std::sync::Condvar,
+    /// Told when a put begins, while the gate holds it.
+    put_begun: tokio::sync::Notify,
+}
+
+impl GatedStore {
+    fn open_gate(&self) {
+        *self
+            .open
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner) = true;
+        self.opened.notify_all();
+    }
+}
+
+/// Opens the gate when dropped, so a failing test never leaves a put held (the runtime's
+/// end would wait for it for ever).
+struct OpenOnDrop(Arc<GatedStore>);
+
+impl Drop for OpenOnDrop {
+    fn drop(&mut self) {
+        self.0.open_gate();
+    }
+}
+
+impl Store for GatedStore {
+    fn put_alloc(
+        &self,
+        record: &stead_schemas::record::AllocRecord,
+    ) -> Result<(), stead_controller::store::StoreError> {
+        self.put_begun.notify_one();
+        let mut open = self.open.lock().expect("not poisoned");
+        while !*open {
+            open = self.opened.wait(open).expect("not poisoned");
+        }
+        self.inner.put_alloc(record)
+    }
+    fn delete_alloc(
+        &self,
+        name: &stead_schemas::spec::Name,
+    ) -> Result<(), stead_controller::store::StoreError> {
+        self.inner.delete_alloc(name)
+    }
+    fn load_allocs(
+        &self,
+    ) -> Result<
+        Vec<Result<stead_schemas::record::AllocRecord, stead_controller::store::CorruptRecord>>,
+        stead_controller::store::StoreError,
+    > {
+        self.inner.load_allocs()
+    }
+    fn metrics(&self) -> stead_controller::store::StoreMetrics {
+        self.inner.metrics()
+    }
+}
+
+#[tokio::test]
+async fn a_worker_publishes_nothing_before_the_store_writer_has_written_its_record() {
+    let store = Arc::new(GatedStore {
+        inner: stead_controller::store::MemoryStore::new(),
+        open: std::sync::Mutex::new(false),
+        opened: std::sync::Condvar::new(),
+        put_begun: tokio::sync::Notify::new(),
+    });
+    let _gate = OpenOnDrop(store.clone());
+    let mock = MockDriver::new(Clock::system());
+    let node = node(store.clone(), &mock, Clock::system());
+    node.apply(service("web"));
+    tokio::time::timeout(Duration::from_secs(30), store.put_begun.notified())
+        .await
+        .expect("the first record's write begins");
+    // The write is held: the alloc's worker waits for it, and shows nothing meanwhile.
+    assert!(
+        node.status("web").is_none(),
+        "published before its record was written: {:?}",
+        node.status("web")
+    );
+    store.open_gate();
+    assert!(
+        node.wait_until(Duration::from_secs(30), |n| n.status("web").is_some())
+            .await,
+        "never published once written"
+    );
+    let stored = store.inner.load_allocs().expect("loads");
+    assert_eq!(stored.len(), 1, "the record is written");
+    node.shutdown(Shutdown::Detach).await;
+}
