@@ -13,6 +13,7 @@ use std::time::Duration;
 use stead_schemas::Timestamp;
 use stead_schemas::spec::{AllocBody, DriverKind, LifecycleHook, Name, Signal};
 
+use crate::check::CheckStatus;
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
 use crate::restart::Jitter;
@@ -157,6 +158,15 @@ pub enum Observation {
     RecoverFailed {
         /// Why.
         message: String,
+    },
+    /// One of its health checks gave a result.
+    Check {
+        /// The check.
+        check: Name,
+        /// The result.
+        status: CheckStatus,
+        /// What the check said (capped by the shell).
+        output: String,
     },
 }
 
@@ -495,7 +505,8 @@ impl AllocState {
         want_run
     }
 
-    /// Records what the shell observed about `task`.
+    /// Records what the shell observed about `task`; true when a health check's result
+    /// restarts it.
     pub fn observe(
         &mut self,
         desired: &AllocDesired,
@@ -503,25 +514,53 @@ impl AllocState {
         observation: Observation,
         jitter: Jitter,
         now: Timestamp,
-    ) {
+    ) -> bool {
         let (Some(settings), Some(state)) = (desired.task(task), self.tasks.get_mut(task)) else {
-            return;
+            return false;
         };
         let cap = desired.max_events;
+        let mut restarted = false;
         match observation {
             Observation::Started => state.observe_started(now, cap),
             Observation::StartFailed {
                 message,
                 recoverable,
             } => state.observe_start_failed(settings, &message, recoverable, jitter, now, cap),
-            Observation::StartCancelled => state.observe_start_cancelled(now, cap),
+            Observation::StartCancelled => state.observe_start_cancelled(settings, now, cap),
             Observation::Exited(result) => {
                 state.observe_exited(settings, &result, jitter, now, cap)
             }
             Observation::RecoverFailed { message } => {
-                state.observe_recover_failed(&message, now, cap);
+                state.observe_recover_failed(settings, &message, now, cap);
+            }
+            Observation::Check {
+                check,
+                status,
+                output,
+            } => {
+                restarted = state.observe_check(settings, &check, status, output, jitter, now, cap);
             }
         }
+        restarted
+    }
+
+    /// Whether the alloc is healthy: every task with checks that is not dead runs and
+    /// passes all of them. `None` when no task has checks.
+    pub fn healthy(&self, desired: &AllocDesired) -> Option<bool> {
+        let mut any = false;
+        let mut healthy = true;
+        for settings in desired.tasks.iter().filter(|s| !s.checks.is_empty()) {
+            any = true;
+            let Some(task) = self.tasks.get(&settings.name) else {
+                healthy = false;
+                continue;
+            };
+            if task.is_dead() {
+                continue;
+            }
+            healthy &= task.is_running() && task.checks_passing(settings) == Some(true);
+        }
+        any.then_some(healthy)
     }
 
     /// The alloc cannot be resumed after an agent restart (its dir is gone, say): every

@@ -2,6 +2,7 @@
 //! no clock reads, so every decision is a deterministic function that tests can table.
 //!
 //! - [`restart`]: the restart tracker (Nomad's rules, plus `maxDelay`).
+//! - [`check`]: health checks' state and Nomad's `check_restart` arithmetic.
 //! - [`task`]: one task's state and its steps towards running or dead.
 //! - [`alloc`]: lifecycle stages, leader and sibling deaths, kill order, client status.
 //! - [`revision`]: an alloc's revisions: broken records, take-overs, removal, leaving.
@@ -10,6 +11,7 @@
 //! - [`gc`]: which terminal allocs garbage collection destroys (Nomad's policy).
 
 pub mod alloc;
+pub mod check;
 pub mod device;
 pub mod event;
 pub mod exit;

@@ -36,6 +36,11 @@ impl Jitter {
         Jitter(bits)
     }
 
+    /// The `bits` it was made from, to be stored.
+    pub const fn bits(self) -> u32 {
+        self.0
+    }
+
     /// Nomad's `delay + rand.Int63n(delay) * 0.25` (truncated), with a zero delay taken as 1ns,
     /// and this jitter in place of `rand.Int63n(delay) / delay`.
     fn apply(self, delay: Duration) -> Duration {

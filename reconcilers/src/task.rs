@@ -13,6 +13,7 @@ use stead_schemas::spec::{
 };
 use stead_schemas::{RestartPolicy, Timestamp};
 
+use crate::check::{CheckSettings, CheckState, CheckStatus};
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
 use crate::restart::{Jitter, RestartDecision, RestartReason, RestartTracker, RunEnd};
@@ -45,6 +46,8 @@ pub struct TaskSettings {
     pub restart: RestartPolicy,
     /// Whether a successful exit restarts (service main tasks and sidecars).
     pub restart_on_success: bool,
+    /// The task's health checks, in spec order.
+    pub checks: Vec<CheckSettings>,
 }
 
 impl TaskSettings {
@@ -73,6 +76,12 @@ impl TaskSettings {
             shutdown_delay: task.shutdown_delay.map(|d| d.get()).unwrap_or_default(),
             restart: task.restart_policy(alloc),
             restart_on_success,
+            checks: task
+                .checks
+                .iter()
+                .flatten()
+                .map(CheckSettings::new)
+                .collect(),
         }
     }
 
@@ -161,6 +170,21 @@ pub enum KillReason {
     LeaderDead,
     /// Every main task died and this is a sidecar.
     MainTasksDead,
+    /// A health check stayed unhealthy: the task restarts, and the restart counts as a
+    /// failure against its restart policy.
+    Unhealthy {
+        /// The check.
+        check: Name,
+        /// The random draw of the restart's delay, taken when the restart was signalled.
+        jitter: Jitter,
+    },
+}
+
+impl KillReason {
+    /// Whether the task starts again once dead: a user's or a check's restart.
+    pub fn restarts(&self) -> bool {
+        matches!(self, KillReason::UserRestart | KillReason::Unhealthy { .. })
+    }
 }
 
 /// A kill in progress.
@@ -238,6 +262,9 @@ pub struct TaskState {
     pub set_up: bool,
     /// History, oldest first, capped.
     pub events: VecDeque<TaskEvent>,
+    /// The health checks' state in the current run, by check name; a check with no
+    /// entry is pending.
+    pub checks: std::collections::BTreeMap<Name, CheckState>,
 }
 
 impl TaskState {
@@ -256,6 +283,7 @@ impl TaskState {
             kill: None,
             set_up: false,
             events: VecDeque::from([TaskEvent::received(now)]),
+            checks: std::collections::BTreeMap::new(),
         }
     }
 
@@ -310,12 +338,12 @@ impl TaskState {
                 now,
                 "Main tasks in the group died",
             )),
-            KillReason::Stop | KillReason::UserRestart => None,
+            KillReason::Stop | KillReason::UserRestart | KillReason::Unhealthy { .. } => None,
         };
         if let Some(kill) = &mut self.kill {
-            // A stop overrides a user restart in progress: the task must not come back,
-            // and the kill now reads as one.
-            if kill.reason == KillReason::UserRestart && reason != KillReason::UserRestart {
+            // A stop overrides a restart in progress: the task must not come back, and
+            // the kill now reads as one.
+            if kill.reason.restarts() && !reason.restarts() {
                 kill.reason = reason;
                 let running = self.is_running();
                 if let Some(event) = announcement {
@@ -339,15 +367,15 @@ impl TaskState {
         if let Some(event) = announcement {
             self.push_event(event, cap);
         }
-        // As Nomad: a user restart reads `Restart Signaled`, `Terminated`, `Restarting`;
-        // any other kill of a running task `Killing` at once, then the task's shutdown
-        // delay, then `Terminated` and `Killed`.
-        let delay = if reason == KillReason::UserRestart {
+        // As Nomad: a user's or a check's restart reads `Restart Signaled`, `Terminated`,
+        // `Restarting`; any other kill of a running task `Killing` at once, then the
+        // task's shutdown delay, then `Terminated` and `Killed`.
+        let delay = if reason.restarts() {
             Duration::ZERO
         } else {
             settings.shutdown_delay
         };
-        if reason != KillReason::UserRestart && self.is_running() {
+        if !reason.restarts() && self.is_running() {
             self.push_event(TaskEvent::killing(now, settings.kill_timeout), cap);
             if !delay.is_zero() {
                 self.push_event(TaskEvent::waiting_shutdown_delay(now, delay), cap);
@@ -384,7 +412,7 @@ impl TaskState {
             match self.process {
                 // Nothing runs, so the kill is over. Only a restore leaves a kill with no
                 // process: the start it was cancelling had no handle and is forgotten.
-                Process::Idle => self.finish_kill(now, cap),
+                Process::Idle => self.finish_kill(settings, Duration::ZERO, now, cap),
                 Process::Starting { .. } => {
                     if !kill.cancel_requested {
                         kill.cancel_requested = true;
@@ -422,6 +450,7 @@ impl TaskState {
                             wake(give_up_at);
                         } else {
                             effects.push(Effect::Forget { task: task() });
+                            let ran_for = self.ran_for(now);
                             self.process = Process::Idle;
                             self.push_event(
                                 TaskEvent::new(
@@ -431,7 +460,7 @@ impl TaskState {
                                 ),
                                 cap,
                             );
-                            self.finish_kill(now, cap);
+                            self.finish_kill(settings, ran_for, now, cap);
                         }
                     }
                 },
@@ -466,12 +495,78 @@ impl TaskState {
         }
     }
 
-    /// The driver started the task.
+    /// The driver started the task: a new run, whose checks start pending.
     pub fn observe_started(&mut self, now: Timestamp, cap: usize) {
         self.process = Process::Running { since: now };
         self.phase = TaskPhase::Running;
         self.started_at = Some(now);
+        self.checks.clear();
         self.push_event(TaskEvent::started(now), cap);
+    }
+
+    /// How long the current run has run at `now`; zero when nothing runs.
+    fn ran_for(&self, now: Timestamp) -> Duration {
+        match self.process {
+            Process::Running { since } => now.saturating_duration_since(since),
+            Process::Idle | Process::Starting { .. } => Duration::ZERO,
+        }
+    }
+
+    /// A result of check `check` of the running task. Results of a task that does not
+    /// run, or is being killed, are dropped: they belong to a run that is over. When
+    /// the check has stayed unhealthy for its limit, the task is restarted (`Restart
+    /// Signaled`, then its kill signal and timeout), and the restart counts as a failure
+    /// against its restart policy. True when it is restarted.
+    #[allow(clippy::too_many_arguments)]
+    pub fn observe_check(
+        &mut self,
+        settings: &TaskSettings,
+        check: &Name,
+        status: CheckStatus,
+        output: String,
+        jitter: Jitter,
+        now: Timestamp,
+        cap: usize,
+    ) -> bool {
+        let Process::Running { since } = self.process else {
+            return false;
+        };
+        let Some(check_settings) = settings.checks.iter().find(|c| &c.name == check) else {
+            return false;
+        };
+        if self.kill.is_some() {
+            return false;
+        }
+        let state = self.checks.entry(check.clone()).or_default();
+        if !state.observe(check_settings, status, output, since, now) {
+            return false;
+        }
+        self.push_event(
+            TaskEvent::new(
+                TaskEventType::RestartSignaled,
+                now,
+                format!("healthcheck: check {:?} unhealthy", check.as_str()),
+            ),
+            cap,
+        );
+        let reason = KillReason::Unhealthy {
+            check: check.clone(),
+            jitter,
+        };
+        self.request_kill(settings, reason, now, cap);
+        true
+    }
+
+    /// Whether every check of the task passes; `None` when it has none.
+    pub fn checks_passing(&self, settings: &TaskSettings) -> Option<bool> {
+        if settings.checks.is_empty() {
+            return None;
+        }
+        Some(settings.checks.iter().all(|c| {
+            self.checks
+                .get(&c.name)
+                .is_some_and(|s| s.status == CheckStatus::Passing)
+        }))
     }
 
     /// The driver could not start the task.
@@ -490,7 +585,7 @@ impl TaskState {
             cap,
         );
         if self.kill.is_some() {
-            self.finish_kill(now, cap);
+            self.finish_kill(settings, Duration::ZERO, now, cap);
         } else {
             self.decide(
                 settings,
@@ -503,10 +598,10 @@ impl TaskState {
     }
 
     /// An in-flight start was abandoned for a kill.
-    pub fn observe_start_cancelled(&mut self, now: Timestamp, cap: usize) {
+    pub fn observe_start_cancelled(&mut self, settings: &TaskSettings, now: Timestamp, cap: usize) {
         self.process = Process::Idle;
         if self.kill.is_some() {
-            self.finish_kill(now, cap);
+            self.finish_kill(settings, Duration::ZERO, now, cap);
         }
     }
 
@@ -519,17 +614,14 @@ impl TaskState {
         now: Timestamp,
         cap: usize,
     ) {
-        let ran_for = match self.process {
-            Process::Running { since } => now.saturating_duration_since(since),
-            Process::Idle | Process::Starting { .. } => Duration::ZERO,
-        };
+        let ran_for = self.ran_for(now);
         self.process = Process::Idle;
         self.push_event(TaskEvent::terminated(now, result), cap);
         if let Some(kill) = &self.kill {
-            if kill.reason != KillReason::UserRestart {
+            if !kill.reason.restarts() {
                 self.push_event(TaskEvent::killed(now), cap);
             }
-            self.finish_kill(now, cap);
+            self.finish_kill(settings, ran_for, now, cap);
             return;
         }
         let run_end = RunEnd::Exited {
@@ -543,25 +635,44 @@ impl TaskState {
     /// by the host rather than by the task. As Nomad's client does, it starts again at
     /// once, without asking its restart policy: no attempt is counted and its restart
     /// count stays. A kill in progress is over.
-    pub fn observe_recover_failed(&mut self, message: &str, now: Timestamp, cap: usize) {
+    pub fn observe_recover_failed(
+        &mut self,
+        settings: &TaskSettings,
+        message: &str,
+        now: Timestamp,
+        cap: usize,
+    ) {
         self.process = Process::Idle;
         self.push_event(
             TaskEvent::new(TaskEventType::FailedRestoringTask, now, message),
             cap,
         );
         if self.kill.is_some() {
-            self.finish_kill(now, cap);
+            self.finish_kill(settings, Duration::ZERO, now, cap);
         } else {
             self.phase = TaskPhase::Pending;
             self.restart_at = None;
         }
     }
 
-    /// The kill in progress is over: the task is dead, or restarts at once for a user
-    /// (free: its restart policy is not asked).
-    fn finish_kill(&mut self, now: Timestamp, cap: usize) {
+    /// The kill in progress is over: the task is dead, restarts at once for a user (free:
+    /// its restart policy is not asked), or, killed for a failing check after running
+    /// `ran_for`, restarts as its restart policy says of a failure.
+    fn finish_kill(
+        &mut self,
+        settings: &TaskSettings,
+        ran_for: Duration,
+        now: Timestamp,
+        cap: usize,
+    ) {
         let Some(kill) = self.kill.take() else { return };
-        if kill.reason == KillReason::UserRestart {
+        if let KillReason::Unhealthy { jitter, .. } = kill.reason {
+            let run_end = RunEnd::Exited {
+                successful: false,
+                ran_for,
+            };
+            self.decide(settings, run_end, jitter, now, cap);
+        } else if kill.reason == KillReason::UserRestart {
             self.restarts = self.restarts.saturating_add(1);
             self.last_restart = Some(now);
             self.phase = TaskPhase::Pending;

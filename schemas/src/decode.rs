@@ -108,7 +108,7 @@ macro_rules! decode_integer {
         }
     )*};
 }
-decode_integer!(u32, u64, i32);
+decode_integer!(u16, u32, u64, i32);
 
 impl Decode for Duration {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
@@ -153,7 +153,9 @@ macro_rules! decode_checked_string {
         }
     )*};
 }
-decode_checked_string!(Name, LabelKey, EnvName, UserName, DeviceName, Signal);
+decode_checked_string!(
+    Name, LabelKey, EnvName, UserName, DeviceName, Signal, CheckHost, HttpPath, HttpMethod
+);
 
 /// Enums written as one of a fixed set of lowercase words.
 macro_rules! decode_keyword {
@@ -188,6 +190,11 @@ decode_keyword!(AllocType, "alloc type", ["service" => AllocType::Service, "batc
 decode_keyword!(DesiredStatus, "desired status", ["run" => DesiredStatus::Run, "stop" => DesiredStatus::Stop]);
 decode_keyword!(RestartMode, "restart mode", ["fail" => RestartMode::Fail, "delay" => RestartMode::Delay]);
 decode_keyword!(DriverKind, "driver", ["exec" => DriverKind::Exec, "mock" => DriverKind::Mock]);
+decode_keyword!(CheckType, "check type", [
+    "http" => CheckType::Http,
+    "tcp" => CheckType::Tcp,
+    "exec" => CheckType::Exec,
+]);
 decode_keyword!(LifecycleHook, "lifecycle hook", [
     "prestart" => LifecycleHook::Prestart,
     "poststart" => LifecycleHook::Poststart,
@@ -624,6 +631,132 @@ impl Decode for ExecConfig {
     }
 }
 
+impl Decode for CheckRestartSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let restart = decode_struct!(node, path, cx, CheckRestartSpec {
+            limit: "limit" required,
+            grace: "grace" optional,
+            ignore_warnings: "ignoreWarnings" optional,
+        })?;
+        if restart.limit == 0 {
+            cx.report(
+                node_location(node, "limit"),
+                &path.field("limit"),
+                "must be at least 1; leave `restart` out for a check that only reports",
+            );
+            return None;
+        }
+        Some(restart)
+    }
+}
+
+impl Decode for CheckSpec {
+    fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
+        let mut ok = true;
+        if let Some(command) = field_node(node, "command") {
+            ok &= check_no_nul(command, &path.field("command"), cx);
+        }
+        if let Some(Value::Sequence(args)) = field_node(node, "args").map(|n| &n.value) {
+            for (i, arg) in args.iter().enumerate() {
+                ok &= check_no_nul(arg, &path.field("args").index(i), cx);
+            }
+        }
+        let check = decode_struct!(node, path, cx, CheckSpec {
+            name: "name" required,
+            check_type: "type" required,
+            host: "host" optional,
+            port: "port" optional,
+            path: "path" optional,
+            method: "method" optional,
+            command: "command" optional,
+            args: "args" optional,
+            interval: "interval" optional,
+            timeout: "timeout" optional,
+            restart: "restart" optional,
+        })?;
+        let kind = check.check_type.as_str();
+        let mut problems: Vec<(&str, String)> = Vec::new();
+        // Which fields each type takes; any other is a mistake, not something to ignore.
+        let (needs, takes): (&[&str], &[&str]) = match check.check_type {
+            CheckType::Http => (&["port"], &["host", "port", "path", "method"]),
+            CheckType::Tcp => (&["port"], &["host", "port"]),
+            CheckType::Exec => (&["command"], &["command", "args"]),
+        };
+        let present = [
+            ("host", check.host.is_some()),
+            ("port", check.port.is_some()),
+            ("path", check.path.is_some()),
+            ("method", check.method.is_some()),
+            ("command", check.command.is_some()),
+            ("args", check.args.is_some()),
+        ];
+        for (key, set) in present {
+            if set && !takes.contains(&key) {
+                problems.push((
+                    key,
+                    format!(
+                        "{kind} checks take no `{key}`; it applies to {}",
+                        users_of(key)
+                    ),
+                ));
+            }
+            if !set && needs.contains(&key) {
+                cx.report(
+                    node.location,
+                    &path.field(key),
+                    format!("missing required field for a {kind} check"),
+                );
+                ok = false;
+            }
+        }
+        let mut refuse = |key: &str, message: String| {
+            cx.report(node_location(node, key), &path.field(key), message);
+            ok = false;
+        };
+        for (key, message) in problems {
+            refuse(key, message);
+        }
+        if check.port == Some(0) {
+            refuse("port", "must be from 1 to 65535".to_owned());
+        }
+        if let Some(command) = &check.command
+            && command.trim().is_empty()
+        {
+            refuse("command", "command is empty".to_owned());
+        }
+        let min = crate::normalize::MIN_CHECK_PERIOD;
+        let interval = check.effective_interval();
+        let timeout = check.effective_timeout();
+        if interval < min {
+            refuse("interval", format!("must be at least {min}"));
+        } else if timeout < min {
+            refuse("timeout", format!("must be at least {min}"));
+        } else if timeout >= interval {
+            let (key, written) = if check.timeout.is_some() {
+                ("timeout", format!("timeout {timeout}"))
+            } else {
+                ("interval", format!("the default timeout {timeout}"))
+            };
+            refuse(
+                key,
+                format!(
+                    "{written} must be shorter than the interval {interval}, so checks never overlap"
+                ),
+            );
+        }
+        ok.then_some(check)
+    }
+}
+
+/// The check types a type-specific field applies to, for messages.
+fn users_of(key: &str) -> &'static str {
+    match key {
+        "host" | "port" => "http and tcp checks",
+        "path" | "method" => "http checks",
+        _ => "exec checks",
+    }
+}
+
 /// Reports a string holding a NUL byte, which no command line or environment can carry
 /// (the kernel takes each string up to its first NUL); true when `node` holds none.
 fn check_no_nul(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> bool {
@@ -697,6 +830,7 @@ impl Decode for TaskSpec {
             "shutdownDelay",
             "logs",
             "resources",
+            "checks",
         ];
         let mut fields = Fields::new(node, path, KNOWN, cx)?;
         let name = fields.required::<Name>("name", cx);
@@ -745,6 +879,30 @@ impl Decode for TaskSpec {
         let shutdown_delay = fields.optional("shutdownDelay", cx);
         let logs = fields.optional("logs", cx);
         let resources = fields.optional("resources", cx);
+        let checks: Option<Vec<CheckSpec>> = fields.optional("checks", cx);
+        if let Some(checks) = &checks {
+            let checks_path = fields.path().field("checks");
+            let mut first: BTreeMap<&Name, usize> = BTreeMap::new();
+            for (i, check) in checks.iter().enumerate() {
+                if let Some(earlier) = first.insert(&check.name, i) {
+                    let at = match fields.node("checks").map(|n| &n.value) {
+                        Some(Value::Sequence(items)) => node_location(&items[i], "name"),
+                        _ => node.location,
+                    };
+                    cx.report(
+                        at,
+                        &checks_path.index(i).field("name"),
+                        format!(
+                            "check name {:?} is already used by {}",
+                            check.name.as_str(),
+                            checks_path.index(earlier).as_str()
+                        ),
+                    );
+                    fields.fail();
+                    first.insert(&check.name, earlier);
+                }
+            }
+        }
         if kill_timeout == Some(Duration::ZERO) {
             // Nomad takes 0 for its default; here it would SIGKILL right after the signal.
             cx.report(
@@ -793,6 +951,7 @@ impl Decode for TaskSpec {
             shutdown_delay,
             logs,
             resources,
+            checks,
         })
     }
 }

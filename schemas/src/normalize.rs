@@ -24,6 +24,20 @@ pub const MIN_CPU: u32 = 1;
 pub const MIN_MEMORY_MB: u32 = 10;
 /// The shortest restart interval allowed.
 pub const MIN_RESTART_INTERVAL: Duration = Duration::from_secs(5);
+/// A check's `interval` when unset.
+pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(10);
+/// A check's `timeout` when unset.
+pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
+/// The shortest check `interval` and `timeout`.
+pub const MIN_CHECK_PERIOD: Duration = Duration::from_secs(1);
+/// A check restart's `grace` when unset (Nomad's).
+pub const DEFAULT_CHECK_GRACE: Duration = Duration::from_secs(1);
+/// The host of an http or tcp check when unset: the task's own host.
+pub const DEFAULT_CHECK_HOST: &str = "127.0.0.1";
+/// The path of an http check when unset.
+pub const DEFAULT_CHECK_PATH: &str = "/";
+/// The method of an http check when unset.
+pub const DEFAULT_CHECK_METHOD: &str = "GET";
 
 /// A complete restart policy: the type's defaults, overlaid by the group's, then the task's.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
@@ -199,6 +213,90 @@ impl TaskSpec {
     }
 }
 
+impl CheckSpec {
+    /// `interval`, or its default.
+    pub fn effective_interval(&self) -> Duration {
+        self.interval.unwrap_or(DEFAULT_CHECK_INTERVAL)
+    }
+
+    /// `timeout`, or its default.
+    pub fn effective_timeout(&self) -> Duration {
+        self.timeout.unwrap_or(DEFAULT_CHECK_TIMEOUT)
+    }
+
+    /// The host an http or tcp check reaches.
+    pub fn effective_host(&self) -> &str {
+        self.host
+            .as_ref()
+            .map_or(DEFAULT_CHECK_HOST, |h| h.as_str())
+    }
+
+    /// The path an http check requests.
+    pub fn effective_path(&self) -> &str {
+        self.path
+            .as_ref()
+            .map_or(DEFAULT_CHECK_PATH, |p| p.as_str())
+    }
+
+    /// The method of an http check.
+    pub fn effective_method(&self) -> &str {
+        self.method
+            .as_ref()
+            .map_or(DEFAULT_CHECK_METHOD, |m| m.as_str())
+    }
+}
+
+impl CheckRestartSpec {
+    /// `grace`, or its default.
+    pub fn effective_grace(&self) -> Duration {
+        self.grace.unwrap_or(DEFAULT_CHECK_GRACE)
+    }
+}
+
+/// A check with its defaults written out, where they apply to its type.
+fn normalize_check(check: &CheckSpec) -> CheckSpec {
+    let reaches = matches!(check.check_type, CheckType::Http | CheckType::Tcp);
+    let http = check.check_type == CheckType::Http;
+    CheckSpec {
+        name: check.name.clone(),
+        check_type: check.check_type,
+        host: if reaches {
+            check
+                .host
+                .clone()
+                .or_else(|| DEFAULT_CHECK_HOST.parse().ok())
+        } else {
+            check.host.clone()
+        },
+        port: check.port,
+        path: if http {
+            check
+                .path
+                .clone()
+                .or_else(|| DEFAULT_CHECK_PATH.parse().ok())
+        } else {
+            check.path.clone()
+        },
+        method: if http {
+            check
+                .method
+                .clone()
+                .or_else(|| DEFAULT_CHECK_METHOD.parse().ok())
+        } else {
+            check.method.clone()
+        },
+        command: check.command.clone(),
+        args: check.args.clone().filter(|a| !a.is_empty()),
+        interval: Some(check.effective_interval()),
+        timeout: Some(check.effective_timeout()),
+        restart: check.restart.map(|r| CheckRestartSpec {
+            limit: r.limit,
+            grace: Some(r.effective_grace()),
+            ignore_warnings: Some(r.ignore_warnings.unwrap_or(false)),
+        }),
+    }
+}
+
 /// The spec with every default written out and `desiredStatus` left out, the input of
 /// the revision hash: two specs that mean the same have the same normalized form.
 pub fn normalize(spec: &AllocSpec) -> AllocSpec {
@@ -281,6 +379,11 @@ fn normalize_task(task: &TaskSpec, body: &AllocBody) -> TaskSpec {
             max_file_size_mb: Some(max_file_size_mb),
         }),
         resources: resources.filter(|r| *r != ResourcesSpec::default()),
+        checks: task
+            .checks
+            .as_ref()
+            .filter(|c| !c.is_empty())
+            .map(|checks| checks.iter().map(normalize_check).collect()),
     }
 }
 

@@ -119,6 +119,28 @@ pub struct TaskStateRecord {
     pub set_up: bool,
     /// History, oldest first.
     pub events: Vec<TaskEventRecord>,
+    /// The health checks' state in the current run, by check name; left out when none.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub checks: BTreeMap<String, CheckStateRecord>,
+}
+
+/// One health check's state.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckStateRecord {
+    /// `pending`, `passing`, `warning` or `critical`.
+    pub status: String,
+    /// The last result's output.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub output: String,
+    /// When the status took its current value.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub since: Option<Timestamp>,
+    /// How many results in a row had this status.
+    pub consecutive: u32,
+    /// When the check became unhealthy, for its restart.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub unhealthy_since: Option<Timestamp>,
 }
 
 /// A task's phase as users see it.
@@ -186,6 +208,13 @@ pub enum KillReasonRecord {
     LeaderDead,
     /// Every main task died and this is a sidecar.
     MainTasksDead,
+    /// A health check stayed unhealthy.
+    Unhealthy {
+        /// The check.
+        check: String,
+        /// The restart delay's random draw.
+        jitter: u32,
+    },
 }
 
 /// A task's restart history.
@@ -288,6 +317,16 @@ pub enum RecordError {
         /// The task names of the state.
         state_tasks: Vec<String>,
     },
+    /// A check status this agent does not know.
+    #[error("task {task} has check {check} in unknown status {status:?}")]
+    UnknownCheckStatus {
+        /// The task.
+        task: String,
+        /// The check.
+        check: String,
+        /// The status as stored.
+        status: String,
+    },
     /// A task event whose type this agent does not know.
     #[error("task {task} has an event of unknown type {event_type:?}")]
     UnknownEventType {
@@ -371,6 +410,7 @@ mod tests {
             shutdown_delay: None,
             logs: None,
             resources: None,
+            checks: None,
         };
         let spec = AllocSpec {
             api_version: crate::spec::API_VERSION.to_owned(),
@@ -413,6 +453,7 @@ mod tests {
                 exit_code: None,
                 signal: None,
             }],
+            checks: BTreeMap::new(),
         };
         AllocRecord {
             version: ALLOC_RECORD_VERSION,

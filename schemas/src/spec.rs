@@ -192,6 +192,90 @@ pub struct TaskSpec {
     /// Resources the task needs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub resources: Option<ResourcesSpec>,
+    /// Health checks, run while the task runs; names are unique in the task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checks: Option<Vec<CheckSpec>>,
+}
+
+/// A health check of one task: an HTTP request, a TCP connect or a command, run every
+/// `interval` while the task runs.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CheckSpec {
+    /// Unique within the task; the same rules as task names.
+    pub name: Name,
+    /// `http`, `tcp` or `exec`.
+    #[serde(rename = "type")]
+    pub check_type: CheckType,
+    /// The host to reach (http, tcp): an IP address or a DNS name; 127.0.0.1 when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub host: Option<CheckHost>,
+    /// The port to reach (http, tcp).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1, max = 65535))]
+    pub port: Option<u16>,
+    /// The request path (http), `/` when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub path: Option<HttpPath>,
+    /// The request method (http), `GET` when unset.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub method: Option<HttpMethod>,
+    /// The program to run (exec), in the task's dir, environment and user.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(length(min = 1))]
+    pub command: Option<String>,
+    /// Its arguments (exec).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub args: Option<Vec<String>>,
+    /// Time between checks, at least 1s (default 10s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub interval: Option<Duration>,
+    /// How long one check may take, at least 1s and shorter than `interval` (default 2s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub timeout: Option<Duration>,
+    /// Restart the task when the check stays unhealthy; without it the check only reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub restart: Option<CheckRestartSpec>,
+}
+
+/// What a check does.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "lowercase")]
+pub enum CheckType {
+    /// An HTTP request: 2xx and 3xx pass, 429 warns, anything else is critical.
+    Http,
+    /// A TCP connect: passes when it connects.
+    Tcp,
+    /// A command: exit 0 passes, 1 warns, anything else is critical.
+    Exec,
+}
+
+impl CheckType {
+    /// The name used in specs.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CheckType::Http => "http",
+            CheckType::Tcp => "tcp",
+            CheckType::Exec => "exec",
+        }
+    }
+}
+
+/// When a failing check restarts its task (Nomad's `check_restart`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct CheckRestartSpec {
+    /// How many consecutive intervals the check may fail; the task restarts when it has
+    /// stayed unhealthy for `interval × (limit − 1)`. At least 1.
+    #[schemars(range(min = 1))]
+    pub limit: u32,
+    /// Time after each (re)start of the task during which failures are not counted
+    /// (default 1s).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grace: Option<Duration>,
+    /// Whether a warning counts as passing (default false).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ignore_warnings: Option<bool>,
 }
 
 fn kill_signal_schema(_: &mut SchemaGenerator) -> Schema {
@@ -579,6 +663,79 @@ fn check_user_name(s: &str) -> Result<(), String> {
         Some(why) => Err(format!(
             "user {s:?} is invalid: {why}; use the account's name or a numeric uid"
         )),
+    }
+}
+
+checked_string!(
+    /// The host of an http or tcp check: an IPv4 or IPv6 address, or a DNS name.
+    CheckHost,
+    json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9.:-]+$", "minLength": 1, "maxLength": 253 }),
+    check_host
+);
+
+fn check_host(s: &str) -> Result<(), String> {
+    if s.parse::<std::net::IpAddr>().is_ok() {
+        return Ok(());
+    }
+    let labels_ok = !s.is_empty()
+        && s.len() <= 253
+        && s.trim_end_matches('.').split('.').all(|label| {
+            !label.is_empty()
+                && label.len() <= 63
+                && label
+                    .bytes()
+                    .all(|b| b.is_ascii_alphanumeric() || b == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        });
+    if labels_ok {
+        Ok(())
+    } else {
+        Err(format!(
+            "host {s:?} is invalid; use an IP address or a DNS name such as \"db.internal\""
+        ))
+    }
+}
+
+checked_string!(
+    /// The path (and query) of an http check: starts with `/`, printable ASCII, no spaces.
+    HttpPath,
+    json_schema!({ "type": "string", "pattern": "^/[!-~]*$", "maxLength": 2048 }),
+    check_http_path
+);
+
+fn check_http_path(s: &str) -> Result<(), String> {
+    if !s.starts_with('/') {
+        return Err(format!("path {s:?} must start with '/'"));
+    }
+    if s.len() > 2048 {
+        return Err(format!(
+            "path is {} bytes long; at most 2048 are allowed",
+            s.len()
+        ));
+    }
+    if let Some(c) = s.chars().find(|c| !c.is_ascii_graphic()) {
+        return Err(format!(
+            "path {s:?} holds {c:?}; percent-encode spaces, control and non-ASCII characters"
+        ));
+    }
+    Ok(())
+}
+
+checked_string!(
+    /// The method of an http check, such as `GET` or `HEAD`: an uppercase HTTP token.
+    HttpMethod,
+    json_schema!({ "type": "string", "pattern": "^[A-Z]{1,16}$" }),
+    check_http_method
+);
+
+fn check_http_method(s: &str) -> Result<(), String> {
+    if !s.is_empty() && s.len() <= 16 && s.bytes().all(|b| b.is_ascii_uppercase()) {
+        Ok(())
+    } else {
+        Err(format!(
+            "method {s:?} is invalid; use an uppercase HTTP method such as GET, HEAD or POST"
+        ))
     }
 }
 

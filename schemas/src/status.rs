@@ -29,6 +29,10 @@ pub struct AllocStatus {
     /// yet (the stopped old revision is shown meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_error: Option<String>,
+    /// Whether every task with health checks that is not dead runs and passes all of
+    /// them; `null` when no task has checks.
+    #[serde(default)]
+    pub healthy: Option<bool>,
     /// Each task, by name.
     pub tasks: BTreeMap<String, TaskStatus>,
 }
@@ -54,8 +58,26 @@ pub struct TaskStatus {
     /// The device instances the task holds, each with its health; left out when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<TaskDeviceStatus>,
+    /// The task's health checks, in spec order; left out when it has none.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub checks: Vec<TaskCheckStatus>,
     /// History, oldest first.
     pub events: Vec<TaskEventStatus>,
+}
+
+/// One health check of a task.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskCheckStatus {
+    /// The check's name.
+    pub name: String,
+    /// `pending`, `passing`, `warning` or `critical`.
+    pub status: String,
+    /// What the last result said: an http check's status line and up to 4 KiB of its
+    /// body, a tcp check's connect error, an exec check's output.
+    pub output: String,
+    /// When the status took its current value; `null` while pending.
+    pub since: Option<Timestamp>,
 }
 
 /// A device instance a task holds. An unhealthy one is flagged here; the task keeps it

@@ -5,6 +5,7 @@
 
 pub mod alloc;
 pub mod allocdir;
+pub mod checks;
 pub mod clock;
 pub mod devices;
 pub mod driver;

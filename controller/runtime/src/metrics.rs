@@ -19,6 +19,8 @@ use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use prometheus_client::metrics::histogram::Histogram;
 use prometheus_client::registry::{Registry, Unit};
 
+use stead_reconcilers::check::CheckStatus;
+
 use crate::store::StoreMetrics;
 
 /// Counter: reconcile passes over all allocs.
@@ -35,6 +37,10 @@ pub const TASK_STARTS: &str = "stead_task_starts_total";
 pub const TASK_RESTARTS: &str = "stead_task_restarts_total";
 /// Counter: tasks that ended failed.
 pub const TASK_FAILURES: &str = "stead_task_failures_total";
+/// Counter: health check results, by `status` (`passing`, `warning`, `critical`).
+pub const CHECK_RESULTS: &str = "stead_check_results_total";
+/// Counter: tasks restarted because a health check stayed unhealthy.
+pub const CHECK_RESTARTS: &str = "stead_check_restarts_total";
 /// Counter: alloc records written to the store.
 pub const STORE_WRITES: &str = "stead_store_writes_total";
 /// Counter: store writes skipped because the record was unchanged.
@@ -45,6 +51,14 @@ pub const STORE_BYTES_WRITTEN: &str = "stead_store_bytes_written_total";
 pub const STORE_WRITE_ERRORS: &str = "stead_store_write_errors_total";
 /// Gauge: allocs by `client_status` (`pending`, `running`, `complete`, `failed`).
 pub const ALLOCS: &str = "stead_allocs";
+
+/// Every status a check result has, so each `stead_check_results_total` series exists
+/// even at zero.
+pub const CHECK_RESULT_STATUSES: [CheckStatus; 3] = [
+    CheckStatus::Passing,
+    CheckStatus::Warning,
+    CheckStatus::Critical,
+];
 
 /// Every client status, so each `stead_allocs` series exists even at zero.
 pub const CLIENT_STATUSES: [&str; 4] = ["pending", "running", "complete", "failed"];
@@ -86,6 +100,8 @@ struct Events {
     task_starts: Counter,
     task_restarts: Counter,
     task_failures: Counter,
+    check_results: Family<[(&'static str, &'static str); 1], Counter>,
+    check_restarts: Counter,
     registry: Registry,
 }
 
@@ -95,6 +111,11 @@ impl Events {
         let (task_starts, task_restarts, task_failures) =
             (Counter::default(), Counter::default(), Counter::default());
         let reconcile_duration = Histogram::new(RECONCILE_BUCKETS);
+        let check_restarts = Counter::default();
+        let check_results = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        for status in CHECK_RESULT_STATUSES {
+            let _ = check_results.get_or_create(&[("status", status.as_str())]);
+        }
         let mut registry = Registry::default();
         let counters = [
             (RECONCILES, "Reconcile passes over all allocs", &reconciles),
@@ -110,10 +131,20 @@ impl Events {
                 &task_restarts,
             ),
             (TASK_FAILURES, "Tasks that ended failed", &task_failures),
+            (
+                CHECK_RESTARTS,
+                "Tasks restarted because a health check stayed unhealthy",
+                &check_restarts,
+            ),
         ];
         for (series, help, counter) in counters {
             registry.register(family(series, "_total"), help, counter.clone());
         }
+        registry.register(
+            family(CHECK_RESULTS, "_total"),
+            "Health check results, by status",
+            check_results.clone(),
+        );
         registry.register_with_unit(
             family(RECONCILE_DURATION, "_seconds"),
             "How long one reconcile pass took, dispatching its effects included",
@@ -127,6 +158,8 @@ impl Events {
             task_starts,
             task_restarts,
             task_failures,
+            check_results,
+            check_restarts,
             registry,
         }
     }
@@ -221,4 +254,17 @@ pub(crate) fn task_outcomes(restarts: u64, failures: u64) {
     if failures > 0 {
         EVENTS.task_failures.inc_by(failures);
     }
+}
+
+/// Records a health check result.
+pub(crate) fn check_result(status: CheckStatus) {
+    EVENTS
+        .check_results
+        .get_or_create(&[("status", status.as_str())])
+        .inc();
+}
+
+/// Records a task restarted for a failing health check.
+pub(crate) fn check_restart() {
+    EVENTS.check_restarts.inc();
 }

@@ -62,9 +62,9 @@ impl Style {
 /// The colour of a client status or task state.
 fn status_colour(status: &str) -> Option<Color> {
     match status {
-        "running" | "healthy" => Some(Color::Green),
-        "failed" | "unhealthy" => Some(Color::Red),
-        "pending" | "undetected" => Some(Color::Yellow),
+        "running" | "healthy" | "passing" => Some(Color::Green),
+        "failed" | "unhealthy" | "critical" => Some(Color::Red),
+        "pending" | "undetected" | "warning" => Some(Color::Yellow),
         "complete" => Some(Color::Blue),
         _ => None,
     }
@@ -132,6 +132,10 @@ pub(crate) fn alloc_status(style: Style, alloc: &AllocStatus) -> String {
             style.paint(&alloc.client_status, status_colour(&alloc.client_status)),
         ),
     ];
+    if let Some(healthy) = alloc.healthy {
+        let shown = if healthy { "healthy" } else { "unhealthy" };
+        rows.push(("Health", style.paint(shown, status_colour(shown))));
+    }
     if let Some(error) = &alloc.spec_error {
         rows.push(("Spec Error", style.paint(error, Some(Color::Red))));
     }
@@ -164,6 +168,20 @@ fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
             task.pid.map_or_else(|| "N/A".to_owned(), |p| p.to_string()),
         ),
     ]));
+    if !task.checks.is_empty() {
+        text.push_str("\nChecks:\n");
+        let mut table = style.table();
+        table.set_header(["Name", "Status", "Since", "Output"]);
+        for check in &task.checks {
+            table.add_row([
+                Cell::new(&check.name),
+                status_cell(style, &check.status),
+                Cell::new(time(check.since)),
+                Cell::new(output_line(&check.output)),
+            ]);
+        }
+        text.push_str(&style.finish(table));
+    }
     text.push_str("\nRecent Events:\n");
     if task.events.is_empty() {
         text.push_str("No events\n");
@@ -188,6 +206,20 @@ fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
         );
     }
     text
+}
+
+/// The longest check output a status table shows; `--json` shows all of it.
+const CHECK_OUTPUT_SHOWN: usize = 80;
+
+/// A check's output on one line of a table: its first line, cut at
+/// [`CHECK_OUTPUT_SHOWN`] characters.
+fn output_line(output: &str) -> String {
+    let line = output.lines().next().unwrap_or("").trim_end();
+    let mut shown: String = line.chars().take(CHECK_OUTPUT_SHOWN).collect();
+    if shown.len() < line.len() || output.lines().nth(1).is_some() {
+        shown.push('…');
+    }
+    shown
 }
 
 /// `stead node health`: the overall status, then each part with whether it works.

@@ -491,6 +491,88 @@ fn resources() -> impl Strategy<Value = ResourcesSpec> {
         })
 }
 
+/// Valid health checks of one task, named `check-0`, `check-1`, ….
+fn checks() -> impl Strategy<Value = Vec<CheckSpec>> {
+    let seconds = |secs: Option<u64>| secs.map(Duration::from_secs);
+    let check = (
+        prop_oneof![
+            Just(CheckType::Http),
+            Just(CheckType::Tcp),
+            Just(CheckType::Exec)
+        ],
+        prop::option::of(prop_oneof![
+            Just("10.0.0.7".to_owned()),
+            Just("::1".to_owned()),
+            Just("db.internal".to_owned())
+        ]),
+        1..=u16::MAX,
+        prop::option::of("/[a-z0-9/?=&%.-]{0,20}"),
+        prop::option::of(prop_oneof![Just("GET"), Just("HEAD"), Just("POST")]),
+        (
+            process_text().prop_filter("a command", |c| !c.trim().is_empty() && c.trim() == c),
+            prop::option::of(prop::collection::vec(process_text(), 0..3)),
+        ),
+        (prop::option::of(1..=120u64), prop::option::of(1..=60u64)),
+        prop::option::of((
+            1..=10u32,
+            prop::option::of(0..=600u64),
+            prop::option::of(any::<bool>()),
+        )),
+    )
+        .prop_filter(
+            "the timeout is shorter than the interval",
+            |(.., (interval, timeout), _)| timeout.unwrap_or(2) < interval.unwrap_or(10),
+        )
+        .prop_map(
+            move |(
+                check_type,
+                host,
+                port,
+                path,
+                method,
+                (command, args),
+                (interval, timeout),
+                restart,
+            )| {
+                let http = check_type == CheckType::Http;
+                let exec = check_type == CheckType::Exec;
+                CheckSpec {
+                    name: "unnamed".parse().expect("a valid name"),
+                    check_type,
+                    host: host
+                        .filter(|_| !exec)
+                        .map(|h| h.parse().expect("a valid host")),
+                    port: (!exec).then_some(port),
+                    path: path
+                        .filter(|_| http)
+                        .map(|p| p.parse().expect("a valid path")),
+                    method: method
+                        .filter(|_| http)
+                        .map(|m| m.parse().expect("a valid method")),
+                    command: exec.then_some(command),
+                    args: args.filter(|_| exec),
+                    interval: seconds(interval),
+                    timeout: seconds(timeout),
+                    restart: restart.map(|(limit, grace, ignore_warnings)| CheckRestartSpec {
+                        limit,
+                        grace: seconds(grace),
+                        ignore_warnings,
+                    }),
+                }
+            },
+        );
+    prop::collection::vec(check, 0..3).prop_map(|checks| {
+        checks
+            .into_iter()
+            .enumerate()
+            .map(|(i, check)| CheckSpec {
+                name: format!("check-{i}").parse().expect("a valid name"),
+                ..check
+            })
+            .collect()
+    })
+}
+
 /// One task, valid under a group whose effective restart policy is `group` and whose
 /// disk has `disk_mb`; its name is set by the caller, and it is never the leader.
 fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
@@ -519,12 +601,13 @@ fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
             prop::option::of(duration()),
             logs(disk_mb),
             prop::option::of(resources()),
+            prop::option::of(checks()),
         ),
     )
         .prop_map(
             |(
                 ((driver, config), env, user, leader, lifecycle, restart),
-                (kill_timeout, kill_signal, shutdown_delay, logs, resources),
+                (kill_timeout, kill_signal, shutdown_delay, logs, resources, checks),
             )| TaskSpec {
                 name: "unnamed".parse().expect("a valid name"),
                 driver,
@@ -539,6 +622,7 @@ fn task(group: RestartPolicy, disk_mb: u64) -> impl Strategy<Value = TaskSpec> {
                 shutdown_delay,
                 logs,
                 resources,
+                checks,
             },
         )
 }

@@ -33,7 +33,7 @@ use stead_reconcilers::task::Effect;
 use stead_schemas::device::{AssignedDevice, DeviceHealth};
 use stead_schemas::record::{ALLOC_RECORD_VERSION, AllocRecord};
 use stead_schemas::spec::{
-    DesiredStatus, DeviceName, DeviceRequest, DriverConfig, DriverKind, Name,
+    CheckType, DesiredStatus, DeviceName, DeviceRequest, DriverConfig, DriverKind, Name,
 };
 use stead_schemas::status::{AllocStatus, TaskDeviceStatus, TaskEventStatus, TaskStatus};
 use stead_schemas::{Timestamp, ValidSpec};
@@ -44,19 +44,21 @@ use crate::allocdir::{AllocDirError, AllocDirs};
 use crate::clock::Clock;
 use crate::devices::DeviceManager;
 use crate::driver::{
-    DeviceAccess, Driver, DriverError, Drivers, LogLimits, StartRequest, TaskHandle,
+    DeviceAccess, Driver, DriverError, Drivers, ExecRequest, LogLimits, StartRequest, TaskHandle,
 };
 use crate::errors::error_chain;
 use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand};
 use crate::registry::{AllocFacts, Registry};
 use crate::store::{self, Store, StoreError, StoreWrite, StoreWriter};
 
+mod checks;
 mod commands;
 mod devices;
 mod hand_over;
 mod ops;
 mod persist;
 
+use checks::CheckLoop;
 use devices::*;
 use ops::*;
 use persist::*;
@@ -242,6 +244,8 @@ pub(crate) struct Worker {
     current: Option<Current>,
     shutdown: Option<Shutdown>,
     ops: BTreeMap<Name, TaskOps>,
+    /// The check loop of each running task that has checks.
+    checks: BTreeMap<Name, CheckLoop>,
     next_run: u64,
     reports: Reports,
     rng: fastrand::Rng,
@@ -277,6 +281,7 @@ impl Worker {
             current: None,
             shutdown: None,
             ops: BTreeMap::new(),
+            checks: BTreeMap::new(),
             next_run: 0,
             reports,
             rng,
@@ -476,6 +481,7 @@ impl Worker {
             "reconciled"
         );
         self.execute(plan.effects, now);
+        self.sync_checks();
         crate::metrics::reconciled(began.elapsed());
         self.release_devices();
         match revision::after_reconcile(&self.revision_inputs()) {
@@ -549,6 +555,7 @@ impl Worker {
             ops.cancel_start.cancel();
             ops.cancel_wait.cancel();
         }
+        self.checks.clear();
         Step::Exit
     }
 

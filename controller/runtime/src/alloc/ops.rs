@@ -11,6 +11,10 @@ pub(super) enum OpReport {
     StartCancelled,
     Exited(ExitResult),
     RecoverFailed(DriverError),
+    Check {
+        check: Name,
+        result: crate::checks::ProbeResult,
+    },
 }
 
 /// The reports of a worker's driver operations: a queue that wakes the worker through
@@ -43,6 +47,34 @@ pub(super) struct TaskOps {
     pub(super) run: u64,
     pub(super) cancel_start: CancellationToken,
     pub(super) cancel_wait: CancellationToken,
+}
+
+/// The variables the agent sets in every task's environment.
+pub(super) fn agent_env(
+    alloc_id: &stead_schemas::AllocId,
+    alloc: &Name,
+    task: &Name,
+) -> [(String, String); 3] {
+    [
+        ("STEAD_ALLOC_ID".to_owned(), alloc_id.to_string()),
+        ("STEAD_ALLOC_NAME".to_owned(), alloc.to_string()),
+        ("STEAD_TASK_NAME".to_owned(), task.to_string()),
+    ]
+}
+
+/// A task's environment as the agent gives it: the spec's, under the agent's own.
+pub(super) fn task_env(
+    spec: &stead_schemas::spec::TaskSpec,
+    agent_env: &[(String, String)],
+) -> BTreeMap<String, String> {
+    let mut env: BTreeMap<String, String> = spec
+        .env
+        .iter()
+        .flatten()
+        .map(|(k, v)| (k.as_str().to_owned(), v.clone()))
+        .collect();
+    env.extend(agent_env.iter().cloned());
+    env
 }
 
 /// Waits for the task to exit and reports it, unless cancelled first: a driver is never
@@ -133,18 +165,8 @@ impl Worker {
         let Some(spec) = current.spec.spec.spec.tasks.iter().find(|t| t.name == task) else {
             return;
         };
-        let mut env: BTreeMap<String, String> = spec
-            .env
-            .iter()
-            .flatten()
-            .map(|(k, v)| (k.as_str().to_owned(), v.clone()))
-            .collect();
-        let agent_env = [
-            ("STEAD_ALLOC_ID", current.spec.id.to_string()),
-            ("STEAD_ALLOC_NAME", self.name.to_string()),
-            ("STEAD_TASK_NAME", task.to_string()),
-        ];
-        env.extend(agent_env.iter().map(|(k, v)| ((*k).to_owned(), v.clone())));
+        let agent_env = agent_env(&current.spec.id, &self.name, &task);
+        let env = task_env(spec, &agent_env);
         let (max_files, max_file_size_mb) = spec.effective_logs();
         let held = current.devices.get(&task).cloned().unwrap_or_default();
         let mut request = StartRequest {
@@ -191,9 +213,7 @@ impl Worker {
                     Ok(reservation) => {
                         // Over the spec's env, under the agent's own variables.
                         request.env.extend(reservation.env);
-                        request
-                            .env
-                            .extend(agent_env.map(|(k, v)| (k.to_owned(), v)));
+                        request.env.extend(agent_env);
                         request.devices = DeviceAccess {
                             mounts: reservation.mounts,
                             device_nodes: reservation.device_nodes,
@@ -281,9 +301,21 @@ impl Worker {
                     message: format!("failed to reattach to the task: {}", error_chain(&error)),
                 }
             }
+            OpReport::Check { check, result } => {
+                crate::metrics::check_result(result.status);
+                Observation::Check {
+                    check,
+                    status: result.status,
+                    output: result.output,
+                }
+            }
         };
-        current
+        let restarted = current
             .state
             .observe(&current.desired, &task, observation, jitter, now);
+        if restarted {
+            tracing::warn!(task = %task, "a health check stayed unhealthy: restarting the task");
+            crate::metrics::check_restart();
+        }
     }
 }

@@ -1,6 +1,10 @@
 //! The worker's persistence and publishing: the record written through the node's store
 //! writer (retried with backoff), then the status shown, when either changed.
 
+use stead_reconcilers::check::CheckState;
+use stead_reconcilers::task::{TaskSettings, TaskState};
+use stead_schemas::status::TaskCheckStatus;
+
 use super::*;
 
 /// Retrying a failed store write with exponential backoff.
@@ -82,6 +86,28 @@ pub(super) fn fingerprint(
         task.events.len().hash(&mut hasher);
         task.events.front().hash(&mut hasher);
         task.events.back().hash(&mut hasher);
+        // A check's changes of status and of health are written at once; its output
+        // and count ride along with the next write, so a steady check writes nothing.
+        for (check, state) in &task.checks {
+            check.hash(&mut hasher);
+            state.status.hash(&mut hasher);
+            state.since.hash(&mut hasher);
+            state.unhealthy_since.hash(&mut hasher);
+        }
+    }
+    hasher.finish()
+}
+
+/// A hash of what the checks show beyond what [`fingerprint`] holds: their outputs and
+/// counts, published at every result though not written at every one.
+pub(super) fn checks_shown(state: &AllocState) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    for task in state.tasks.values() {
+        for check in task.checks.values() {
+            check.output.hash(&mut hasher);
+            check.consecutive.hash(&mut hasher);
+        }
     }
     hasher.finish()
 }
@@ -120,6 +146,7 @@ pub(super) fn status_of(
         client_status: current.state.client_status().as_str().to_owned(),
         spec_error: current.device_error.clone(),
         state_error: current.hand_over_error.clone(),
+        healthy: current.state.healthy(&current.desired),
         tasks: current
             .state
             .tasks
@@ -139,6 +166,11 @@ pub(super) fn status_of(
                         .zip(health.get(task))
                         .map(|(held, health)| task_devices(held, health))
                         .unwrap_or_default(),
+                    checks: current
+                        .desired
+                        .task(task)
+                        .map(|settings| task_checks(settings, state))
+                        .unwrap_or_default(),
                     events: state
                         .events
                         .iter()
@@ -155,6 +187,24 @@ pub(super) fn status_of(
             })
             .collect(),
     }
+}
+
+/// The checks of a task as shown: each in spec order, pending until its first result.
+fn task_checks(settings: &TaskSettings, state: &TaskState) -> Vec<TaskCheckStatus> {
+    settings
+        .checks
+        .iter()
+        .map(|check| {
+            let pending = CheckState::pending();
+            let shown = state.checks.get(&check.name).unwrap_or(&pending);
+            TaskCheckStatus {
+                name: check.name.to_string(),
+                status: shown.status.as_str().to_owned(),
+                output: shown.output.clone(),
+                since: shown.since,
+            }
+        })
+        .collect()
 }
 
 impl Worker {
@@ -230,6 +280,7 @@ impl Worker {
             current.device_error.hash(&mut hasher);
             current.hand_over_error.hash(&mut hasher);
             health.hash(&mut hasher);
+            checks_shown(&current.state).hash(&mut hasher);
             hasher.finish()
         };
         if current.published == Some(shown) {
@@ -262,6 +313,7 @@ impl Worker {
             client_status: "failed".to_owned(),
             spec_error: None,
             state_error: Some(broken.reason.clone()),
+            healthy: None,
             tasks: BTreeMap::new(),
         })
     }

@@ -59,6 +59,40 @@ pub struct LogLimits {
     pub max_file_size_mb: u32,
 }
 
+/// A command to run beside a running task, in its context (its dir, environment and
+/// user): an exec health check.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecRequest {
+    /// The alloc of the task.
+    pub alloc_id: AllocId,
+    /// The task.
+    pub task: Name,
+    /// The program: an absolute path, or a name looked up in the task's `PATH`.
+    pub command: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// The task's environment as the agent gives it (the driver adds its own paths).
+    pub env: BTreeMap<String, String>,
+    /// The task's user; `None` runs as the agent's user.
+    pub user: Option<String>,
+    /// How long the command may run before its whole process group is killed.
+    pub timeout: std::time::Duration,
+}
+
+/// How a command run with [`Driver::exec`] ended.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecOutput {
+    /// Its exit code; `None` when a signal ended it.
+    pub exit_code: Option<i32>,
+    /// It outlived its timeout and its process group was killed.
+    pub timed_out: bool,
+    /// Its standard output and error, interleaved, capped at [`EXEC_OUTPUT_LIMIT`].
+    pub output: Vec<u8>,
+}
+
+/// The most output kept of a command run with [`Driver::exec`] (and of a health check).
+pub const EXEC_OUTPUT_LIMIT: usize = 4096;
+
 /// What a task's processes use, as a driver measures it.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct TaskStats {
@@ -167,6 +201,18 @@ pub enum DriverError {
         /// What went wrong.
         message: String,
     },
+    /// A command could not be run in the task's context.
+    #[error("running {command:?} in task {task} of alloc {alloc_id}: {message}")]
+    Exec {
+        /// The alloc of the task.
+        alloc_id: AllocId,
+        /// The task.
+        task: Name,
+        /// The command.
+        command: String,
+        /// What went wrong.
+        message: String,
+    },
 }
 
 impl DriverError {
@@ -235,6 +281,22 @@ pub trait Driver: Send + Sync + 'static {
     /// read the data dir.
     fn stop_unrecorded(&self, recorded: &RecordedRuns) {
         let _ = recorded;
+    }
+
+    /// Runs a command in a running task's context (its dir, environment and user) and
+    /// returns how it ended, killing its whole process group at the request's timeout:
+    /// an exec health check. A driver whose tasks have no such context refuses (the
+    /// default).
+    fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, DriverError>> {
+        let kind = self.kind();
+        Box::pin(async move {
+            Err(DriverError::Exec {
+                message: format!("the {kind} driver cannot run commands in its tasks"),
+                alloc_id: request.alloc_id,
+                task: request.task,
+                command: request.command,
+            })
+        })
     }
 
     /// Measures what the task's processes use; `None` for a driver that does not measure

@@ -67,6 +67,7 @@ pub fn sample_record(name: &str, generation: u32) -> AllocRecord {
                 shutdown_delay: None,
                 logs: None,
                 resources: None,
+                checks: None,
             }],
         },
     };

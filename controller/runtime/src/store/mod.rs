@@ -22,15 +22,16 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, PoisonError};
 
 use stead_reconcilers::alloc::{AllocState, Shutdown, ShutdownReason};
+use stead_reconcilers::check::{CheckState, CheckStatus};
 use stead_reconcilers::event::{TaskEvent, TaskEventType};
-use stead_reconcilers::restart::RestartTracker;
+use stead_reconcilers::restart::{Jitter, RestartTracker};
 use stead_reconcilers::task::{KillProgress, KillReason, Process, TaskPhase, TaskState};
 use stead_schemas::ValidSpec;
 use stead_schemas::device::AssignedDevice;
 use stead_schemas::record::{
-    AllocRecord, AllocStateRecord, KillReasonRecord, KillRecord, ProcessRecord, RecordError,
-    RestartTrackerRecord, ShutdownReasonRecord, ShutdownRecord, TaskEventRecord, TaskHandleRecord,
-    TaskPhaseRecord, TaskStateRecord,
+    AllocRecord, AllocStateRecord, CheckStateRecord, KillReasonRecord, KillRecord, ProcessRecord,
+    RecordError, RestartTrackerRecord, ShutdownReasonRecord, ShutdownRecord, TaskEventRecord,
+    TaskHandleRecord, TaskPhaseRecord, TaskStateRecord,
 };
 use stead_schemas::spec::Name;
 
@@ -392,6 +393,10 @@ fn task_to_record(task: &TaskState) -> TaskStateRecord {
                 },
                 KillReason::LeaderDead => KillReasonRecord::LeaderDead,
                 KillReason::MainTasksDead => KillReasonRecord::MainTasksDead,
+                KillReason::Unhealthy { check, jitter } => KillReasonRecord::Unhealthy {
+                    check: check.to_string(),
+                    jitter: jitter.bits(),
+                },
             },
             signal_at: kill.signal_at,
             signalled_at: kill.signalled_at,
@@ -408,6 +413,20 @@ fn task_to_record(task: &TaskState) -> TaskStateRecord {
                 message: event.message.clone(),
                 exit_code: event.exit_code,
                 signal: event.signal,
+            })
+            .collect(),
+        checks: task
+            .checks
+            .iter()
+            .map(|(check, state)| {
+                let record = CheckStateRecord {
+                    status: state.status.as_str().to_owned(),
+                    output: state.output.clone(),
+                    since: state.since,
+                    consecutive: state.consecutive,
+                    unhealthy_since: state.unhealthy_since,
+                };
+                (check.to_string(), record)
             })
             .collect(),
     }
@@ -427,6 +446,12 @@ fn task_from_record(task: &str, record: TaskStateRecord) -> Result<TaskState, Re
                 }
                 KillReasonRecord::LeaderDead => KillReason::LeaderDead,
                 KillReasonRecord::MainTasksDead => KillReason::MainTasksDead,
+                KillReasonRecord::Unhealthy { check, jitter } => KillReason::Unhealthy {
+                    check: parse_task_name(&check, || {
+                        format!("state.tasks.{task}.kill.reason.check")
+                    })?,
+                    jitter: Jitter::from_bits(jitter),
+                },
             },
             signal_at: kill.signal_at,
             signalled_at: kill.signalled_at,
@@ -453,6 +478,28 @@ fn task_from_record(task: &str, record: TaskStateRecord) -> Result<TaskState, Re
             })
         })
         .collect::<Result<VecDeque<_>, RecordError>>()?;
+    let checks = record
+        .checks
+        .into_iter()
+        .map(|(check, state)| {
+            let name = parse_task_name(&check, || format!("state.tasks.{task}.checks"))?;
+            let status = CheckStatus::parse(&state.status).ok_or_else(|| {
+                RecordError::UnknownCheckStatus {
+                    task: task.to_owned(),
+                    check: check.clone(),
+                    status: state.status.clone(),
+                }
+            })?;
+            let state = CheckState {
+                status,
+                output: state.output,
+                since: state.since,
+                consecutive: state.consecutive,
+                unhealthy_since: state.unhealthy_since,
+            };
+            Ok((name, state))
+        })
+        .collect::<Result<BTreeMap<_, _>, RecordError>>()?;
     Ok(TaskState {
         phase: match record.phase {
             TaskPhaseRecord::Pending => TaskPhase::Pending,
@@ -478,6 +525,7 @@ fn task_from_record(task: &str, record: TaskStateRecord) -> Result<TaskState, Re
         kill,
         set_up: record.set_up,
         events,
+        checks,
     })
 }
 
@@ -593,6 +641,20 @@ mod tests {
             }),
             set_up: true,
             events,
+            checks: CheckStatus::ALL
+                .into_iter()
+                .enumerate()
+                .map(|(i, status)| {
+                    let state = CheckState {
+                        status,
+                        output: format!("said {status}"),
+                        since: (i > 0).then(|| at(50 + i as u64)),
+                        consecutive: i as u32,
+                        unhealthy_since: (i == 3).then(|| at(60)),
+                    };
+                    (name(&format!("check-{i}")), state)
+                })
+                .collect(),
         }
     }
 
@@ -609,6 +671,10 @@ mod tests {
             KillReason::SiblingFailed(name("db")),
             KillReason::LeaderDead,
             KillReason::MainTasksDead,
+            KillReason::Unhealthy {
+                check: name("alive"),
+                jitter: Jitter::from_bits(12345),
+            },
         ];
         let mut tasks: BTreeMap<Name, TaskState> = reasons
             .into_iter()

@@ -26,6 +26,7 @@
 //! leaves its task killed by `PR_SET_PDEATHSIG`; destroy then also kills the task's
 //! session.
 
+mod command;
 mod fingerprint;
 mod process;
 mod run;
@@ -43,6 +44,7 @@ use std::time::Duration;
 
 use rustix::process::Signal as RawSignal;
 use stead_reconcilers::exit::ExitResult;
+use stead_schemas::AllocId;
 use stead_schemas::spec::{DriverConfig, DriverKind, Name, Signal};
 use stead_supervisor::args::SupervisorArgs;
 use stead_supervisor::protocol::{self, ExitStatus, ProtocolError, Report, RunRecord};
@@ -54,8 +56,8 @@ use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
 use super::{
-    BoxFuture, Driver, DriverError, Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle,
-    TaskStats, signal_number,
+    BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health, RecordedRuns,
+    StartRequest, TaskHandle, TaskStats, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -371,16 +373,17 @@ impl Inner {
         Ok(account)
     }
 
-    /// The task's environment: the request's, plus the alloc dir's paths and a `PATH`.
+    /// The task's environment: the agent's (`env`), plus the alloc dir's paths and a
+    /// `PATH`.
     fn environment(
-        request: &StartRequest,
+        mut env: BTreeMap<String, String>,
+        alloc_id: &AllocId,
         alloc_dir: &AllocDir,
         task_dir: &TaskDir,
     ) -> BTreeMap<String, String> {
-        let mut env = request.env.clone();
         let path = |p: &Path| p.display().to_string();
         env.entry("STEAD_ALLOC_ID".to_owned())
-            .or_insert_with(|| request.alloc_id.to_string());
+            .or_insert_with(|| alloc_id.to_string());
         env.insert("STEAD_ALLOC_DIR".to_owned(), path(&alloc_dir.shared()));
         env.insert("STEAD_TASK_DIR".to_owned(), path(&task_dir.dir));
         env.insert("STEAD_SECRETS_DIR".to_owned(), path(&task_dir.secrets));
@@ -498,7 +501,12 @@ impl Inner {
         let task_dir = alloc_dir
             .build_task(&request.task, account.as_ref().map(|a| (a.uid, a.gid)))
             .map_err(ExecError::TaskDir)?;
-        let env = Self::environment(&request, &alloc_dir, &task_dir);
+        let env = Self::environment(
+            request.env.clone(),
+            &request.alloc_id,
+            &alloc_dir,
+            &task_dir,
+        );
         let args = config.args.clone().unwrap_or_default();
         for (what, text) in env
             .iter()
@@ -996,5 +1004,40 @@ impl Driver for ExecDriver {
     fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {
         let handle = handle.clone();
         Box::pin(async move { self.inner.stats(&handle).map(Some) })
+    }
+
+    fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, DriverError>> {
+        Box::pin(async move {
+            let failed = |message: String| DriverError::Exec {
+                alloc_id: request.alloc_id.clone(),
+                task: request.task.clone(),
+                command: request.command.clone(),
+                message,
+            };
+            let inner = &self.inner;
+            let account = inner
+                .account_for(request.user.as_deref())
+                .map_err(|error| failed(crate::errors::error_chain(&error)))?;
+            let alloc_dir = inner.dirs.alloc(&request.alloc_id);
+            let task_dir = alloc_dir
+                .task(&request.task)
+                .map_err(|error| failed(crate::errors::error_chain(&error)))?;
+            let env = Inner::environment(
+                request.env.clone(),
+                &request.alloc_id,
+                &alloc_dir,
+                &task_dir,
+            );
+            command::run(
+                &request.command,
+                &request.args,
+                &env,
+                &task_dir.dir,
+                account.as_ref(),
+                request.timeout,
+            )
+            .await
+            .map_err(|error| failed(error.to_string()))
+        })
     }
 }
