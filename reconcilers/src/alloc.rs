@@ -1289,6 +1289,135 @@ mod tests {
         assert_eq!(main.restarts, 1);
     }
 
+    /// One service task with an http check that restarts it after `limit` failing
+    /// intervals of 1s, no grace, under `restart`.
+    fn checked(limit: u32, restart: &str) -> String {
+        format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: web}}\nspec:\n  restart: {restart}\n  tasks:\n    - name: main\n      driver: mock\n      config: {{}}\n      checks:\n        - {{name: alive, type: http, port: 8080, interval: 1s, timeout: 1s, restart: {{limit: {limit}, grace: 0s}}}}\n"
+        )
+    }
+
+    fn check_result(sim: &mut Sim, status: CheckStatus) -> bool {
+        let observation = Observation::Check {
+            check: name("alive"),
+            status,
+            output: format!("said {status}"),
+        };
+        sim.state.observe(
+            &sim.desired,
+            &name("main"),
+            observation,
+            Jitter::ZERO,
+            sim.now,
+        )
+    }
+
+    #[test]
+    fn a_check_restart_reads_restart_signaled_terminated_restarting_and_counts_as_a_failure() {
+        let mut sim = Sim::new(&checked(
+            3,
+            "{attempts: 2, interval: 10m, delay: 5s, mode: fail}",
+        ));
+        sim.settle();
+        for (ms, status, restarts) in [
+            (1_000, CheckStatus::Passing, false),
+            (2_000, CheckStatus::Critical, false),
+            (3_000, CheckStatus::Critical, false),
+            (4_000, CheckStatus::Critical, true),
+        ] {
+            sim.now = at(ms);
+            assert_eq!(check_result(&mut sim, status), restarts, "at {ms} ms");
+        }
+        sim.settle();
+        assert_eq!(
+            sim.messages("main", 3),
+            [
+                ("Restart Signaled", "healthcheck: check \"alive\" unhealthy"),
+                ("Terminated", "Exit Code: 130, Signal: 2"),
+                ("Restarting", "Task restarting in 5s"),
+            ]
+        );
+        let main = &sim.state.tasks[&name("main")];
+        assert_eq!(main.restarts, 1);
+        assert_eq!(
+            main.tracker.attempts_in_window, 1,
+            "counted against the policy"
+        );
+        assert_eq!(main.restart_at, Some(at(9_000)));
+        // The restarted run's checks start pending.
+        sim.now = at(9_000);
+        sim.settle();
+        assert!(sim.state.tasks[&name("main")].checks.is_empty());
+        assert_eq!(sim.state.healthy(&sim.desired), Some(false));
+    }
+
+    #[test]
+    fn a_check_that_keeps_failing_ends_a_task_with_attempts_1_mode_fail_as_failed() {
+        let mut sim = Sim::new(&checked(
+            1,
+            "{attempts: 1, interval: 10m, delay: 5s, mode: fail}",
+        ));
+        sim.settle();
+        for round in 0..2u64 {
+            sim.now = at(round * 10_000 + 1_000);
+            assert!(
+                check_result(&mut sim, CheckStatus::Critical),
+                "round {round}"
+            );
+            sim.settle();
+            sim.now = at(round * 10_000 + 9_000);
+            sim.settle();
+        }
+        let main = &sim.state.tasks[&name("main")];
+        assert!(main.failed);
+        assert!(main.is_dead());
+        assert_eq!(
+            main.events.back().map(|e| e.message.as_str()),
+            Some("Exceeded allowed attempts 1 in interval 10m0s and mode is \"fail\"")
+        );
+        assert_eq!(sim.state.client_status().as_str(), "failed");
+    }
+
+    #[test]
+    fn check_results_of_a_task_that_does_not_run_or_is_being_killed_are_dropped() {
+        let mut sim = Sim::new(&checked(
+            1,
+            "{attempts: 2, interval: 10m, delay: 5s, mode: fail}",
+        ));
+        assert!(
+            !check_result(&mut sim, CheckStatus::Critical),
+            "not started"
+        );
+        assert!(sim.state.tasks[&name("main")].checks.is_empty());
+        sim.settle();
+        sim.state
+            .request_restart(&sim.desired, None, sim.now)
+            .expect("running");
+        assert!(
+            !check_result(&mut sim, CheckStatus::Critical),
+            "being killed"
+        );
+        assert!(sim.state.tasks[&name("main")].checks.is_empty());
+    }
+
+    #[test]
+    fn an_alloc_is_healthy_when_every_task_with_checks_runs_and_passes_them() {
+        let mut sim = Sim::new(ONE_TASK);
+        sim.settle();
+        assert_eq!(sim.state.healthy(&sim.desired), None, "no checks");
+        let mut sim = Sim::new(&checked(
+            3,
+            "{attempts: 2, interval: 10m, delay: 5s, mode: fail}",
+        ));
+        assert_eq!(sim.state.healthy(&sim.desired), Some(false), "not running");
+        sim.settle();
+        assert_eq!(sim.state.healthy(&sim.desired), Some(false), "pending");
+        check_result(&mut sim, CheckStatus::Passing);
+        assert_eq!(sim.state.healthy(&sim.desired), Some(true));
+        check_result(&mut sim, CheckStatus::Warning);
+        assert_eq!(sim.state.healthy(&sim.desired), Some(false), "warning");
+    }
+
     #[test]
     fn a_stop_during_a_user_restart_reads_killing_and_killed() {
         let mut sim = Sim::new(ONE_TASK);

@@ -704,7 +704,14 @@ impl Decode for CheckSpec {
                 cx.report(
                     node.location,
                     &path.field(key),
-                    format!("missing required field for a {kind} check"),
+                    format!(
+                        "missing required field for {} {kind} check",
+                        if check.check_type == CheckType::Tcp {
+                            "a"
+                        } else {
+                            "an"
+                        }
+                    ),
                 );
                 ok = false;
             }
@@ -731,16 +738,11 @@ impl Decode for CheckSpec {
             refuse("interval", format!("must be at least {min}"));
         } else if timeout < min {
             refuse("timeout", format!("must be at least {min}"));
-        } else if timeout >= interval {
-            let (key, written) = if check.timeout.is_some() {
-                ("timeout", format!("timeout {timeout}"))
-            } else {
-                ("interval", format!("the default timeout {timeout}"))
-            };
+        } else if timeout > interval {
             refuse(
-                key,
+                "timeout",
                 format!(
-                    "{written} must be shorter than the interval {interval}, so checks never overlap"
+                    "timeout {timeout} is longer than the interval {interval}; a check must end before it is due again"
                 ),
             );
         }

@@ -26,7 +26,7 @@ pub const MIN_MEMORY_MB: u32 = 10;
 pub const MIN_RESTART_INTERVAL: Duration = Duration::from_secs(5);
 /// A check's `interval` when unset.
 pub const DEFAULT_CHECK_INTERVAL: Duration = Duration::from_secs(10);
-/// A check's `timeout` when unset.
+/// A check's `timeout` when unset (or its `interval`, when that is shorter).
 pub const DEFAULT_CHECK_TIMEOUT: Duration = Duration::from_secs(2);
 /// The shortest check `interval` and `timeout`.
 pub const MIN_CHECK_PERIOD: Duration = Duration::from_secs(1);
@@ -219,9 +219,10 @@ impl CheckSpec {
         self.interval.unwrap_or(DEFAULT_CHECK_INTERVAL)
     }
 
-    /// `timeout`, or its default.
+    /// `timeout`, or its default: 2s, or the interval when that is shorter.
     pub fn effective_timeout(&self) -> Duration {
-        self.timeout.unwrap_or(DEFAULT_CHECK_TIMEOUT)
+        self.timeout
+            .unwrap_or(DEFAULT_CHECK_TIMEOUT.min(self.effective_interval()))
     }
 
     /// The host an http or tcp check reaches.

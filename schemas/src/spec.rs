@@ -230,7 +230,8 @@ pub struct CheckSpec {
     /// Time between checks, at least 1s (default 10s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub interval: Option<Duration>,
-    /// How long one check may take, at least 1s and shorter than `interval` (default 2s).
+    /// How long one check may take: at least 1s and at most `interval` (default 2s, or
+    /// `interval` when that is shorter).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub timeout: Option<Duration>,
     /// Restart the task when the check stays unhealthy; without it the check only reports.

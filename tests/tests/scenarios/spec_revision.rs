@@ -283,6 +283,95 @@ spec:
     assert_eq!(revision(explicit), revision(BASE));
 }
 
+/// One task with three checks, their defaults left out.
+const CHECKED: &str = r#"apiVersion: stead/v1
+kind: Alloc
+metadata: {name: shop}
+spec:
+  tasks:
+    - name: server
+      driver: exec
+      config: {command: /usr/bin/python3, args: ["-m", "http.server", "8080"]}
+      checks:
+        - {name: alive, type: http, port: 8080}
+        - {name: open, type: tcp, port: 8080, interval: 1s, restart: {limit: 3}}
+        - {name: script, type: exec, command: /bin/true}
+"#;
+
+#[test]
+fn writing_the_check_defaults_out_keeps_the_revision() {
+    let explicit = r#"apiVersion: stead/v1
+kind: Alloc
+metadata: {name: shop}
+spec:
+  tasks:
+    - name: server
+      driver: exec
+      config: {command: /usr/bin/python3, args: ["-m", "http.server", "8080"]}
+      checks:
+        - {name: alive, type: http, host: 127.0.0.1, port: 8080, path: /, method: GET, interval: 10s, timeout: 2s}
+        - name: open
+          type: tcp
+          host: 127.0.0.1
+          port: 8080
+          interval: 1000ms
+          timeout: 1s
+          restart: {limit: 3, grace: 1s, ignoreWarnings: false}
+        - {name: script, type: exec, command: /bin/true, args: [], interval: 10s, timeout: 2s}
+"#;
+    assert_eq!(revision(explicit), revision(CHECKED));
+    let without_checks = CHECKED.split("      checks:").next().expect("a prefix");
+    let empty = format!("{without_checks}      checks: []\n");
+    assert_eq!(revision(&empty), revision(without_checks));
+}
+
+#[test]
+fn every_edit_of_a_check_changes_the_revision() {
+    let base = revision(CHECKED);
+    let edits = [
+        ("name", "name: alive", "name: live"),
+        ("type", "type: http, port: 8080}", "type: tcp, port: 8080}"),
+        ("port", "http, port: 8080", "http, port: 8081"),
+        (
+            "path",
+            "type: http, port: 8080}",
+            "type: http, port: 8080, path: /healthz}",
+        ),
+        ("interval", "interval: 1s", "interval: 2s"),
+        ("limit", "limit: 3", "limit: 4"),
+        ("grace", "limit: 3}", "limit: 3, grace: 5s}"),
+        (
+            "ignoreWarnings",
+            "limit: 3}",
+            "limit: 3, ignoreWarnings: true}",
+        ),
+        ("command", "/bin/true", "/bin/false"),
+        (
+            "order",
+            "        - {name: alive, type: http, port: 8080}\n",
+            "",
+        ),
+    ];
+    let mut seen = vec![("base", base)];
+    for (what, from, to) in edits {
+        assert_eq!(CHECKED.matches(from).count(), 1, "{what}: {from:?}");
+        let edited = CHECKED.replacen(from, to, 1);
+        let edited = if what == "order" {
+            edited.replace(
+                "command: /bin/true}\n",
+                "command: /bin/true}\n        - {name: alive, type: http, port: 8080}\n",
+            )
+        } else {
+            edited
+        };
+        let edited = revision(&edited);
+        if let Some((other, _)) = seen.iter().find(|(_, r)| *r == edited) {
+            panic!("{what}: the edited spec has the same revision as {other}");
+        }
+        seen.push((what, edited));
+    }
+}
+
 #[test]
 fn writing_the_batch_defaults_out_keeps_the_revision() {
     let implicit = r#"apiVersion: stead/v1
@@ -785,7 +874,7 @@ fn revision_goldens_of_every_valid_example_and_fixture_are_pinned() {
     expect_test::expect![[r#"
         deploy/examples/nightly-report.yaml nightly-report 359b32f7cb982fc1f024d2203bbfb104d567f2c2f253c08d3ea2d2b1398534c9
         deploy/examples/queue-worker.yaml queue-worker 9b3ad651f66fe99801f449e655796f02e38ec9e479374154677844cab239c90f
-        deploy/examples/web.yaml web b13d1e03c09bd711ce45d0f8ccae221d04f74658e175014709a7392f7c4a5952
+        deploy/examples/web.yaml web ea18c1bd9fd424f9e3c7532abbb96ab8be232973d9e90de776b49f10da9f60b6
         tests/fixtures/invalid/multi-document-duplicate-env-key.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157
         tests/fixtures/invalid/multi-document-duplicate-names.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157
         tests/fixtures/invalid/multi-document-duplicate-names.yaml web 41a0ceaed919c36ecfd1f821a50fffb0b13750c34bdf85402e977d7bbc544157

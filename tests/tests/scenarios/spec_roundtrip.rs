@@ -520,8 +520,11 @@ fn checks() -> impl Strategy<Value = Vec<CheckSpec>> {
         )),
     )
         .prop_filter(
-            "the timeout is shorter than the interval",
-            |(.., (interval, timeout), _)| timeout.unwrap_or(2) < interval.unwrap_or(10),
+            "the timeout is at most the interval",
+            |(.., (interval, timeout), _)| {
+                let interval = interval.unwrap_or(10);
+                timeout.unwrap_or(2.min(interval)) <= interval
+            },
         )
         .prop_map(
             move |(

@@ -56,6 +56,7 @@ fn the_schema_rejects_structural_mistakes_the_validator_rejects() {
         "bad-duration-without-unit",
         "bad-restart-mode",
         "bad-signal",
+        "check-bad-values",
         "kill-signal-stop-cont",
         "wrong-type-env-integer",
         "wrong-type-tasks-mapping",
