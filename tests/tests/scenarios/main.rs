@@ -10,6 +10,7 @@ mod agent_shutdown;
 mod alloc_scenarios;
 mod api_endpoints;
 mod api_metrics;
+mod check_agent;
 mod cli_commands;
 mod cli_proxy;
 mod cli_status;

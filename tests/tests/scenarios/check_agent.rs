@@ -1,0 +1,300 @@
+//! Health checks through the real `stead agent` binary and real processes: an http check
+//! that restarts its task, an exec check that hangs, a tcp check of a closed port, a
+//! restart policy that gives up, and an agent killed while a check fails.
+
+use crate::agent_support;
+
+use std::path::Path;
+use std::time::Duration;
+
+use agent_support::{Agent, AgentDirs, free_port, processes_with, wait_for};
+use stead_schemas::status::{TaskCheckStatus, TaskStatus};
+
+/// The test service: 200 on every request, 500 while its flag file exists.
+fn health_binary() -> &'static str {
+    env!("CARGO_BIN_EXE_stead-test-health")
+}
+
+/// An alloc `name` whose task `main` runs the test service on `port` (failing while
+/// `flag` exists), with an http check `alive` of `interval` restarting it after `limit`
+/// failing intervals and a grace of 1s, under the group restart policy `restart`.
+fn served(name: &str, port: u16, flag: &Path, interval: &str, limit: u32, restart: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  restart: {restart}\n  tasks:\n    - name: main\n      driver: exec\n      killSignal: SIGKILL\n      config:\n        command: {}\n        args: [\"{port}\", \"{}\"]\n      checks:\n        - name: alive\n          type: http\n          port: {port}\n          path: /healthz\n          interval: {interval}\n          timeout: 1s\n          restart: {{limit: {limit}, grace: 1s}}\n",
+        health_binary(),
+        flag.display(),
+    )
+}
+
+/// Task `main` of alloc `name`, once `condition` holds of it.
+fn wait_for_task(
+    agent: &Agent,
+    name: &str,
+    what: &str,
+    within: Duration,
+    condition: impl Fn(&TaskStatus) -> bool,
+) -> TaskStatus {
+    wait_for(what, within, || {
+        let status = agent.status(name);
+        status
+            .as_ref()
+            .and_then(|s| s.tasks.get("main"))
+            .filter(|task| condition(task))
+            .cloned()
+            .ok_or_else(|| format!("{status:#?}"))
+    })
+}
+
+fn check<'t>(task: &'t TaskStatus, name: &str) -> &'t TaskCheckStatus {
+    task.checks
+        .iter()
+        .find(|c| c.name == name)
+        .unwrap_or_else(|| panic!("no check {name} in {task:#?}"))
+}
+
+#[test]
+fn an_http_check_that_starts_failing_restarts_its_task_with_the_healthcheck_event() {
+    let dirs = AgentDirs::new("");
+    let port = free_port();
+    let flag = dirs.root.path().join("failing");
+    dirs.write_spec(
+        "web",
+        &served(
+            "web",
+            port,
+            &flag,
+            "1s",
+            2,
+            "{attempts: 3, interval: 10m, delay: 1s, mode: fail}",
+        ),
+    );
+    let agent = dirs.start();
+    wait_for("the alloc is healthy", Duration::from_secs(30), || {
+        let status = agent.status("web");
+        match &status {
+            Some(s) if s.healthy == Some(true) => Ok(()),
+            _ => Err(format!("{status:#?}")),
+        }
+    });
+    let task = agent.status("web").expect("a status").tasks["main"].clone();
+    assert!(
+        check(&task, "alive").output.contains("200 OK Output: ok"),
+        "{task:#?}"
+    );
+    assert_eq!(task.restarts, 0);
+
+    std::fs::write(&flag, "").expect("flag written");
+    let signaled = agent.wait_for_event("web", "main", "Restart Signaled", Duration::from_secs(30));
+    assert_eq!(signaled.message, "healthcheck: check \"alive\" unhealthy");
+    std::fs::remove_file(&flag).expect("flag removed");
+    let task = wait_for_task(
+        &agent,
+        "web",
+        "the task restarted and runs again",
+        Duration::from_secs(30),
+        |t| {
+            t.restarts == 1
+                && t.state == "running"
+                && t.events
+                    .iter()
+                    .filter(|e| e.event_type == "Started")
+                    .count()
+                    == 2
+        },
+    );
+    let types: Vec<&str> = task.events.iter().map(|e| e.event_type.as_str()).collect();
+    let signaled_at = types
+        .iter()
+        .position(|t| *t == "Restart Signaled")
+        .expect("signaled");
+    assert_eq!(
+        types[signaled_at..],
+        ["Restart Signaled", "Terminated", "Restarting", "Started"],
+        "{task:#?}"
+    );
+    assert!(!task.failed);
+    wait_for_task(
+        &agent,
+        "web",
+        "the check passes again",
+        Duration::from_secs(30),
+        |t| check(t, "alive").status == "passing",
+    );
+    let (_, metrics) = agent.try_get("/metrics").expect("metrics");
+    assert!(
+        metrics.contains("stead_check_restarts_total 1"),
+        "{metrics}"
+    );
+    agent.terminate();
+}
+
+#[test]
+fn a_hung_exec_check_is_killed_at_its_timeout_and_a_closed_port_fails_a_tcp_check() {
+    let dirs = AgentDirs::new("");
+    let closed = free_port();
+    // A duration no other process sleeps, to find the check's processes by.
+    let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+    let marker = format!("stead-check-task-{}", std::process::id());
+    dirs.write_spec(
+        "hung",
+        &format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: hung}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"while :; do sleep 0.2; done\", \"{marker}\"]\n      checks:\n        - {{name: script, type: exec, command: /bin/sh, args: [\"-c\", \"echo started; sleep {nap}; exit 0\"], interval: 30s, timeout: 1s}}\n        - {{name: port, type: tcp, port: {closed}, interval: 30s, timeout: 1s}}\n"
+        ),
+    );
+    let agent = dirs.start();
+    let task = wait_for_task(
+        &agent,
+        "hung",
+        "both checks are critical",
+        Duration::from_secs(30),
+        |t| t.checks.iter().all(|c| c.status == "critical"),
+    );
+    let script = check(&task, "script");
+    assert!(
+        script
+            .output
+            .starts_with("timed out after 1s; its process group was killed. Output: started"),
+        "{script:#?}"
+    );
+    let port = check(&task, "port");
+    assert!(
+        port.output
+            .starts_with(&format!("TCP connect 127.0.0.1:{closed}: "))
+            && port.output.contains("refused"),
+        "{port:#?}"
+    );
+    // The next run is 30s away: nothing of the first may be left.
+    wait_for(
+        "no process of the hung check is left",
+        Duration::from_secs(5),
+        || {
+            let left = processes_with(&nap);
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    );
+    let status = agent.status("hung").expect("a status");
+    assert_eq!(status.healthy, Some(false));
+    assert_eq!(
+        status.tasks["main"].restarts, 0,
+        "checks without restart only report"
+    );
+    let (_, metrics) = agent.try_get("/metrics").expect("metrics");
+    assert!(
+        metrics.lines().any(
+            |l| l.starts_with("stead_check_results_total{status=\"critical\"}")
+                && !l.ends_with(" 0")
+        ),
+        "{metrics}"
+    );
+    agent.terminate();
+    agent_support::kill_all_with(&marker);
+}
+
+#[test]
+fn a_task_that_keeps_failing_its_check_under_attempts_1_mode_fail_ends_failed() {
+    let dirs = AgentDirs::new("");
+    let port = free_port();
+    let flag = dirs.root.path().join("failing");
+    std::fs::write(&flag, "").expect("flag written");
+    dirs.write_spec(
+        "doomed",
+        &served(
+            "doomed",
+            port,
+            &flag,
+            "1s",
+            1,
+            "{attempts: 1, interval: 10m, delay: 1s, mode: fail}",
+        ),
+    );
+    let agent = dirs.start();
+    let task = wait_for_task(
+        &agent,
+        "doomed",
+        "the task failed",
+        Duration::from_secs(60),
+        |t| t.state == "dead",
+    );
+    assert!(task.failed, "{task:#?}");
+    assert_eq!(task.restarts, 1, "{task:#?}");
+    let last = task.events.last().expect("events");
+    assert_eq!(last.event_type, "Not Restarting", "{task:#?}");
+    let status = agent.status("doomed").expect("a status");
+    assert_eq!(status.client_status, "failed");
+    agent.terminate();
+}
+
+#[test]
+fn an_agent_killed_while_a_check_fails_restarts_the_task_at_the_same_deadline() {
+    let _turn = stead_tests::real_time_turn();
+    let dirs = AgentDirs::new("");
+    let port = free_port();
+    let flag = dirs.root.path().join("failing");
+    // Unhealthy for interval × (limit − 1) = 6s restarts it.
+    dirs.write_spec(
+        "web",
+        &served(
+            "web",
+            port,
+            &flag,
+            "2s",
+            4,
+            "{attempts: 3, interval: 10m, delay: 1s, mode: fail}",
+        ),
+    );
+    let agent = dirs.start();
+    wait_for_task(
+        &agent,
+        "web",
+        "the check passes",
+        Duration::from_secs(30),
+        |t| check(t, "alive").status == "passing",
+    );
+    std::fs::write(&flag, "").expect("flag written");
+    let task = wait_for_task(
+        &agent,
+        "web",
+        "the check fails",
+        Duration::from_secs(30),
+        |t| check(t, "alive").status == "critical",
+    );
+    let unhealthy_since = check(&task, "alive").since.expect("a since");
+    // Two more failing results, then the agent dies: 4s of the 6s are behind it.
+    wait_for("4s of failure", Duration::from_secs(30), || {
+        let since_epoch = std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after the epoch");
+        let now = stead_schemas::Timestamp::from_since_epoch(since_epoch);
+        if now.saturating_duration_since(unhealthy_since) >= Duration::from_millis(4_300) {
+            Ok(())
+        } else {
+            Err(format!("{now}"))
+        }
+    });
+    agent.kill9();
+    let agent = dirs.start();
+    let signaled = agent.wait_for_event("web", "main", "Restart Signaled", Duration::from_secs(30));
+    let after = signaled.time.saturating_duration_since(unhealthy_since);
+    // Due 6s after the first failure; results come every 2s, so at most one interval late.
+    assert!(
+        after >= Duration::from_secs(6)
+            && after <= Duration::from_secs(8) + Duration::from_millis(500),
+        "restarted {after:?} after the check became unhealthy; a fresh grace and count would take 7s more"
+    );
+    let status = agent.status("web").expect("a status");
+    let started = status.tasks["main"]
+        .events
+        .iter()
+        .filter(|e| e.event_type == "Started")
+        .count();
+    assert!(
+        started <= 2,
+        "the agent's restart did not restart the task: {status:#?}"
+    );
+    std::fs::remove_file(&flag).expect("flag removed");
+    agent.terminate();
+}
