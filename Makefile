@@ -59,6 +59,7 @@ bench: deps
 	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-controller stead-supervisor stead-bench
 	target/dist/stead-bench core $(ALLOCS) $(IDLE_SECONDS)
 	target/dist/stead-bench exec 500
+	target/dist/stead-bench checks 1000 30
 	target/dist/stead-bench store 1000 10 3
 	target/dist/stead-bench devices 1000 64 201
 	target/dist/stead-bench parse 20

@@ -6,6 +6,7 @@
 //! tasks take a second to exit. Real time, release build, the machine's two cores.
 
 mod api;
+mod checks;
 mod devices;
 mod exec;
 mod measure;
@@ -216,6 +217,7 @@ fn main() -> anyhow::Result<()> {
         "core" => runtime.block_on(core(allocs, idle, tick)),
         "api" => api::run(&runtime),
         "exec" => exec::run(&runtime),
+        "checks" => checks::run(),
         "store" => store::run(&runtime),
         "peers" => peers::run_peers(),
         "parse" => parse::run(
@@ -227,7 +229,7 @@ fn main() -> anyhow::Result<()> {
         ),
         "devices" => devices::run(allocs, idle.as_secs() as usize, tick.as_millis() as usize),
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `checks [TASKS] [WINDOW_SECONDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]`"
         ),
     }
 }

@@ -13,7 +13,7 @@ use std::time::Duration;
 use stead_schemas::Timestamp;
 use stead_schemas::spec::{AllocBody, DriverKind, LifecycleHook, Name, Signal};
 
-use crate::check::CheckStatus;
+use crate::check::{CheckResult, CheckStatus};
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
 use crate::restart::Jitter;
@@ -167,6 +167,9 @@ pub enum Observation {
         status: CheckStatus,
         /// What the check said (capped by the shell).
         output: String,
+        /// Results like the last one observed (passing, same output) that came before
+        /// this one and were only counted.
+        repeats: u32,
     },
 }
 
@@ -537,8 +540,14 @@ impl AllocState {
                 check,
                 status,
                 output,
+                repeats,
             } => {
-                restarted = state.observe_check(settings, &check, status, output, jitter, now, cap);
+                let result = CheckResult {
+                    status,
+                    output,
+                    repeats,
+                };
+                restarted = state.observe_check(settings, &check, result, jitter, now, cap);
             }
         }
         restarted
@@ -1302,6 +1311,7 @@ mod tests {
             check: name("alive"),
             status,
             output: format!("said {status}"),
+            repeats: 0,
         };
         sim.state.observe(
             &sim.desired,

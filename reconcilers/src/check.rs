@@ -107,6 +107,18 @@ impl fmt::Display for CheckStatus {
     }
 }
 
+/// One result of a check, as the shell reports it.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct CheckResult {
+    /// Passing, warning or critical.
+    pub status: CheckStatus,
+    /// What the check said (capped by the shell).
+    pub output: String,
+    /// Passing results identical to the last one reported that came before this one and
+    /// were only counted (they change nothing else).
+    pub repeats: u32,
+}
+
 /// One check's state in the task's current run; persisted with the task, so that after
 /// an agent restart the check resumes where it was.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -147,11 +159,17 @@ impl CheckState {
     pub fn observe(
         &mut self,
         settings: &CheckSettings,
-        status: CheckStatus,
-        output: String,
+        result: CheckResult,
         started: Timestamp,
         now: Timestamp,
     ) -> bool {
+        let CheckResult {
+            status,
+            output,
+            repeats,
+        } = result;
+        // The results only counted repeated the last status.
+        self.consecutive = self.consecutive.saturating_add(repeats);
         if status == self.status {
             self.consecutive = self.consecutive.saturating_add(1);
         } else {
@@ -214,6 +232,14 @@ mod tests {
 
     use CheckStatus::{Critical, Passing, Warning};
 
+    fn result(status: CheckStatus, output: &str) -> CheckResult {
+        CheckResult {
+            status,
+            output: output.to_owned(),
+            repeats: 0,
+        }
+    }
+
     /// Feeds `results` (ms since the task started at 0, status) and returns the times
     /// at which the task is restarted. A restart starts the task again at once, as the
     /// worker's next run would: grace counts from there.
@@ -222,7 +248,7 @@ mod tests {
         let mut started = at_ms(0);
         let mut restarted = Vec::new();
         for &(ms, status) in results {
-            if state.observe(settings, status, String::new(), started, at_ms(ms)) {
+            if state.observe(settings, result(status, ""), started, at_ms(ms)) {
                 restarted.push(ms);
                 started = at_ms(ms);
                 state = CheckState::pending();
@@ -346,14 +372,27 @@ mod tests {
         let mut state = CheckState::pending();
         let started = at_ms(0);
         for (ms, status) in [(1_000, Passing), (2_000, Passing), (3_000, Critical)] {
-            state.observe(&settings, status, format!("at {ms}"), started, at_ms(ms));
+            state.observe(
+                &settings,
+                result(status, &format!("at {ms}")),
+                started,
+                at_ms(ms),
+            );
         }
         assert_eq!(state.status, Critical);
         assert_eq!(state.since, Some(at_ms(3_000)));
         assert_eq!(state.consecutive, 1);
         assert_eq!(state.output, "at 3000");
-        state.observe(&settings, Critical, String::new(), started, at_ms(4_000));
+        state.observe(&settings, result(Critical, ""), started, at_ms(4_000));
         assert_eq!((state.since, state.consecutive), (Some(at_ms(3_000)), 2));
+        // Results only counted in between repeated the status they followed.
+        state.observe(&settings, result(Passing, ""), started, at_ms(5_000));
+        let counted = CheckResult {
+            repeats: 3,
+            ..result(Passing, "")
+        };
+        state.observe(&settings, counted, started, at_ms(9_000));
+        assert_eq!((state.since, state.consecutive), (Some(at_ms(5_000)), 5));
     }
 
     #[test]
@@ -361,7 +400,7 @@ mod tests {
         let settings = settings(1_000, Some((3, 0, false)));
         let mut state = CheckState::pending();
         assert_eq!(state.restart_due(&settings), None);
-        state.observe(&settings, Critical, String::new(), at_ms(0), at_ms(5_000));
+        state.observe(&settings, result(Critical, ""), at_ms(0), at_ms(5_000));
         assert_eq!(state.restart_due(&settings), Some(at_ms(7_000)));
     }
 

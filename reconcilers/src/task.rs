@@ -13,7 +13,7 @@ use stead_schemas::spec::{
 };
 use stead_schemas::{RestartPolicy, Timestamp};
 
-use crate::check::{CheckSettings, CheckState, CheckStatus};
+use crate::check::{CheckResult, CheckSettings, CheckState, CheckStatus};
 use crate::event::{TaskEvent, TaskEventType};
 use crate::exit::ExitResult;
 use crate::restart::{Jitter, RestartDecision, RestartReason, RestartTracker, RunEnd};
@@ -517,13 +517,11 @@ impl TaskState {
     /// the check has stayed unhealthy for its limit, the task is restarted (`Restart
     /// Signaled`, then its kill signal and timeout), and the restart counts as a failure
     /// against its restart policy. True when it is restarted.
-    #[allow(clippy::too_many_arguments)]
     pub fn observe_check(
         &mut self,
         settings: &TaskSettings,
         check: &Name,
-        status: CheckStatus,
-        output: String,
+        result: CheckResult,
         jitter: Jitter,
         now: Timestamp,
         cap: usize,
@@ -538,7 +536,7 @@ impl TaskState {
             return false;
         }
         let state = self.checks.entry(check.clone()).or_default();
-        if !state.observe(check_settings, status, output, since, now) {
+        if !state.observe(check_settings, result, since, now) {
             return false;
         }
         self.push_event(

@@ -3,22 +3,24 @@
 //!
 //! What a result means for the task (unhealthy, restart) is decided in
 //! `stead_reconcilers::check`; this module only produces results. One loop per task holds
-//! one timer for all the task's checks; each probe runs as its own tokio task under its
-//! timeout, so a slow check never delays another, and a check still running when it is
-//! due again skips that turn rather than overlap itself. Schedules keep their phase: a
+//! one timer for all the task's checks and polls their runs itself (no task or thread
+//! per check); each run has its own timeout, so a slow check never delays another, and a
+//! check still running when it is due again skips that turn rather than overlap itself. Schedules keep their phase: a
 //! check due at `t` is next due at `t + interval`, however long it took.
 //!
 //! The HTTP probe writes its one request line by hand and reads the answer with
 //! `httparse` (decision 0062): no pool, no TLS, no redirects, at most 4 KiB of body kept.
 
+use std::future::Future;
+use std::pin::Pin;
 use std::sync::Arc;
+use std::task::Poll;
 use std::time::Duration;
 
 use stead_reconcilers::check::CheckStatus;
 use stead_schemas::spec::Name;
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
-use tokio::task::JoinSet;
 
 use crate::clock::Clock;
 use crate::driver::{Driver, EXEC_OUTPUT_LIMIT, ExecRequest};
@@ -78,24 +80,46 @@ impl ProbeResult {
     }
 }
 
-/// Runs `probes` on their schedules until dropped, each first at once, handing each
-/// result to `report`. Dropping it abandons the probes in flight (a command's process
-/// group is killed).
+/// The grid checks are scheduled on: checks due within the same 10 ms run together, so
+/// the runtime wakes once for them rather than once each (decision 0062).
+pub const SCHEDULE_GRAIN: Duration = Duration::from_millis(10);
+
+/// The longest a check's first run waits: its first runs are spread over this (or its
+/// interval, when shorter), so that tasks started together do not check together.
+pub const FIRST_RUN_SPREAD: Duration = Duration::from_secs(1);
+
+/// Runs `probes` on their schedules until dropped, handing results to `report`. Each
+/// first runs after a random part of [`FIRST_RUN_SPREAD`] (`first_runs` draws it), then
+/// every interval. A passing result that says what the last one reported said changes
+/// nothing but a count, so it is only counted: the next report carries how many there
+/// were (`report`'s third argument), and a steady check costs its worker nothing.
+/// Dropping it abandons the probes in flight (a command's process group is killed).
 pub(crate) async fn run(
     probes: Vec<Probe>,
     clock: Clock,
-    report: impl Fn(&Name, ProbeResult) + Send,
+    mut first_runs: impl FnMut(Duration) -> Duration + Send,
+    report: impl Fn(&Name, ProbeResult, u32) + Send,
 ) {
-    let probes: Vec<Arc<Probe>> = probes.into_iter().map(Arc::new).collect();
+    // The last result reported of each check, and the identical ones since.
+    let mut reported: Vec<Option<ProbeResult>> = probes.iter().map(|_| None).collect();
+    let mut repeats: Vec<u32> = vec![0; probes.len()];
     let start = clock.instant();
-    let mut due = vec![start; probes.len()];
-    let mut in_flight = vec![false; probes.len()];
-    let mut running: JoinSet<(usize, ProbeResult)> = JoinSet::new();
+    let mut due: Vec<_> = probes
+        .iter()
+        .map(|probe| {
+            let first = start + first_runs(probe.interval.min(FIRST_RUN_SPREAD));
+            clock.on_grid(first, SCHEDULE_GRAIN)
+        })
+        .collect();
+    // The run in flight of each check, polled here rather than spawned: one task per
+    // task's checks, woken once per result.
+    let mut running: Vec<Option<Pin<Box<dyn Future<Output = ProbeResult> + Send + '_>>>> =
+        probes.iter().map(|_| None).collect();
     loop {
         let next = due
             .iter()
-            .zip(&in_flight)
-            .filter(|(_, busy)| !**busy)
+            .zip(&running)
+            .filter(|(_, run)| run.is_none())
             .map(|(at, _)| *at)
             .min();
         let timer = async move {
@@ -104,28 +128,39 @@ pub(crate) async fn run(
                 None => std::future::pending().await,
             }
         };
+        let finished = std::future::poll_fn(|cx| {
+            for (i, run) in running.iter_mut().enumerate() {
+                if let Some(future) = run
+                    && let Poll::Ready(result) = future.as_mut().poll(cx)
+                {
+                    *run = None;
+                    return Poll::Ready((i, result));
+                }
+            }
+            Poll::Pending
+        });
         tokio::select! {
             () = timer => {
                 let now = clock.instant();
                 for (i, probe) in probes.iter().enumerate() {
-                    if in_flight[i] || due[i] > now {
+                    if running[i].is_some() || due[i] > now {
                         continue;
                     }
-                    in_flight[i] = true;
                     while due[i] <= now {
-                        due[i] += probe.interval;
+                        due[i] = clock.on_grid(due[i] + probe.interval, SCHEDULE_GRAIN);
                     }
-                    let probe = probe.clone();
-                    running.spawn(async move { (i, probe.run().await) });
+                    running[i] = Some(Box::pin(probe.run()));
                 }
             }
-            Some(joined) = running.join_next(), if !running.is_empty() => {
-                // A probe that panicked is retried at its next turn.
-                if let Ok((i, result)) = joined {
-                    in_flight[i] = false;
-                    report(&probes[i].name, result);
+            (i, result) = finished => {
+                crate::metrics::check_result(result.status);
+                let steady = result.status == CheckStatus::Passing
+                    && reported[i].as_ref() == Some(&result);
+                if steady {
+                    repeats[i] = repeats[i].saturating_add(1);
                 } else {
-                    in_flight.iter_mut().for_each(|busy| *busy = false);
+                    report(&probes[i].name, result.clone(), std::mem::take(&mut repeats[i]));
+                    reported[i] = Some(result);
                 }
             }
         }

@@ -48,6 +48,16 @@ impl Clock {
     pub fn instant(&self) -> Instant {
         Instant::now()
     }
+
+    /// The first instant at or after `at` on a grid of `grain` shared by every user of
+    /// this clock: timers set on it fire together, `grain` at a time, rather than one by one.
+    pub fn on_grid(&self, at: Instant, grain: Duration) -> Instant {
+        let grain = grain.as_nanos().max(1);
+        let offset = at.saturating_duration_since(self.instant_base).as_nanos();
+        let rounded = offset.div_ceil(grain).saturating_mul(grain);
+        let extra = u64::try_from(rounded - offset).unwrap_or(u64::MAX);
+        at + Duration::from_nanos(extra)
+    }
 }
 
 #[cfg(test)]

@@ -100,7 +100,8 @@ struct Events {
     task_starts: Counter,
     task_restarts: Counter,
     task_failures: Counter,
-    check_results: Family<[(&'static str, &'static str); 1], Counter>,
+    /// `stead_check_results_total` by status, in the order of [`CHECK_RESULT_STATUSES`].
+    check_results: [Counter; CHECK_RESULT_STATUSES.len()],
     check_restarts: Counter,
     registry: Registry,
 }
@@ -112,10 +113,12 @@ impl Events {
             (Counter::default(), Counter::default(), Counter::default());
         let reconcile_duration = Histogram::new(RECONCILE_BUCKETS);
         let check_restarts = Counter::default();
-        let check_results = Family::<[(&'static str, &'static str); 1], Counter>::default();
-        for status in CHECK_RESULT_STATUSES {
-            let _ = check_results.get_or_create(&[("status", status.as_str())]);
-        }
+        let check_family = Family::<[(&'static str, &'static str); 1], Counter>::default();
+        let check_results = CHECK_RESULT_STATUSES.map(|status| {
+            check_family
+                .get_or_create(&[("status", status.as_str())])
+                .clone()
+        });
         let mut registry = Registry::default();
         let counters = [
             (RECONCILES, "Reconcile passes over all allocs", &reconciles),
@@ -143,7 +146,7 @@ impl Events {
         registry.register(
             family(CHECK_RESULTS, "_total"),
             "Health check results, by status",
-            check_results.clone(),
+            check_family,
         );
         registry.register_with_unit(
             family(RECONCILE_DURATION, "_seconds"),
@@ -258,10 +261,9 @@ pub(crate) fn task_outcomes(restarts: u64, failures: u64) {
 
 /// Records a health check result.
 pub(crate) fn check_result(status: CheckStatus) {
-    EVENTS
-        .check_results
-        .get_or_create(&[("status", status.as_str())])
-        .inc();
+    if let Some(i) = CHECK_RESULT_STATUSES.iter().position(|s| *s == status) {
+        EVENTS.check_results[i].inc();
+    }
 }
 
 /// Records a task restarted for a failing health check.

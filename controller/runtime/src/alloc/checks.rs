@@ -101,17 +101,20 @@ impl Worker {
         let reports = self.reports.clone();
         let clock = self.shared.clock;
         let reported = task.clone();
+        let mut rng = fastrand::Rng::with_seed(self.rng.u64(..));
+        let first_runs = move |spread: Duration| spread.mul_f64(rng.f64());
         let span = tracing::info_span!("checks", task = %task, run);
         let checks = async move {
-            let report = move |check: &Name, result| {
+            let report = move |check: &Name, result, repeats| {
                 let report = OpReport::Check {
                     check: check.clone(),
                     result,
+                    repeats,
                 };
                 reports.send(reported.clone(), run, report);
             };
             tokio::select! {
-                () = crate::checks::run(probes, clock, report) => {}
+                () = crate::checks::run(probes, clock, first_runs, report) => {}
                 () = cancelled.cancelled() => {}
             }
         };

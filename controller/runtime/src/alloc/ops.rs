@@ -14,6 +14,8 @@ pub(super) enum OpReport {
     Check {
         check: Name,
         result: crate::checks::ProbeResult,
+        /// Passing results like the last reported, not reported, before this one.
+        repeats: u32,
     },
 }
 
@@ -301,14 +303,16 @@ impl Worker {
                     message: format!("failed to reattach to the task: {}", error_chain(&error)),
                 }
             }
-            OpReport::Check { check, result } => {
-                crate::metrics::check_result(result.status);
-                Observation::Check {
-                    check,
-                    status: result.status,
-                    output: result.output,
-                }
-            }
+            OpReport::Check {
+                check,
+                result,
+                repeats,
+            } => Observation::Check {
+                check,
+                status: result.status,
+                output: result.output,
+                repeats,
+            },
         };
         let restarted = current
             .state
