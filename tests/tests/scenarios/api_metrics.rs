@@ -64,6 +64,8 @@ async fn metrics_parse_as_prometheus_text_and_name_every_promised_series() {
         metrics::TASK_STARTS,
         metrics::TASK_RESTARTS,
         metrics::TASK_FAILURES,
+        metrics::CHECK_RESULTS,
+        metrics::CHECK_RESTARTS,
         metrics::STORE_WRITES,
         metrics::STORE_SKIPPED_WRITES,
         metrics::STORE_WRITE_ERRORS,

@@ -298,3 +298,74 @@ fn an_agent_killed_while_a_check_fails_restarts_the_task_at_the_same_deadline() 
     std::fs::remove_file(&flag).expect("flag removed");
     agent.terminate();
 }
+
+/// Every file named `name` under `dir`.
+fn files_named(dir: &Path, name: &str) -> Vec<std::path::PathBuf> {
+    let mut found = Vec::new();
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return found;
+    };
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.is_dir() {
+            found.extend(files_named(&path, name));
+        } else if entry.file_name() == name {
+            found.push(path);
+        }
+    }
+    found
+}
+
+#[test]
+fn an_exec_check_runs_as_its_task_in_its_dir_and_env_and_only_while_the_task_runs() {
+    let dirs = AgentDirs::new("");
+    // As root the task runs as nobody, so the check must too; otherwise as the agent.
+    let (user, uid) = if agent_support::running_as_root() {
+        ("\n      user: nobody", "65534".to_owned())
+    } else {
+        ("", rustix::process::geteuid().as_raw().to_string())
+    };
+    dirs.write_spec(
+        "once",
+        &format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: once}}\nspec:\n  type: batch\n  tasks:\n    - name: main\n      driver: exec{user}\n      env: {{GREETING: hello}}\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"sleep 3\"]\n      checks:\n        - name: script\n          type: exec\n          command: /bin/sh\n          args: [\"-c\", \"echo $(id -u) $STEAD_TASK_NAME $GREETING $(pwd) >> local/seen\"]\n          interval: 1s\n          timeout: 1s\n"
+        ),
+    );
+    let agent = dirs.start();
+    let task = wait_for_task(
+        &agent,
+        "once",
+        "the task ran and completed",
+        Duration::from_secs(30),
+        |t| t.state == "dead",
+    );
+    assert!(!task.failed, "{task:#?}");
+    let seen = files_named(&dirs.data, "seen");
+    let [seen] = seen.as_slice() else {
+        panic!("one file written by the check: {seen:?}");
+    };
+    let lines = || {
+        std::fs::read_to_string(seen)
+            .expect("readable")
+            .lines()
+            .count()
+    };
+    let text = std::fs::read_to_string(seen).expect("readable");
+    let task_dir = seen.parent().and_then(Path::parent).expect("the task dir");
+    let first = text
+        .lines()
+        .next()
+        .expect("the check ran while the task ran");
+    assert_eq!(
+        first,
+        format!("{uid} main hello {}", task_dir.display()),
+        "the check's user, env and dir"
+    );
+    // The task is dead: its check never runs again (three of its intervals go by).
+    let ran = lines();
+    for _ in 0..30 {
+        std::thread::sleep(Duration::from_millis(100));
+        assert_eq!(lines(), ran, "the check ran after its task died");
+    }
+    agent.terminate();
+}

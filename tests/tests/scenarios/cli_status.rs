@@ -48,6 +48,38 @@ async fn alloc_status_shows_a_restarting_task_with_its_events_newest_first() {
 }
 
 #[tokio::test(start_paused = true)]
+async fn alloc_status_shows_each_tasks_checks_and_the_allocs_health() {
+    let agent = agent();
+    // The mock driver runs no commands, so its exec check is critical, with why; the
+    // poststop task does not run yet, so its check stays pending.
+    agent.node.apply(alloc(
+        "api",
+        "  tasks:\n    - name: server\n      driver: mock\n      config: {}\n      checks:\n        - {name: script, type: exec, command: /bin/true, interval: 5s}\n    - name: cleanup\n      driver: mock\n      config: {}\n      lifecycle: {hook: poststop}\n      checks:\n        - {name: later, type: tcp, port: 9}\n",
+    ));
+    agent
+        .until("the exec check reported", |node| {
+            node.status("api").is_some_and(|s| {
+                s.tasks["server"]
+                    .checks
+                    .iter()
+                    .any(|c| c.name == "script" && c.status == "critical")
+            })
+        })
+        .await;
+    let served = serve_tcp(&agent.state).await;
+    let out = cli(&served.address, &["alloc", "status", "api"]).await;
+    insta::assert_snapshot!("alloc_status_checks", redact(&agent, "api", &out));
+    let json = cli(&served.address, &["alloc", "status", "api", "--json"]).await;
+    let document: serde_json::Value = serde_json::from_str(&json).expect("a document");
+    assert_eq!(document["healthy"], serde_json::json!(false));
+    assert_eq!(
+        document["tasks"]["cleanup"]["checks"][0]["status"],
+        "pending"
+    );
+    served.stop().await;
+}
+
+#[tokio::test(start_paused = true)]
 async fn alloc_status_shows_a_killed_task() {
     let agent = agent();
     let run =
