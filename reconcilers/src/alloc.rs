@@ -554,11 +554,16 @@ impl AllocState {
     }
 
     /// Whether the alloc is healthy: every task with checks that is not dead runs and
-    /// passes all of them. `None` when no task has checks.
+    /// passes all of them (poststop tasks aside: they run only once the rest is over).
+    /// `None` when no task has checks.
     pub fn healthy(&self, desired: &AllocDesired) -> Option<bool> {
         let mut any = false;
         let mut healthy = true;
-        for settings in desired.tasks.iter().filter(|s| !s.checks.is_empty()) {
+        for settings in desired
+            .tasks
+            .iter()
+            .filter(|s| !s.checks.is_empty() && s.hook != Some(LifecycleHook::Poststop))
+        {
             any = true;
             let Some(task) = self.tasks.get(&settings.name) else {
                 healthy = false;
@@ -1426,6 +1431,12 @@ mod tests {
         assert_eq!(sim.state.healthy(&sim.desired), Some(true));
         check_result(&mut sim, CheckStatus::Warning);
         assert_eq!(sim.state.healthy(&sim.desired), Some(false), "warning");
+        // A poststop task's checks wait for it: they do not make the alloc unhealthy.
+        let mut sim = Sim::new(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: main, driver: mock, config: {}}\n    - {name: after, driver: mock, config: {}, lifecycle: {hook: poststop}, checks: [{name: alive, type: tcp, port: 1}]}\n",
+        );
+        sim.settle();
+        assert_eq!(sim.state.healthy(&sim.desired), None);
     }
 
     #[test]

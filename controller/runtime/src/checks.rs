@@ -32,6 +32,24 @@ pub const HTTP_BODY_LIMIT: usize = 4096;
 /// The largest response head an HTTP check reads.
 const HTTP_HEAD_LIMIT: usize = 16 * 1024;
 
+/// The most of a response's reason phrase an HTTP check keeps.
+const HTTP_REASON_LIMIT: usize = 256;
+
+/// The most headers a response may have.
+const HTTP_MAX_HEADERS: usize = 128;
+
+/// `text` cut to at most `limit` bytes, at a character boundary.
+fn capped(mut text: String, limit: usize) -> String {
+    if text.len() > limit {
+        let mut end = limit;
+        while !text.is_char_boundary(end) {
+            end -= 1;
+        }
+        text.truncate(end);
+    }
+    text
+}
+
 /// One check of a task, ready to run.
 pub(crate) struct Probe {
     /// The check's name.
@@ -153,6 +171,11 @@ pub(crate) async fn run(
                 }
             }
             (i, result) = finished => {
+                // A run that took until its next turn skips that turn.
+                let now = clock.instant();
+                while due[i] <= now {
+                    due[i] = clock.on_grid(due[i] + probes[i].interval, SCHEDULE_GRAIN);
+                }
                 crate::metrics::check_result(result.status);
                 let steady = result.status == CheckStatus::Passing
                     && reported[i].as_ref() == Some(&result);
@@ -236,10 +259,9 @@ async fn http(host: &str, port: u16, method: &str, path: &str, timeout: Duration
                 answer.body
             };
             let body = &body[..body.len().min(HTTP_BODY_LIMIT)];
-            let output = said(&format!(
-                "{code} {reason} Output: {}",
-                String::from_utf8_lossy(body)
-            ));
+            let body = capped(String::from_utf8_lossy(body).into_owned(), HTTP_BODY_LIMIT);
+            let reason = capped(reason, HTTP_REASON_LIMIT);
+            let output = said(&format!("{code} {reason} Output: {body}"));
             ProbeResult::new(http_status(code), output)
         }
         (None, Ok(Err(error))) => ProbeResult::new(CheckStatus::Critical, said(&error.to_string())),
@@ -277,20 +299,31 @@ async fn exchange(
     stream.write_all(request.as_bytes()).await?;
     let mut buf = Vec::with_capacity(1024);
     let mut chunk = [0u8; 2048];
+    // Parsed before each read, so an interim answer's follower already read is not missed.
+    let mut read_more = true;
     let (head_len, length) = loop {
-        let n = stream.read(&mut chunk).await?;
-        if n == 0 {
-            return Err(Error::new(
-                ErrorKind::UnexpectedEof,
-                "the connection closed in the response's head",
-            ));
+        if read_more {
+            let n = stream.read(&mut chunk).await?;
+            if n == 0 {
+                return Err(Error::new(
+                    ErrorKind::UnexpectedEof,
+                    "the connection closed in the response's head",
+                ));
+            }
+            buf.extend_from_slice(&chunk[..n]);
         }
-        buf.extend_from_slice(&chunk[..n]);
-        let mut headers = [httparse::EMPTY_HEADER; 64];
+        read_more = true;
+        let mut headers = [httparse::EMPTY_HEADER; HTTP_MAX_HEADERS];
         let mut response = httparse::Response::new(&mut headers);
         match response.parse(&buf) {
             Ok(httparse::Status::Complete(head_len)) => {
                 let code = response.code.unwrap_or(0);
+                if (100..200).contains(&code) && code != 101 {
+                    // An interim answer (100 Continue, 103 Early Hints): the final one follows.
+                    buf.drain(..head_len);
+                    read_more = false;
+                    continue;
+                }
                 answer.status = Some((code, response.reason.unwrap_or("").to_owned()));
                 let header = |name: &str| {
                     response
@@ -326,7 +359,7 @@ async fn exchange(
         }
     };
     // Enough body for the output: up to the limit, the declared length or the last chunk.
-    let wanted = length.map_or(HTTP_BODY_LIMIT * 2, |len| len.min(HTTP_BODY_LIMIT));
+    let wanted = length.map_or(HTTP_BODY_LIMIT * 4, |len| len.min(HTTP_BODY_LIMIT));
     answer.body = buf.split_off(head_len);
     while answer.body.len() < wanted && !(answer.chunked && chunked_complete(&answer.body)) {
         let n = stream.read(&mut chunk).await?;
@@ -519,6 +552,35 @@ mod tests {
         assert_eq!(result.status, CheckStatus::Warning);
         let body = result.output.split("Output: ").nth(1).expect("a body");
         assert_eq!(body.len(), HTTP_BODY_LIMIT);
+    }
+
+    #[tokio::test]
+    async fn an_http_check_reads_past_an_interim_answer_and_caps_a_long_reason() {
+        let port =
+            serve_once(b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 204 No Content\r\n\r\n").await;
+        let result = http("127.0.0.1", port, "GET", "/", Duration::from_secs(5)).await;
+        assert_eq!(result.status, CheckStatus::Passing);
+        assert!(
+            result.output.ends_with("204 No Content Output: "),
+            "{}",
+            result.output
+        );
+
+        static LONG_REASON: std::sync::LazyLock<Vec<u8>> = std::sync::LazyLock::new(|| {
+            let mut response = b"HTTP/1.1 503 ".to_vec();
+            response.extend(std::iter::repeat_n(b'r', 10_000));
+            response.extend(b"\r\nContent-Length: 3\r\n\r\n\xff\xfe!");
+            response
+        });
+        let port = serve_once(&LONG_REASON).await;
+        let result = http("127.0.0.1", port, "GET", "/", Duration::from_secs(5)).await;
+        assert_eq!(result.status, CheckStatus::Critical);
+        assert!(result.output.len() < 512, "{}", result.output.len());
+        assert!(
+            result.output.ends_with("Output: \u{fffd}\u{fffd}!"),
+            "{}",
+            result.output
+        );
     }
 
     #[tokio::test]

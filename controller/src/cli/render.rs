@@ -212,10 +212,15 @@ fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
 const CHECK_OUTPUT_SHOWN: usize = 80;
 
 /// A check's output on one line of a table: its first line, cut at
-/// [`CHECK_OUTPUT_SHOWN`] characters.
+/// [`CHECK_OUTPUT_SHOWN`] characters, control characters (a service's escape sequences)
+/// shown as U+FFFD rather than sent to the terminal.
 fn output_line(output: &str) -> String {
     let line = output.lines().next().unwrap_or("").trim_end();
-    let mut shown: String = line.chars().take(CHECK_OUTPUT_SHOWN).collect();
+    let mut shown: String = line
+        .chars()
+        .take(CHECK_OUTPUT_SHOWN)
+        .map(|c| if c.is_control() { '\u{fffd}' } else { c })
+        .collect();
     if shown.len() < line.len() || output.lines().nth(1).is_some() {
         shown.push('…');
     }
@@ -337,6 +342,20 @@ mod tests {
         assert_eq!(tail_lines(b"a\nb\nc", 2), (&b"b\nc"[..], true));
         assert_eq!(tail_lines(b"a\nb\n", 5), (&b"a\nb\n"[..], false));
         assert_eq!(tail_lines(b"a\n", 0), (&b""[..], true));
+    }
+
+    #[test]
+    fn check_output_shows_one_line_without_control_characters() {
+        assert_eq!(output_line("ok"), "ok");
+        assert_eq!(output_line("a\nb"), "a…");
+        assert_eq!(
+            output_line("\u{1b}]0;pwned\u{7}red"),
+            "\u{fffd}]0;pwned\u{fffd}red"
+        );
+        assert_eq!(
+            output_line(&"x".repeat(100)).chars().count(),
+            CHECK_OUTPUT_SHOWN + 1
+        );
     }
 
     #[test]

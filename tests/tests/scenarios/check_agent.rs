@@ -277,6 +277,15 @@ fn an_agent_killed_while_a_check_fails_restarts_the_task_at_the_same_deadline() 
     });
     agent.kill9();
     let agent = dirs.start();
+    // The restarted agent shows the check as it was: no pending, no flap to healthy.
+    let resumed = agent.status("web").expect("a status");
+    let alive = check(&resumed.tasks["main"], "alive");
+    assert_eq!(
+        (alive.status.as_str(), alive.since),
+        ("critical", Some(unhealthy_since)),
+        "{resumed:#?}"
+    );
+    assert_eq!(resumed.healthy, Some(false));
     let signaled = agent.wait_for_event("web", "main", "Restart Signaled", Duration::from_secs(30));
     let after = signaled.time.saturating_duration_since(unhealthy_since);
     // Due 6s after the first failure; results come every 2s, so at most one interval late.

@@ -57,6 +57,7 @@ fn the_schema_rejects_structural_mistakes_the_validator_rejects() {
         "bad-restart-mode",
         "bad-signal",
         "check-bad-values",
+        "check-out-of-range",
         "kill-signal-stop-cont",
         "wrong-type-env-integer",
         "wrong-type-tasks-mapping",

@@ -2,9 +2,10 @@
 //!
 //! The command starts in its own process group, in the task's dir, with the task's
 //! environment, user and groups, its standard input from `/dev/null` and its output and
-//! errors on one pipe, of which the first [`EXEC_OUTPUT_LIMIT`] bytes are kept. At its
-//! timeout, or when the check is abandoned (its task stopped), the whole group is killed
-//! while its leader is not yet reaped, so the group's id cannot belong to anyone else.
+//! errors on one pipe, of which the first [`EXEC_OUTPUT_LIMIT`] bytes are kept. When it
+//! ends, at its timeout, or when the check is abandoned (its task stopped), the whole
+//! group is killed while its leader is not yet reaped (its end is seen through a pidfd,
+//! which does not reap), so the group's id cannot belong to anyone else.
 
 use std::collections::BTreeMap;
 use std::io;
@@ -15,14 +16,21 @@ use std::time::Duration;
 
 use rustix::process::{Pid, Signal};
 use tokio::io::AsyncReadExt;
+use tokio::io::Interest;
+use tokio::io::unix::AsyncFd;
 use tokio::net::unix::pipe;
 use tokio::process::Child;
 
 use super::user::Account;
 use crate::driver::{EXEC_OUTPUT_LIMIT, ExecOutput};
 
+/// The most a command's pipe is drained after it ended (a process that escaped its group
+/// may still be writing): enough for anything a pipe buffer held.
+const DRAIN_LIMIT: usize = 1 << 20;
+
 /// Runs `command` with `args` in `dir`, with exactly `env`, as `account` (or the
-/// agent's own user), for at most `timeout`.
+/// agent's own user), for at most `timeout`. When it ends, what is left of its process
+/// group (children it started in the background) is killed with it.
 pub(super) async fn run(
     command: &str,
     args: &[String],
@@ -43,59 +51,64 @@ pub(super) async fn run(
         .stderr(writer)
         .process_group(0)
         .kill_on_drop(false);
-    if let Some(account) = account {
-        become_account(&mut builder, account.clone());
-    }
+    prepare_child(&mut builder, account.cloned());
     let child = builder.spawn()?;
     // Our copies of the write end are gone with `builder`: the pipe ends when the
     // command's processes close it.
     drop(builder);
-    let mut group = Group::new(child);
+    let mut group = Group::new(child)?;
     let mut output = pipe::Receiver::from_owned_fd(OwnedFd::from(reader))?;
     let mut kept = Vec::new();
     let ran = tokio::time::timeout(timeout, async {
         let mut buf = [0u8; 1024];
         let mut open = true;
-        let status = loop {
+        loop {
             tokio::select! {
-                status = group.child.wait() => break status,
+                ready = group.exited.readable() => {
+                    // Ended, not yet reaped: its group id is still its own.
+                    ready?.retain_ready();
+                    return Ok::<(), io::Error>(());
+                }
                 read = output.read(&mut buf), if open => match read {
                     Ok(0) | Err(_) => open = false,
                     Ok(n) => keep(&mut kept, &buf[..n]),
                 },
             }
-        };
-        // What it wrote before it exited; a child it left behind holding the pipe is
-        // not waited for.
-        while open {
-            match output.try_read(&mut buf) {
-                Ok(0) | Err(_) => open = false,
-                Ok(n) => keep(&mut kept, &buf[..n]),
-            }
         }
-        status
     })
     .await;
+    // Whatever way it went, nothing of the group stays: killed while the leader is
+    // unreaped, then reaped.
+    group.kill();
+    let status = group.child.wait().await;
+    group.reaped();
+    // What it wrote before it ended, without waiting for a process that escaped the
+    // group and still holds the pipe.
+    let mut buf = [0u8; 4096];
+    let mut drained = 0;
+    while drained < DRAIN_LIMIT {
+        match output.try_read(&mut buf) {
+            Ok(0) | Err(_) => break,
+            Ok(n) => {
+                drained += n;
+                keep(&mut kept, &buf[..n]);
+            }
+        }
+    }
     match ran {
-        Ok(status) => {
-            group.reaped();
-            let status = status?;
+        Ok(exited) => {
+            exited?;
             Ok(ExecOutput {
-                exit_code: status.code(),
+                exit_code: status?.code(),
                 timed_out: false,
                 output: kept,
             })
         }
-        Err(_elapsed) => {
-            group.kill();
-            let _ = group.child.wait().await;
-            group.reaped();
-            Ok(ExecOutput {
-                exit_code: None,
-                timed_out: true,
-                output: kept,
-            })
-        }
+        Err(_elapsed) => Ok(ExecOutput {
+            exit_code: None,
+            timed_out: true,
+            output: kept,
+        }),
     }
 }
 
@@ -110,16 +123,24 @@ fn keep(kept: &mut Vec<u8>, bytes: &[u8]) {
 /// check abandoned mid-run leaves nothing behind.
 struct Group {
     child: Child,
+    /// Readable once the leader has ended (before it is reaped).
+    exited: AsyncFd<OwnedFd>,
     leader: Option<Pid>,
 }
 
 impl Group {
-    fn new(child: Child) -> Self {
+    fn new(child: Child) -> io::Result<Self> {
         let leader = child
             .id()
             .and_then(|pid| i32::try_from(pid).ok())
-            .and_then(Pid::from_raw);
-        Group { child, leader }
+            .and_then(Pid::from_raw)
+            .ok_or_else(|| io::Error::other("the command has no process id"))?;
+        let exited = rustix::process::pidfd_open(leader, rustix::process::PidfdFlags::empty())?;
+        Ok(Group {
+            child,
+            exited: super::zygote::register(exited, Interest::READABLE)?,
+            leader: Some(leader),
+        })
     }
 
     /// SIGKILL to every process of the group.
@@ -142,23 +163,34 @@ impl Drop for Group {
     }
 }
 
-/// Switches the child to `account` (groups, then group, then user) between fork and
-/// exec, where only the forking thread exists.
+/// Between fork and exec, where only the forking thread exists: asks for SIGKILL when
+/// the agent's thread that started it ends (the agent died), and switches to `account`
+/// (groups, then group, then user) when the agent may, that is when it runs as root (a
+/// non-root agent only ever runs tasks as itself).
 #[allow(unsafe_code)]
-fn become_account(builder: &mut tokio::process::Command, account: Account) {
+fn prepare_child(builder: &mut tokio::process::Command, account: Option<Account>) {
     use rustix::process::{Gid, Uid};
-    let groups: Vec<Gid> = account.groups.iter().map(|g| Gid::from_raw(*g)).collect();
-    let gid = Gid::from_raw(account.gid);
-    let uid = Uid::from_raw(account.uid);
-    // SAFETY: the closure runs in the child between fork and exec. It only makes three
-    // raw system calls (rustix's thread functions: no allocation, no lock, nothing that
-    // another thread of the parent could have held at the fork) on data moved in
-    // before the fork.
+    let switch = account
+        .filter(|_| rustix::process::geteuid().is_root())
+        .map(|account| {
+            let groups: Vec<Gid> = account.groups.iter().map(|g| Gid::from_raw(*g)).collect();
+            (
+                groups,
+                Gid::from_raw(account.gid),
+                Uid::from_raw(account.uid),
+            )
+        });
+    // SAFETY: the closure runs in the child between fork and exec. It only makes raw
+    // system calls (rustix's: no allocation, no lock, nothing another thread of the
+    // parent could have held at the fork) on data moved in before the fork.
     unsafe {
         builder.pre_exec(move || {
-            rustix::thread::set_thread_groups(&groups)?;
-            rustix::thread::set_thread_res_gid(gid, gid, gid)?;
-            rustix::thread::set_thread_res_uid(uid, uid, uid)?;
+            rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+            if let Some((groups, gid, uid)) = &switch {
+                rustix::thread::set_thread_groups(groups)?;
+                rustix::thread::set_thread_res_gid(*gid, *gid, *gid)?;
+                rustix::thread::set_thread_res_uid(*uid, *uid, *uid)?;
+            }
             Ok(())
         });
     }
@@ -202,6 +234,41 @@ mod tests {
     }
 
     #[test]
+    fn a_command_that_leaves_a_chatty_child_behind_ends_with_it_killed() {
+        let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+        // `yes` floods the pipe and `sleep` idles; both outlive the shell unless killed.
+        let ended = sh(
+            &format!("yes & sleep {nap} & echo done; exit 4"),
+            Duration::from_secs(10),
+        );
+        assert_eq!(ended.exit_code, Some(4));
+        assert!(!ended.timed_out);
+        assert!(ended.output.len() <= EXEC_OUTPUT_LIMIT);
+        assert!(
+            wait_until_gone(&nap),
+            "the check's background child is left"
+        );
+    }
+
+    /// Whether every process whose argument is `arg` is gone within 10 s.
+    fn wait_until_gone(arg: &str) -> bool {
+        let left = || {
+            procfs::process::all_processes()
+                .expect("/proc")
+                .flatten()
+                .filter(|p| p.stat().is_ok_and(|s| s.state != 'Z'))
+                .any(|p| p.cmdline().is_ok_and(|args| args.iter().any(|a| a == arg)))
+        };
+        for _ in 0..1_000 {
+            if !left() {
+                return true;
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        !left()
+    }
+
+    #[test]
     fn a_command_past_its_timeout_is_killed_with_its_whole_group() {
         // A duration no other process sleeps, to find the check's processes by.
         let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
@@ -211,22 +278,6 @@ mod tests {
         );
         assert!(ended.timed_out);
         assert_eq!(ended.exit_code, None);
-        let left = || -> Vec<i32> {
-            procfs::process::all_processes()
-                .expect("/proc")
-                .flatten()
-                .filter(|p| p.cmdline().is_ok_and(|args| args.iter().any(|a| a == &nap)))
-                .map(|p| p.pid)
-                .collect()
-        };
-        // SIGKILL was sent to the group; each of its processes is gone once the kernel
-        // has delivered it.
-        for _ in 0..1_000 {
-            if left().is_empty() {
-                break;
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        assert_eq!(left(), Vec::<i32>::new(), "processes of the check remain");
+        assert!(wait_until_gone(&nap), "processes of the check remain");
     }
 }
