@@ -20,6 +20,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::{Context, bail};
 
+use crate::agent::ReleaseAgent;
 use crate::measure::{cpu_ticks, median, now};
 
 /// When the server saw each check's requests, by task index.
@@ -65,27 +66,6 @@ fn serve(arrivals: Arrivals) -> anyhow::Result<u16> {
     Ok(port)
 }
 
-fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let (_, body) = response.split_once("\r\n\r\n").context("no body")?;
-    Ok(body.to_owned())
-}
-
-/// The value of the series `series` (exact, labels included) in the agent's metrics.
-fn metric(port: u16, series: &str) -> anyhow::Result<f64> {
-    let text = http_get(port, "/metrics")?;
-    text.lines()
-        .find_map(|line| line.strip_prefix(series)?.strip_prefix(' '))
-        .and_then(|value| value.trim().parse().ok())
-        .with_context(|| format!("no {series} in /metrics"))
-}
-
 /// One agent run's figures.
 struct Run {
     /// CPU per 5 s slice, in percent of one core.
@@ -101,76 +81,40 @@ struct Run {
 }
 
 fn run_agent(tasks: usize, window: Duration, checked: Option<u16>) -> anyhow::Result<Run> {
-    let stead = std::env::current_exe()?.with_file_name("stead");
-    if !stead.is_file() {
-        bail!(
-            "{} is missing: build it with `scripts/build-release.sh target/dist stead-controller stead-bench`",
-            stead.display()
-        );
-    }
-    let root = std::env::temp_dir().join(format!("stead-bench-checks-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&root);
-    let specs = root.join("specs");
-    std::fs::create_dir_all(&specs)?;
-    for i in 0..tasks {
+    let specs = (0..tasks).map(|i| {
         let checks = match checked {
             Some(port) => format!(
                 "\n      checks: [{{name: alive, type: http, port: {port}, path: /t/{i}, interval: 1s, timeout: 1s}}]"
             ),
             None => String::new(),
         };
-        std::fs::write(
-            specs.join(format!("c{i}.yaml")),
+        (
+            format!("c{i}.yaml"),
             format!(
                 "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: c{i}}}\nspec:\n  tasks:\n    - name: main\n      driver: mock\n      config: {{}}{checks}\n"
             ),
-        )?;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let config = root.join("agent.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ndrivers: {{exec: {{enabled: false}}, mock: {{enabled: true}}}}\n",
-            specs.display(),
-            root.join("data").display()
-        ),
-    )?;
-    let mut child = std::process::Command::new(&stead)
-        .args(["agent", "--config"])
-        .arg(&config)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let result = measure(tasks, window, checked.is_some(), port, child.id());
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = std::fs::remove_dir_all(&root);
-    result
+        )
+    });
+    let agent = ReleaseAgent::start("stead-bench-checks", specs)?;
+    measure(tasks, window, checked.is_some(), &agent)
 }
 
 fn measure(
     tasks: usize,
     window: Duration,
     checked: bool,
-    port: u16,
-    pid: u32,
+    agent: &ReleaseAgent,
 ) -> anyhow::Result<Run> {
     let deadline = now() + Duration::from_secs(180);
     let results_series = "stead_check_results_total{status=\"passing\"}";
     loop {
         let ready = if checked {
             // Every check answered at least twice.
-            metric(port, results_series).is_ok_and(|n| n >= 2.0 * tasks as f64)
+            agent
+                .metric(results_series)
+                .is_ok_and(|n| n >= 2.0 * tasks as f64)
         } else {
-            http_get(port, "/v1/allocs")
-                .ok()
-                .and_then(|body| serde_json::from_str::<Vec<serde_json::Value>>(&body).ok())
-                .is_some_and(|items| {
-                    items.len() == tasks && items.iter().all(|i| i["clientStatus"] == "running")
-                })
+            agent.all_running(tasks)
         };
         if ready {
             break;
@@ -181,14 +125,14 @@ fn measure(
         std::thread::sleep(Duration::from_millis(200));
     }
     std::thread::sleep(Duration::from_secs(3));
-    let pid = pid.to_string();
+    let pid = agent.child.id().to_string();
     let ticks = || cpu_ticks(&pid).context("reading the agent's /proc/<pid>/stat");
     let results_before = if checked {
-        metric(port, results_series)?
+        agent.metric(results_series)?
     } else {
         0.0
     };
-    let writes_before = metric(port, "stead_store_writes_total")?;
+    let writes_before = agent.metric("stead_store_writes_total")?;
     let started = now();
     let first = ticks()?;
     let mut slices = Vec::new();
@@ -204,12 +148,12 @@ fn measure(
     let elapsed = started.elapsed();
     let window_share = (last - first) as f64 / elapsed.as_secs_f64();
     let results = if checked {
-        (metric(port, results_series)? - results_before) / elapsed.as_secs_f64()
+        (agent.metric(results_series)? - results_before) / elapsed.as_secs_f64()
     } else {
         0.0
     };
     let writes =
-        (metric(port, "stead_store_writes_total")? - writes_before) / elapsed.as_secs_f64();
+        (agent.metric("stead_store_writes_total")? - writes_before) / elapsed.as_secs_f64();
     Ok(Run {
         slices,
         window: window_share,

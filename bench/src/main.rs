@@ -5,6 +5,7 @@
 //! alloc; convergence after every spec changes at once; and a drain of every alloc whose
 //! tasks take a second to exit. Real time, release build, the machine's two cores.
 
+mod agent;
 mod api;
 mod checks;
 mod devices;

@@ -11,7 +11,7 @@
 //! 3. The real `stead agent` (the release binary beside this one) with 100 running mock
 //!    allocs: its RSS after an idle period, and the RocksDB writes it made while idle.
 
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -24,6 +24,7 @@ use stead_controller::queue::Shutdown;
 use stead_controller::store::{RocksDbOptions, RocksDbStore, Store};
 use stead_schemas::ValidSpec;
 
+use crate::agent::{ReleaseAgent, temp_dir};
 use crate::measure::{median, now, process_cpu, spread};
 
 fn churn_spec(name: &str) -> anyhow::Result<ValidSpec> {
@@ -43,7 +44,7 @@ async fn churn_round(
     window: Duration,
     dedupe: bool,
 ) -> anyhow::Result<(f64, f64, f64)> {
-    let dir = tempfile_dir("stead-bench-store")?;
+    let dir = temp_dir("stead-bench-store")?;
     let options = RocksDbOptions {
         dedupe,
         ..RocksDbOptions::default()
@@ -110,7 +111,7 @@ fn timed_open(dir: &Path) -> anyhow::Result<(RocksDbStore, Opening)> {
 /// Creates a new store `count` times, each in an empty directory, closes it and opens it
 /// again (as a restarted agent does): what each creation and each reopening took.
 fn openings(count: usize) -> anyhow::Result<(Vec<Opening>, Vec<Opening>)> {
-    let root = tempfile_dir("stead-bench-create")?;
+    let root = temp_dir("stead-bench-create")?;
     let measured = (|| {
         let (mut created, mut reopened) = (Vec::new(), Vec::new());
         for i in 0..count {
@@ -142,118 +143,42 @@ fn opening_summary(openings: &[Opening]) -> String {
     format!("CPU {}, wall {}", range(cpu), range(wall))
 }
 
-fn tempfile_dir(prefix: &str) -> anyhow::Result<PathBuf> {
-    let dir =
-        std::env::temp_dir().join(format!("{prefix}-{}-{}", std::process::id(), next_suffix()));
-    std::fs::create_dir_all(&dir)?;
-    Ok(dir)
-}
-
-/// A number no other directory of this process has used.
-fn next_suffix() -> u64 {
-    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed)
-}
-
-/// A GET on the agent's loopback API; the body (the agent answers with a length).
-fn http_get(port: u16, path: &str) -> anyhow::Result<String> {
-    use std::io::{Read, Write};
-    let mut stream = std::net::TcpStream::connect(("127.0.0.1", port))?;
-    write!(
-        stream,
-        "GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"
-    )?;
-    let mut response = String::new();
-    stream.read_to_string(&mut response)?;
-    let (_, body) = response.split_once("\r\n\r\n").context("no body")?;
-    Ok(body.to_owned())
-}
-
 /// The agent's RSS with 100 idle allocs, and its store writes while idle.
 fn agent_idle(allocs: usize, idle: Duration) -> anyhow::Result<(u64, u64, u64)> {
-    let exe = std::env::current_exe()?;
-    let stead = exe.with_file_name("stead");
-    if !stead.is_file() {
-        bail!(
-            "{} is missing: build it with `scripts/build-release.sh target/dist stead-controller stead-bench`",
-            stead.display()
-        );
-    }
-    let root = tempfile_dir("stead-bench-agent")?;
-    let specs = root.join("specs");
-    std::fs::create_dir_all(&specs)?;
-    for i in 0..allocs {
-        std::fs::write(
-            specs.join(format!("idle{i}.yaml")),
-            format!(
-                "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: idle{i}}}\nspec:\n  tasks:\n    - {{name: main, driver: mock, config: {{}}}}\n"
-            ),
-        )?;
-    }
-    let port = std::net::TcpListener::bind("127.0.0.1:0")?
-        .local_addr()?
-        .port();
-    let config = root.join("agent.yaml");
-    std::fs::write(
-        &config,
-        format!(
-            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ndrivers: {{exec: {{enabled: false}}}}\n",
-            specs.display(),
-            root.join("data").display()
-        ),
+    let agent = ReleaseAgent::start(
+        "stead-bench-agent",
+        (0..allocs).map(|i| {
+            (
+                format!("idle{i}.yaml"),
+                format!(
+                    "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: idle{i}}}\nspec:\n  tasks:\n    - {{name: main, driver: mock, config: {{}}}}\n"
+                ),
+            )
+        }),
     )?;
-    let mut child = std::process::Command::new(&stead)
-        .args(["agent", "--config"])
-        .arg(&config)
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::null())
-        .spawn()?;
-    let result = (|| {
-        let deadline = now() + Duration::from_secs(60);
-        loop {
-            let running = http_get(port, "/v1/allocs")
-                .ok()
-                .and_then(|body| serde_json::from_str::<Vec<serde_json::Value>>(&body).ok())
-                .is_some_and(|items| {
-                    items.len() == allocs && items.iter().all(|i| i["clientStatus"] == "running")
-                });
-            if running {
-                break;
-            }
-            if now() > deadline {
-                bail!("the agent's allocs did not all run");
-            }
-            std::thread::sleep(Duration::from_millis(100));
+    let deadline = now() + Duration::from_secs(60);
+    while !agent.all_running(allocs) {
+        if now() > deadline {
+            bail!("the agent's allocs did not all run");
         }
-        std::thread::sleep(Duration::from_secs(2));
-        let writes = || -> anyhow::Result<u64> {
-            let text = http_get(port, "/metrics")?;
-            text.lines()
-                .find(|l| l.starts_with("stead_store_writes_total"))
-                .and_then(|l| l.split_whitespace().last())
-                .and_then(|v| v.parse::<f64>().ok())
-                .map(|v| v as u64)
-                .context("no stead_store_writes_total in /metrics")
-        };
-        let before = writes()?;
-        std::thread::sleep(idle);
-        let after = writes()?;
-        let status = std::fs::read_to_string(format!("/proc/{}/status", child.id()))?;
-        let field = |name: &str| -> anyhow::Result<u64> {
-            status
-                .lines()
-                .find(|l| l.starts_with(name))
-                .and_then(|l| l.split_whitespace().nth(1))
-                .context("no such field")?
-                .parse()
-                .context("a number")
-        };
-        Ok((field("VmRSS:")?, field("VmHWM:")?, after - before))
-    })();
-    let _ = child.kill();
-    let _ = child.wait();
-    let _ = std::fs::remove_dir_all(&root);
-    result
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    std::thread::sleep(Duration::from_secs(2));
+    let writes = || agent.metric("stead_store_writes_total").map(|v| v as u64);
+    let before = writes()?;
+    std::thread::sleep(idle);
+    let after = writes()?;
+    let status = std::fs::read_to_string(format!("/proc/{}/status", agent.child.id()))?;
+    let field = |name: &str| -> anyhow::Result<u64> {
+        status
+            .lines()
+            .find(|l| l.starts_with(name))
+            .and_then(|l| l.split_whitespace().nth(1))
+            .context("no such field")?
+            .parse()
+            .context("a number")
+    };
+    Ok((field("VmRSS:")?, field("VmHWM:")?, after - before))
 }
 
 /// `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]`.

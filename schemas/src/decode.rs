@@ -594,15 +594,7 @@ impl Decode for DeviceRequest {
 impl Decode for ExecConfig {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
         // NUL bytes first, so they are reported whatever else is wrong.
-        let mut ok = true;
-        if let Some(command) = field_node(node, "command") {
-            ok &= check_no_nul(command, &path.field("command"), cx);
-        }
-        if let Some(Value::Sequence(args)) = field_node(node, "args").map(|n| &n.value) {
-            for (i, arg) in args.iter().enumerate() {
-                ok &= check_no_nul(arg, &path.field("args").index(i), cx);
-            }
-        }
+        let mut ok = check_command_line(node, path, cx);
         let config = decode_struct!(node, path, cx, ExecConfig {
             command: "command" required,
             args: "args" optional,
@@ -652,15 +644,7 @@ impl Decode for CheckRestartSpec {
 
 impl Decode for CheckSpec {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
-        let mut ok = true;
-        if let Some(command) = field_node(node, "command") {
-            ok &= check_no_nul(command, &path.field("command"), cx);
-        }
-        if let Some(Value::Sequence(args)) = field_node(node, "args").map(|n| &n.value) {
-            for (i, arg) in args.iter().enumerate() {
-                ok &= check_no_nul(arg, &path.field("args").index(i), cx);
-            }
-        }
+        let mut ok = check_command_line(node, path, cx);
         let check = decode_struct!(node, path, cx, CheckSpec {
             name: "name" required,
             check_type: "type" required,
@@ -757,6 +741,20 @@ fn users_of(key: &str) -> &'static str {
         "path" | "method" => "http checks",
         _ => "exec checks",
     }
+}
+
+/// Reports a NUL byte in mapping `node`'s `command` or `args`; true when there is none.
+fn check_command_line(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> bool {
+    let mut ok = true;
+    if let Some(command) = field_node(node, "command") {
+        ok &= check_no_nul(command, &path.field("command"), cx);
+    }
+    if let Some(Value::Sequence(args)) = field_node(node, "args").map(|n| &n.value) {
+        for (i, arg) in args.iter().enumerate() {
+            ok &= check_no_nul(arg, &path.field("args").index(i), cx);
+        }
+    }
+    ok
 }
 
 /// Reports a string holding a NUL byte, which no command line or environment can carry
