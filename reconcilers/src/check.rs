@@ -201,12 +201,6 @@ impl CheckState {
         self.unhealthy_since = None;
         true
     }
-
-    /// When the task restarts if the check keeps failing, given the results so far.
-    pub fn restart_due(&self, settings: &CheckSettings) -> Option<Timestamp> {
-        let restart = settings.restart?;
-        Some(self.unhealthy_since? + restart.time_limit(settings.interval))
-    }
 }
 
 #[cfg(test)]
@@ -396,12 +390,14 @@ mod tests {
     }
 
     #[test]
-    fn an_unhealthy_check_names_its_restart_deadline() {
+    fn an_unhealthy_check_remembers_when_it_became_unhealthy_until_it_passes() {
         let settings = settings(1_000, Some((3, 0, false)));
         let mut state = CheckState::pending();
-        assert_eq!(state.restart_due(&settings), None);
         state.observe(&settings, result(Critical, ""), at_ms(0), at_ms(5_000));
-        assert_eq!(state.restart_due(&settings), Some(at_ms(7_000)));
+        state.observe(&settings, result(Critical, ""), at_ms(0), at_ms(6_000));
+        assert_eq!(state.unhealthy_since, Some(at_ms(5_000)));
+        state.observe(&settings, result(Passing, ""), at_ms(0), at_ms(6_500));
+        assert_eq!(state.unhealthy_since, None);
     }
 
     #[test]
