@@ -378,3 +378,44 @@ fn an_exec_check_runs_as_its_task_in_its_dir_and_env_and_only_while_the_task_run
     }
     agent.terminate();
 }
+
+#[test]
+fn an_exec_check_running_when_the_agent_is_sigkilled_dies_with_it() {
+    let dirs = AgentDirs::new("");
+    let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+    let marker = format!("stead-check-orphan-{}", std::process::id());
+    dirs.write_spec(
+        "hangs",
+        &format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: hangs}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"while :; do sleep 0.2; done\", \"{marker}\"]\n      checks:\n        - {{name: slow, type: exec, command: /bin/sleep, args: [\"{nap}\"], interval: 1m, timeout: 1m}}\n"
+        ),
+    );
+    let agent = dirs.start();
+    wait_for("the check runs", Duration::from_secs(30), || {
+        let running = processes_with(&nap);
+        if running.is_empty() {
+            Err(format!("{:?}", agent.status("hangs")))
+        } else {
+            Ok(())
+        }
+    });
+    agent.kill9();
+    // Its parent-death signal ends it with the agent; the task itself lives on.
+    wait_for(
+        "the check died with the agent",
+        Duration::from_secs(5),
+        || {
+            let left = processes_with(&nap);
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    );
+    assert!(
+        !processes_with(&marker).is_empty(),
+        "the task outlives the agent"
+    );
+    agent_support::kill_all_with(&marker);
+}
