@@ -290,8 +290,7 @@ fn an_agent_killed_while_a_check_fails_restarts_the_task_at_the_same_deadline() 
     let after = signaled.time.saturating_duration_since(unhealthy_since);
     // Due 8s after the first failure; results come every 2s, so at most one interval late.
     assert!(
-        after >= Duration::from_secs(8)
-            && after <= Duration::from_millis(10_500),
+        after >= Duration::from_secs(8) && after <= Duration::from_millis(10_500),
         "restarted {after:?} after the check became unhealthy; a fresh grace and count would take about 5s more"
     );
     let status = agent.status("web").expect("a status");
