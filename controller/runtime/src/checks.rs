@@ -498,12 +498,18 @@ mod tests {
         assert!(!chunked_complete(b"5\r\nhello\r\n"));
     }
 
-    /// Serves one connection on a fresh port with `response`, returns the port.
-    async fn serve_once(response: &'static [u8]) -> u16 {
+    /// A listener on a fresh loopback port, and the port.
+    async fn listener() -> (tokio::net::TcpListener, u16) {
         let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
             .await
             .expect("a port");
         let port = listener.local_addr().expect("an address").port();
+        (listener, port)
+    }
+
+    /// Serves one connection on a fresh port with `response`, returns the port.
+    async fn serve_once(response: &'static [u8]) -> u16 {
+        let (listener, port) = listener().await;
         tokio::spawn(async move {
             let (mut socket, _) = listener.accept().await.expect("a connection");
             let mut request = [0u8; 1024];
@@ -585,11 +591,8 @@ mod tests {
 
     #[tokio::test]
     async fn an_http_check_without_an_answer_is_critical_at_its_timeout() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("a port");
-        let port = listener.local_addr().expect("an address").port();
         // Accepted by the kernel, never answered.
+        let (listener, port) = listener().await;
         let result = http("127.0.0.1", port, "GET", "/", Duration::from_millis(200)).await;
         assert_eq!(result.status, CheckStatus::Critical);
         assert!(
@@ -602,10 +605,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_tcp_check_passes_on_an_open_port_and_fails_on_a_closed_one() {
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
-            .await
-            .expect("a port");
-        let port = listener.local_addr().expect("an address").port();
+        let (listener, port) = listener().await;
         let open = tcp("127.0.0.1", port, Duration::from_secs(5)).await;
         assert_eq!(open.status, CheckStatus::Passing);
         drop(listener);

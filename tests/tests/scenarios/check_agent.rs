@@ -7,7 +7,7 @@ use crate::agent_support;
 use std::path::Path;
 use std::time::Duration;
 
-use agent_support::{Agent, AgentDirs, free_port, processes_with, wait_for};
+use agent_support::{Agent, AgentDirs, free_port, processes_with, service_spec, wait_for};
 use stead_schemas::status::{TaskCheckStatus, TaskStatus};
 
 /// The test service: 200 on every request, 500 while its flag file exists.
@@ -43,6 +43,22 @@ fn wait_for_task(
             .cloned()
             .ok_or_else(|| format!("{status:#?}"))
     })
+}
+
+/// A duration no other process sleeps (`300.NNNNNNN`), to find a check's processes by.
+fn unique_nap() -> String {
+    format!("300.{}", fastrand::u32(1_000_000..10_000_000))
+}
+
+/// The exec alloc `name` of [`service_spec`] (its task runs until stopped and carries
+/// `marker`), with `checks` (YAML list items, indented for the task) as its task's checks.
+fn service_with_checks(name: &str, marker: &str, checks: &[String]) -> String {
+    let mut spec = service_spec(name, marker);
+    spec.push_str("      checks:\n");
+    for check in checks {
+        spec.push_str(&format!("        - {check}\n"));
+    }
+    spec
 }
 
 fn check<'t>(task: &'t TaskStatus, name: &str) -> &'t TaskCheckStatus {
@@ -132,13 +148,17 @@ fn an_http_check_that_starts_failing_restarts_its_task_with_the_healthcheck_even
 fn a_hung_exec_check_is_killed_at_its_timeout_and_a_closed_port_fails_a_tcp_check() {
     let dirs = AgentDirs::new("");
     let closed = free_port();
-    // A duration no other process sleeps, to find the check's processes by.
-    let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+    let nap = unique_nap();
     let marker = format!("stead-check-task-{}", std::process::id());
     dirs.write_spec(
         "hung",
-        &format!(
-            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: hung}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"while :; do sleep 0.2; done\", \"{marker}\"]\n      checks:\n        - {{name: script, type: exec, command: /bin/sh, args: [\"-c\", \"echo started; sleep {nap}; exit 0\"], interval: 30s, timeout: 1s}}\n        - {{name: port, type: tcp, port: {closed}, interval: 30s, timeout: 1s}}\n"
+        &service_with_checks(
+            "hung",
+            &marker,
+            &[
+                format!("{{name: script, type: exec, command: /bin/sh, args: [\"-c\", \"echo started; sleep {nap}; exit 0\"], interval: 30s, timeout: 1s}}"),
+                format!("{{name: port, type: tcp, port: {closed}, interval: 30s, timeout: 1s}}"),
+            ],
         ),
     );
     let agent = dirs.start();
@@ -381,12 +401,14 @@ fn an_exec_check_runs_as_its_task_in_its_dir_and_env_and_only_while_the_task_run
 #[test]
 fn an_exec_check_running_when_the_agent_is_sigkilled_dies_with_it() {
     let dirs = AgentDirs::new("");
-    let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+    let nap = unique_nap();
     let marker = format!("stead-check-orphan-{}", std::process::id());
     dirs.write_spec(
         "hangs",
-        &format!(
-            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: hangs}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"while :; do sleep 0.2; done\", \"{marker}\"]\n      checks:\n        - {{name: slow, type: exec, command: /bin/sleep, args: [\"{nap}\"], interval: 1m, timeout: 1m}}\n"
+        &service_with_checks(
+            "hangs",
+            &marker,
+            &[format!("{{name: slow, type: exec, command: /bin/sleep, args: [\"{nap}\"], interval: 1m, timeout: 1m}}")],
         ),
     );
     let agent = dirs.start();

@@ -235,7 +235,7 @@ mod tests {
 
     #[test]
     fn a_command_that_leaves_a_chatty_child_behind_ends_with_it_killed() {
-        let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+        let nap = unique_nap();
         // `yes` floods the pipe and `sleep` idles; both outlive the shell unless killed.
         let ended = sh(
             &format!("yes & sleep {nap} & echo done; exit 4"),
@@ -248,6 +248,11 @@ mod tests {
             wait_until_gone(&nap),
             "the check's background child is left"
         );
+    }
+
+    /// A duration no other process sleeps (`300.NNNNNNN`), to find a command's processes by.
+    fn unique_nap() -> String {
+        format!("300.{}", fastrand::u32(1_000_000..10_000_000))
     }
 
     /// Whether every process whose argument is `arg` is gone within 10 s.
@@ -270,8 +275,7 @@ mod tests {
 
     #[test]
     fn a_command_past_its_timeout_is_killed_with_its_whole_group() {
-        // A duration no other process sleeps, to find the check's processes by.
-        let nap = format!("300.{}", fastrand::u32(1_000_000..10_000_000));
+        let nap = unique_nap();
         let ended = sh(
             &format!("sleep {nap} & sleep {nap}"),
             Duration::from_millis(300),
