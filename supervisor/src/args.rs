@@ -3,7 +3,7 @@
 //! ```text
 //! stead-supervisor --dir DIR --control DIR --run ID --logs DIR --name TASK --max-files N
 //!                  --max-file-size BYTES [--uid UID --gid GID [--groups GID,GID...]]
-//!                  -- COMMAND [ARG]...
+//!                  [--cgroup PROCS-FILE]... -- COMMAND [ARG]...
 //! ```
 //!
 //! The task's environment is not on the command line: it comes on stdin, as
@@ -40,6 +40,10 @@ pub struct SupervisorArgs {
     /// the supervisor root), the primary group first as `getgrouplist(3)` lists them;
     /// empty: none. Resolved by the agent: the supervisor looks nothing up.
     pub groups: Vec<u32>,
+    /// The `cgroup.procs` files the task joins before it `exec`s, so no instant of it
+    /// runs outside its limits: one per hierarchy it belongs to (cgroup v2 has one; v1
+    /// one per controller). Empty: it stays in the supervisor's cgroups.
+    pub cgroups: Vec<Vec<u8>>,
     /// The program: a path (relative to the task dir) or a name looked up in the task's `PATH`.
     pub command: Vec<u8>,
     /// The program's arguments.
@@ -105,6 +109,9 @@ impl SupervisorArgs {
             let groups: Vec<String> = self.groups.iter().map(u32::to_string).collect();
             flag("--groups", groups.join(",").into());
         }
+        for procs in &self.cgroups {
+            flag("--cgroup", procs.clone());
+        }
         out.push("--".into());
         out.push(self.command.clone());
         out.extend(self.args.iter().cloned());
@@ -124,6 +131,7 @@ impl SupervisorArgs {
         let mut uid = None;
         let mut gid = None;
         let mut groups = Vec::new();
+        let mut cgroups = Vec::new();
         loop {
             let Some(flag) = args.next() else {
                 return Err(ArgsError::NoCommand);
@@ -146,6 +154,10 @@ impl SupervisorArgs {
                 "--uid" => uid = Some(number::<u32>(&flag, &value)?),
                 "--gid" => gid = Some(number::<u32>(&flag, &value)?),
                 "--groups" => groups = group_list(&flag, &value)?,
+                "--cgroup" if value.starts_with(b"/") && !value.contains(&0) => {
+                    cgroups.push(value);
+                }
+                "--cgroup" => return Err(invalid(&flag, &value)),
                 _ => return Err(ArgsError::UnknownFlag { flag }),
             }
         }
@@ -179,6 +191,7 @@ impl SupervisorArgs {
             uid,
             gid,
             groups,
+            cgroups,
             command,
             args: args.collect(),
         })
@@ -262,6 +275,10 @@ mod tests {
             uid: Some(65534),
             gid: Some(65534),
             groups: vec![65534, 44, 109],
+            cgroups: vec![
+                "/sys/fs/cgroup/memory/stead/web-1234abcd/server/cgroup.procs".into(),
+                "/sys/fs/cgroup/pids/stead/web-1234abcd/server/cgroup.procs".into(),
+            ],
             command: "/bin/sh".into(),
             args: vec!["-c".into(), "echo --run".into()],
         }
@@ -275,6 +292,7 @@ mod tests {
             uid: None,
             gid: None,
             groups: Vec::new(),
+            cgroups: Vec::new(),
             ..args
         };
         assert_eq!(
@@ -348,6 +366,13 @@ mod tests {
             parse(&["--bogus", "1", "--", "true"]),
             Err(ArgsError::UnknownFlag {
                 flag: "--bogus".into()
+            })
+        );
+        assert_eq!(
+            parse(&["--cgroup", "stead/web/cgroup.procs", "--", "true"]),
+            Err(ArgsError::InvalidValue {
+                flag: "--cgroup".into(),
+                value: "stead/web/cgroup.procs".into()
             })
         );
         let mut line = sample().to_args();

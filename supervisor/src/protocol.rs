@@ -581,6 +581,7 @@ mod tests {
             uid: Some(1000),
             gid: Some(100),
             groups: vec![100, 27, 4_000_000_000],
+            cgroups: vec!["/sys/fs/cgroup/stead/a/t/cgroup.procs".into()],
             command: "echo".into(),
             args: vec!["".into(), "x=y".into()],
         };

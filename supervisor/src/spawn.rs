@@ -38,6 +38,8 @@ pub(crate) struct TaskCommand<'a> {
     /// The supplementary groups set when the task switches user (`uid` set) and the
     /// supervisor is root; empty: none.
     pub groups: &'a [u32],
+    /// The `cgroup.procs` files the task joins before it `exec`s.
+    pub cgroups: &'a [Vec<u8>],
     /// The write ends of the output pipes, consumed: the supervisor's copies close once
     /// the task has its own, so the pipes reach EOF when the task's are gone.
     pub stdout: OwnedFd,
@@ -52,6 +54,9 @@ pub(crate) enum SpawnError {
     Nul,
     /// A system call failed (`exec` included).
     Os(OsError),
+    /// The task could not join one of its cgroups (the agent made them; a retry may
+    /// find them again).
+    Cgroup(OsError),
 }
 
 impl SpawnError {
@@ -75,6 +80,7 @@ impl fmt::Display for SpawnError {
         match self {
             SpawnError::Nul => f.write_str("a NUL byte in the command or an argument"),
             SpawnError::Os(error) => error.fmt(f),
+            SpawnError::Cgroup(error) => write!(f, "joining the task's cgroup: {error}"),
         }
     }
 }
@@ -96,7 +102,13 @@ struct Child {
     parent: Option<Pid>,
     /// The signal mask the task starts with: the supervisor's, `SIGCHLD` unblocked.
     mask: SignalSet,
+    /// The `cgroup.procs` files to write `0` (the writer) to.
+    cgroups: Vec<CString>,
 }
+
+/// Which step of the child's set-up failed; sent before its errno.
+const FAILED_OTHER: u8 = 0;
+const FAILED_CGROUP: u8 = 1;
 
 fn c_string(bytes: &[u8]) -> Result<CString, SpawnError> {
     CString::new(bytes).map_err(|_| SpawnError::Nul)
@@ -167,6 +179,11 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
             .collect(),
         parent: Some(rustix::process::getpid()),
         mask,
+        cgroups: command
+            .cgroups
+            .iter()
+            .map(|path| c_string(path))
+            .collect::<Result<_, _>>()?,
     };
     // Close-on-exec: the read end sees EOF once the child has exec'ed, or the errno of
     // the step that failed.
@@ -176,17 +193,19 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
     match unsafe { sys::fork() }? {
         None => {
             drop(status_read);
-            let errno = prepare_and_exec(&child);
-            let _ = rustix::io::write(&status_write, &errno.raw_os_error().to_ne_bytes());
+            let (step, errno) = prepare_and_exec(&child);
+            let mut message = [step, 0, 0, 0, 0];
+            message[1..].copy_from_slice(&errno.raw_os_error().to_ne_bytes());
+            let _ = rustix::io::write(&status_write, &message);
             sys::exit(127)
         }
         Some(pid) => {
             drop(status_write);
             drop(child);
-            let mut errno = [0u8; 4];
+            let mut message = [0u8; 5];
             let mut got = 0;
-            while got < errno.len() {
-                match rustix::io::read(&status_read, &mut errno[got..]) {
+            while got < message.len() {
+                match rustix::io::read(&status_read, &mut message[got..]) {
                     Ok(0) => break,
                     Ok(n) => got += n,
                     Err(Errno::INTR) => {}
@@ -198,7 +217,13 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
             }
             // The child exited without exec: reap it, so it is no zombie.
             let _ = rustix::process::waitpid(Some(pid), rustix::process::WaitOptions::empty());
-            Err(Errno::from_raw_os_error(i32::from_ne_bytes(errno)).into())
+            let mut errno = [0u8; 4];
+            errno.copy_from_slice(&message[1..]);
+            let errno = Errno::from_raw_os_error(i32::from_ne_bytes(errno));
+            Err(match message[0] {
+                FAILED_CGROUP => SpawnError::Cgroup(OsError(errno)),
+                _ => errno.into(),
+            })
         }
     }
 }
@@ -216,9 +241,28 @@ fn install(fd: &OwnedFd, target: i32) -> Result<(), Errno> {
     }
 }
 
-/// In the child: sets it up and executes the task; returns the errno of what failed.
+/// In the child: moves itself into the task's cgroups (before anything else, so that
+/// no instant of the task runs outside its limits).
+fn join_cgroups(child: &Child) -> Result<(), Errno> {
+    for procs in &child.cgroups {
+        let fd = rustix::fs::open(
+            procs.as_c_str(),
+            OFlags::WRONLY | OFlags::CLOEXEC,
+            rustix::fs::Mode::empty(),
+        )?;
+        // `0` is the writing process, as both cgroup versions read it.
+        file::write_all(&fd, b"0")?;
+    }
+    Ok(())
+}
+
+/// In the child: sets it up and executes the task; returns which step failed and its
+/// errno.
 #[allow(unsafe_code)]
-fn prepare_and_exec(child: &Child) -> Errno {
+fn prepare_and_exec(child: &Child) -> (u8, Errno) {
+    if let Err(errno) = join_cgroups(child) {
+        return (FAILED_CGROUP, errno);
+    }
     let steps = || -> Result<(), Errno> {
         // The supervisor ignores SIGPIPE (it writes to an agent that may be gone); the
         // task must not inherit that through exec.
@@ -259,7 +303,7 @@ fn prepare_and_exec(child: &Child) -> Errno {
         Ok(())
     };
     if let Err(errno) = steps() {
-        return errno;
+        return (FAILED_OTHER, errno);
     }
     // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one is
     // remembered, so it is the error when nothing else is found.
@@ -273,10 +317,10 @@ fn prepare_and_exec(child: &Child) -> Errno {
         match last {
             Errno::ACCESS => denied = true,
             Errno::NOENT | Errno::NOTDIR | Errno::STALE | Errno::NODEV | Errno::TIMEDOUT => {}
-            _ => return last,
+            _ => return (FAILED_OTHER, last),
         }
     }
-    if denied { Errno::ACCESS } else { last }
+    (FAILED_OTHER, if denied { Errno::ACCESS } else { last })
 }
 
 #[cfg(test)]
@@ -344,6 +388,7 @@ mod tests {
             uid: None,
             gid: None,
             groups: &[],
+            cgroups: &[],
             stdout: write,
             stderr: err_write,
         });
@@ -431,6 +476,7 @@ mod tests {
             uid: Some(65534),
             gid: Some(65534),
             groups: &[65534, 4_000_000_001, 4242],
+            cgroups: &[],
             stdout: write,
             stderr: err_write,
         })
@@ -443,6 +489,52 @@ mod tests {
             out.split_whitespace().collect::<Vec<_>>(),
             ["Groups:", "4242", "65534", "4000000001"],
             "{out}"
+        );
+    }
+
+    #[test]
+    fn the_task_writes_itself_into_each_cgroup_before_it_execs_and_a_join_that_fails_starts_nothing()
+     {
+        let dir = tempfile::tempdir().expect("a temporary dir");
+        let procs: Vec<Vec<u8>> = ["memory", "pids"]
+            .iter()
+            .map(|name| {
+                let path = dir.path().join(name);
+                std::fs::write(&path, "").expect("a stand-in procs file");
+                path.into_os_string().into_encoded_bytes()
+            })
+            .collect();
+        let start = |cgroups: &[Vec<u8>]| {
+            let (_read, write) = pipe();
+            let (_err_read, err_write) = pipe();
+            spawn(TaskCommand {
+                program: b"/bin/true",
+                args: &[],
+                environment: &env(&[]),
+                uid: None,
+                gid: None,
+                groups: &[],
+                cgroups,
+                stdout: write,
+                stderr: err_write,
+            })
+        };
+        let pid = start(&procs).expect("spawned");
+        assert!(wait(pid).exit_status() == Some(0));
+        for name in ["memory", "pids"] {
+            assert_eq!(
+                std::fs::read_to_string(dir.path().join(name)).expect("read"),
+                "0"
+            );
+        }
+        let missing = dir.path().join("gone/cgroup.procs");
+        let error = start(&[missing.into_os_string().into_encoded_bytes()])
+            .expect_err("no cgroup to join");
+        assert_eq!(error, SpawnError::Cgroup(OsError(Errno::NOENT)));
+        assert!(!error.is_permanent());
+        assert_eq!(
+            error.to_string(),
+            "joining the task's cgroup: No such file or directory (os error 2)"
         );
     }
 

@@ -282,6 +282,7 @@ fn start(args: &SupervisorArgs, environment: &Environment) -> Result<Running, St
         uid: args.uid,
         gid: args.gid,
         groups: &args.groups,
+        cgroups: &args.cgroups,
         stdout: stdout_write,
         stderr: stderr_write,
     })
