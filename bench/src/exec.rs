@@ -104,10 +104,9 @@ async fn stead_round(
         std::env::temp_dir().join(format!("stead-bench-exec-{}-{round}", std::process::id()));
     std::fs::create_dir_all(&data).with_context(|| format!("creating {}", data.display()))?;
     let config = ExecDriverConfig {
-        data_dir: data.clone(),
         allow_root: true,
         supervisor,
-        task_open_files: None,
+        ..ExecDriverConfig::new(data.clone())
     };
     let store = MemoryStore::default();
     let start_agent = |config: ExecDriverConfig| {

@@ -75,6 +75,10 @@ pub struct Settings {
     pub exec_driver: bool,
     /// Whether exec tasks may run as root.
     pub allow_root: bool,
+    /// Whether a task whose limits cannot be enforced fails to start.
+    pub limits_required: bool,
+    /// The cgroup below the agent's that holds its tasks' cgroups.
+    pub cgroup_parent: String,
     /// Also serve the API on this unix socket.
     pub socket: Option<PathBuf>,
     /// The bearer token the API requires.
@@ -240,6 +244,10 @@ impl Settings {
             mock_driver,
             exec_driver,
             allow_root: config.allow_root.unwrap_or(false),
+            limits_required: config.limits == Some(stead_schemas::config::LimitsMode::Required),
+            cgroup_parent: config
+                .cgroup_parent
+                .unwrap_or_else(|| stead_schemas::config::DEFAULT_CGROUP_PARENT.to_owned()),
             socket: config.socket,
             token,
             log_format: match args.log_format.as_deref() {
@@ -569,6 +577,8 @@ impl Agent {
             let config = ExecDriverConfig {
                 allow_root: settings.allow_root,
                 task_open_files,
+                limits_required: settings.limits_required,
+                cgroup_parent: settings.cgroup_parent.clone(),
                 ..ExecDriverConfig::new(&data_dir)
             };
             let exec = Arc::new(ExecDriver::new(config, clock));

@@ -10,7 +10,7 @@ pub mod logging;
 pub mod sdnotify;
 
 pub use stead_runtime::{
-    alloc, allocdir, clock, devices, driver, errors, gc, metrics, node, queue, registry, source,
+    alloc, allocdir, clock, devices, driver, errors, gc, host, metrics, node, queue, registry, source,
     spec_files, watch,
 };
 

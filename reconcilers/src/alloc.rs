@@ -152,6 +152,12 @@ pub enum Observation {
     },
     /// An in-flight start was abandoned.
     StartCancelled,
+    /// The driver is starting it without the resource limits its spec sets, for this
+    /// reason.
+    LimitsNotEnforced {
+        /// Why the driver cannot enforce them.
+        reason: String,
+    },
     /// Its process ended.
     Exited(ExitResult),
     /// After an agent restart, it could not be reattached.
@@ -530,6 +536,9 @@ impl AllocState {
                 recoverable,
             } => state.observe_start_failed(settings, &message, recoverable, jitter, now, cap),
             Observation::StartCancelled => state.observe_start_cancelled(settings, now, cap),
+            Observation::LimitsNotEnforced { reason } => {
+                state.push_event(TaskEvent::limits_not_enforced(now, &reason), cap);
+            }
             Observation::Exited(result) => {
                 state.observe_exited(settings, &result, jitter, now, cap)
             }
@@ -733,7 +742,7 @@ mod tests {
                             Observation::Exited(ExitResult {
                                 exit_code: 130,
                                 signal: Some(2),
-                                error: None,
+                                ..ExitResult::default()
                             }),
                         );
                     }
@@ -760,8 +769,7 @@ mod tests {
                 &name(task),
                 Observation::Exited(ExitResult {
                     exit_code: code,
-                    signal: None,
-                    error: None,
+                    ..ExitResult::default()
                 }),
             );
         }
@@ -1227,6 +1235,58 @@ mod tests {
         let restore_failed = &main.events[3];
         assert_eq!(restore_failed.message, "no such process");
         assert_eq!(sim.state.client_status(), ClientStatus::Running);
+    }
+
+    #[test]
+    fn an_oom_kill_reads_as_such_and_is_a_failure_the_restart_policy_takes() {
+        let mut sim = Sim::new(ONE_TASK);
+        sim.step();
+        sim.observe(&name("main"), Observation::Started);
+        sim.observe(
+            &name("main"),
+            Observation::Exited(ExitResult {
+                exit_code: 137,
+                signal: Some(9),
+                error: None,
+                oom_killed: true,
+            }),
+        );
+        let main = &sim.state.tasks[&name("main")];
+        let terminated = main
+            .events
+            .iter()
+            .find(|e| e.event_type == TaskEventType::Terminated)
+            .expect("a Terminated event");
+        assert_eq!(terminated.message, "Exit Code: 137, Signal: 9, OOM Killed");
+        assert!(terminated.oom_killed);
+        assert_eq!(
+            main.events.back().map(|e| e.event_type),
+            Some(TaskEventType::Restarting)
+        );
+    }
+
+    #[test]
+    fn limits_that_are_not_enforced_are_one_event_before_the_start() {
+        let mut sim = Sim::new(ONE_TASK);
+        sim.step();
+        sim.observe(
+            &name("main"),
+            Observation::LimitsNotEnforced {
+                reason: "no writable cgroup".to_owned(),
+            },
+        );
+        sim.observe(&name("main"), Observation::Started);
+        let events = sim.messages("main", 0);
+        assert_eq!(
+            events[events.len() - 2..],
+            [
+                (
+                    "Limits Not Enforced",
+                    "Task started without its resource limits: no writable cgroup"
+                ),
+                ("Started", "Task started by client")
+            ]
+        );
     }
 
     #[test]

@@ -46,6 +46,9 @@ pub enum TaskEventType {
     WaitingShutdownDelay,
     /// The alloc's devices are not free and healthy yet: the task waits for them.
     WaitingForDevices,
+    /// The task started without the resource limits its spec sets: the driver cannot
+    /// enforce them on this node.
+    LimitsNotEnforced,
 }
 
 impl TaskEventType {
@@ -70,11 +73,12 @@ impl TaskEventType {
             TaskEventType::FailedRestoringTask => "Failed Restoring Task",
             TaskEventType::WaitingShutdownDelay => "Waiting for shutdown delay",
             TaskEventType::WaitingForDevices => "Waiting for devices",
+            TaskEventType::LimitsNotEnforced => "Limits Not Enforced",
         }
     }
 
     /// Every event type, for parsing persisted events back.
-    pub const ALL: [TaskEventType; 18] = [
+    pub const ALL: [TaskEventType; 19] = [
         TaskEventType::Received,
         TaskEventType::TaskSetup,
         TaskEventType::Started,
@@ -93,6 +97,7 @@ impl TaskEventType {
         TaskEventType::FailedRestoringTask,
         TaskEventType::WaitingShutdownDelay,
         TaskEventType::WaitingForDevices,
+        TaskEventType::LimitsNotEnforced,
     ];
 
     /// The event type whose string is `s`.
@@ -120,6 +125,8 @@ pub struct TaskEvent {
     pub exit_code: Option<i32>,
     /// For `Terminated`: the signal, when one ended the task.
     pub signal: Option<i32>,
+    /// For `Terminated`: the kernel's OOM killer killed a process of the task.
+    pub oom_killed: bool,
 }
 
 impl TaskEvent {
@@ -131,6 +138,7 @@ impl TaskEvent {
             message: message.into(),
             exit_code: None,
             signal: None,
+            oom_killed: false,
         }
     }
 
@@ -149,11 +157,13 @@ impl TaskEvent {
         Self::new(TaskEventType::Started, time, "Task started by client")
     }
 
-    /// `Terminated`: "Exit Code: 130, Signal: 2".
+    /// `Terminated`: "Exit Code: 130, Signal: 2", or after an OOM kill "Exit Code: 137,
+    /// Signal: 9, OOM Killed".
     pub fn terminated(time: Timestamp, result: &crate::exit::ExitResult) -> Self {
         TaskEvent {
             exit_code: Some(result.exit_code),
             signal: result.signal,
+            oom_killed: result.oom_killed,
             ..Self::new(TaskEventType::Terminated, time, result.to_string())
         }
     }
@@ -167,6 +177,15 @@ impl TaskEvent {
                 "Sent interrupt. Waiting {} before force killing",
                 stead_schemas::Duration::from(kill_timeout)
             ),
+        )
+    }
+
+    /// `Limits Not Enforced`: why the driver starts the task without its limits.
+    pub fn limits_not_enforced(time: Timestamp, reason: &str) -> Self {
+        Self::new(
+            TaskEventType::LimitsNotEnforced,
+            time,
+            format!("Task started without its resource limits: {reason}"),
         )
     }
 

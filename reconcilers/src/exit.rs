@@ -11,6 +11,9 @@ pub struct ExitResult {
     pub signal: Option<i32>,
     /// An error the driver reported with the exit, if any.
     pub error: Option<String>,
+    /// The kernel's OOM killer killed a process of the task in this run, as its cgroup
+    /// counted (never inferred from the exit code).
+    pub oom_killed: bool,
 }
 
 impl ExitResult {
@@ -26,6 +29,9 @@ impl fmt::Display for ExitResult {
         write!(f, "Exit Code: {}", self.exit_code)?;
         if let Some(signal) = self.signal.filter(|s| *s != 0) {
             write!(f, ", Signal: {signal}")?;
+        }
+        if self.oom_killed {
+            f.write_str(", OOM Killed")?;
         }
         if let Some(error) = &self.error {
             write!(f, ", Exit Message: {error:?}")?;
@@ -44,8 +50,17 @@ mod tests {
             exit_code: 130,
             signal: Some(2),
             error: None,
+            oom_killed: false,
         };
         assert_eq!(killed.to_string(), "Exit Code: 130, Signal: 2");
+        let oom = ExitResult {
+            exit_code: 137,
+            signal: Some(9),
+            error: None,
+            oom_killed: true,
+        };
+        assert_eq!(oom.to_string(), "Exit Code: 137, Signal: 9, OOM Killed");
+        assert!(!oom.successful());
         assert!(!killed.successful());
         assert!(ExitResult::default().successful());
         assert_eq!(ExitResult::default().to_string(), "Exit Code: 0");

@@ -70,6 +70,32 @@ pub struct NodeStatus {
     /// Device groups, sorted by `vendor/type/name`: every group a plugin reports, and
     /// every group an alloc holds an instance of.
     pub devices: Vec<DeviceGroupStatus>,
+    /// The node's CPU and memory, and what running allocs reserve of them; `null` from
+    /// an agent that does not report them.
+    #[serde(default)]
+    pub resources: Option<NodeResources>,
+}
+
+/// The node's CPU and memory, and the sums that running allocs' tasks reserve.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct NodeResources {
+    /// CPU cores the agent may use.
+    pub cpu_cores: u32,
+    /// The MHz of one core, from the node's fingerprint: what `cpuHardLimit` divides by.
+    pub cpu_mhz_per_core: u32,
+    /// Cores times the MHz of one: the node's CPU, in the unit of a task's `cpu`.
+    #[serde(rename = "cpuMHz")]
+    pub cpu_mhz: u64,
+    /// The node's memory, in MiB.
+    #[serde(rename = "memoryMB")]
+    pub memory_mb: u64,
+    /// The `cpu` of every task of running allocs, summed.
+    #[serde(rename = "reservedCpuMHz")]
+    pub reserved_cpu_mhz: u64,
+    /// The `memoryMB` of every task of running allocs, summed.
+    #[serde(rename = "reservedMemoryMB")]
+    pub reserved_memory_mb: u64,
 }
 
 /// One driver's fingerprint.
@@ -208,6 +234,33 @@ pub struct TaskStats {
     pub rss_bytes: u64,
     /// How many processes the task has.
     pub processes: u32,
+    /// What the kernel counts for the task's cgroup; left out when it has none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cgroup: Option<CgroupStats>,
+}
+
+/// One task's use and limits as its cgroup counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CgroupStats {
+    /// Memory charged to the task now (page cache included), in bytes; `null` without
+    /// the memory controller.
+    pub memory_bytes: Option<u64>,
+    /// The most memory charged to it at once, in bytes; `null` where the kernel does not
+    /// count it.
+    pub memory_peak_bytes: Option<u64>,
+    /// Its hard memory limit, in bytes; `null`: none.
+    pub memory_limit_bytes: Option<u64>,
+    /// CPU time it used, in seconds.
+    pub cpu_seconds: f64,
+    /// How long its CPU quota held it back, in seconds; `null` where not counted.
+    pub cpu_throttled_seconds: Option<f64>,
+    /// Its processes and threads now; `null` where not counted.
+    pub pids: Option<u64>,
+    /// The most it may have; `null`: no limit.
+    pub pids_limit: Option<u64>,
+    /// Processes of it the kernel's OOM killer killed in this run.
+    pub oom_kills: u64,
 }
 
 /// The body of `POST /v1/allocs/{name}/restart`; an empty body restarts every running task.

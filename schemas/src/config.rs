@@ -40,6 +40,14 @@ pub struct AgentConfig {
     pub shutdown: Option<ShutdownMode>,
     /// Whether exec tasks may run as root (default false).
     pub allow_root: Option<bool>,
+    /// What a task with resource limits does where the exec driver cannot enforce them
+    /// (no writable cgroup): `bestEffort` starts it with a `Limits Not Enforced` event
+    /// (the default), `required` fails its start with `Driver Failure`.
+    pub limits: Option<LimitsMode>,
+    /// The cgroup, below the agent's own, that holds a cgroup per task run (default
+    /// `stead`); two agents on one host need two names.
+    #[serde(default, deserialize_with = "cgroup_parent")]
+    pub cgroup_parent: Option<String>,
     /// Garbage collection of terminal allocs.
     pub gc: Option<GcConfig>,
     /// The state store under the data dir.
@@ -60,6 +68,17 @@ pub enum ShutdownMode {
     Detach,
     /// Every alloc is stopped, all in parallel.
     Drain,
+}
+
+/// Whether resource limits must be enforced for a task to start.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub enum LimitsMode {
+    /// Tasks start even where their limits cannot be enforced, with an event saying so.
+    #[default]
+    BestEffort,
+    /// A task whose limits cannot be enforced does not start.
+    Required,
 }
 
 /// Log output format.
@@ -191,6 +210,36 @@ fn health_interval<'de, D: Deserializer<'de>>(
     period(deserializer, "devices.healthInterval")
 }
 
+/// The name of the cgroup below the agent's that holds its tasks' cgroups.
+pub const DEFAULT_CGROUP_PARENT: &str = "stead";
+/// The leaf cgroup a cgroup v2 agent moves itself into, beside its tasks' parent.
+pub const AGENT_CGROUP_LEAF: &str = "stead-agent";
+
+/// Whether `name` can name the tasks' parent cgroup: one path component of letters,
+/// digits, `-`, `_` and `.`, not starting with `.`, at most 64 bytes, and not the
+/// agent's own leaf.
+pub fn is_cgroup_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 64
+        && !name.starts_with('.')
+        && name != AGENT_CGROUP_LEAF
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+}
+
+fn cgroup_parent<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
+    let name = Option::<String>::deserialize(deserializer)?;
+    if let Some(name) = &name
+        && !is_cgroup_name(name)
+    {
+        return Err(serde::de::Error::custom(format!(
+            "cgroupParent: {name:?} is not a cgroup name (letters, digits, '-', '_' and '.', at most 64, not starting with '.', not {AGENT_CGROUP_LEAF:?})"
+        )));
+    }
+    Ok(name)
+}
+
 /// A secret that is not empty or blank.
 fn non_blank<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
     let secret = Option::<String>::deserialize(deserializer)?;
@@ -282,6 +331,8 @@ maxKillTimeout: 30s
 maxTaskEvents: 50
 shutdown: drain
 allowRoot: false
+limits: required
+cgroupParent: stead
 gc: {interval: 1m, maxAllocs: 50, diskUsageThreshold: 80, parallelDestroys: 2}
 store: {memoryMB: 8, sync: true}
 drivers: {exec: {enabled: true}, mock: {enabled: false}}
@@ -293,6 +344,8 @@ logFormat: json
         let config = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap();
         assert_eq!(config.shutdown, Some(ShutdownMode::Drain));
         assert_eq!(config.tick, Some(Duration::from_secs(1)));
+        assert_eq!(config.limits, Some(LimitsMode::Required));
+        assert_eq!(config.cgroup_parent.as_deref(), Some("stead"));
         assert_eq!(
             config.store,
             Some(StoreConfig {
@@ -326,6 +379,10 @@ logFormat: json
             (
                 "devices: {healthInterval: 0s}\n",
                 "agent.yaml:1:27: devices.healthInterval: a period must be longer than 0s",
+            ),
+            (
+                "cgroupParent: ../x\n",
+                "agent.yaml:1:15: cgroupParent: \"../x\" is not a cgroup name (letters, digits, '-', '_' and '.', at most 64, not starting with '.', not \"stead-agent\")",
             ),
             (
                 "token: \"\"\n",

@@ -552,22 +552,44 @@ impl Decode for ResourcesSpec {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
         let resources = decode_struct!(node, path, cx, ResourcesSpec {
             cpu: "cpu" optional,
+            cpu_hard_limit: "cpuHardLimit" optional,
             memory_mb: "memoryMB" optional,
+            memory_max_mb: "memoryMaxMB" optional,
+            pids: "pids" optional,
+            oom_kill_group: "oomKillGroup" optional,
             devices: "devices" optional,
         })?;
         let mut ok = true;
+        let mut report = |key: &str, message: String| {
+            cx.report(node_location(node, key), &path.field(key), message);
+            ok = false;
+        };
         for (value, key, min) in [
             (resources.cpu, "cpu", MIN_CPU),
             (resources.memory_mb, "memoryMB", MIN_MEMORY_MB),
+            (resources.memory_max_mb, "memoryMaxMB", MIN_MEMORY_MB),
+            (resources.pids, "pids", 1),
         ] {
             if value.is_some_and(|value| value < min) {
-                cx.report(
-                    node_location(node, key),
-                    &path.field(key),
-                    format!("must be at least {min}"),
-                );
-                ok = false;
+                report(key, format!("must be at least {min}"));
             }
+        }
+        match (resources.memory_mb, resources.memory_max_mb) {
+            (None, Some(_)) => report(
+                "memoryMaxMB",
+                "needs memoryMB, the reservation below it".to_owned(),
+            ),
+            (Some(memory), Some(max)) if max < memory && memory >= MIN_MEMORY_MB => report(
+                "memoryMaxMB",
+                format!("must be at least memoryMB ({memory})"),
+            ),
+            _ => {}
+        }
+        if resources.cpu_hard_limit == Some(true) && resources.cpu.is_none() {
+            report(
+                "cpuHardLimit",
+                "needs cpu, the MHz the task is capped at".to_owned(),
+            );
         }
         ok.then_some(resources)
     }

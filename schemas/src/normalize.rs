@@ -349,7 +349,12 @@ fn normalize_task(task: &TaskSpec, body: &AllocBody) -> TaskSpec {
     };
     let resources = task.resources.clone().map(|r| ResourcesSpec {
         cpu: r.cpu,
+        // Off is the default, left out so that the revision stays.
+        cpu_hard_limit: r.cpu_hard_limit.filter(|on| *on),
         memory_mb: r.memory_mb,
+        memory_max_mb: r.memory_max_mb,
+        pids: r.pids,
+        oom_kill_group: r.oom_kill_group.filter(|on| *on),
         devices: r.devices.filter(|d| !d.is_empty()).map(|devices| {
             devices
                 .into_iter()

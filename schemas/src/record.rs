@@ -246,6 +246,9 @@ pub struct TaskEventRecord {
     /// The signal that ended the task, for `Terminated`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub signal: Option<i32>,
+    /// For `Terminated`: the kernel's OOM killer killed a process of the task.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub oom_killed: bool,
 }
 
 /// A started task as its driver identifies it, so a restarted agent can recover it.
@@ -452,6 +455,7 @@ mod tests {
                 message: "Task started by client".to_owned(),
                 exit_code: None,
                 signal: None,
+                oom_killed: false,
             }],
             checks: BTreeMap::new(),
         };

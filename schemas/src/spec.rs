@@ -436,18 +436,50 @@ pub struct LogsSpec {
     pub max_file_size_mb: Option<u32>,
 }
 
-/// Resources of one task.
+/// Resources of one task, and the limits the exec driver enforces through cgroups.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend(
+    "dependentRequired" = {"memoryMaxMB": ["memoryMB"]},
+    "if" = {"properties": {"cpuHardLimit": {"const": true}}, "required": ["cpuHardLimit"]},
+    "then" = {"required": ["cpu"]}
+))]
 pub struct ResourcesSpec {
-    /// CPU shares (MHz-style), at least 1; informational until limits land.
+    /// CPU in MHz, as Nomad's `cpu`, at least 1: the task's relative weight against the
+    /// other tasks of the node when the CPU is contended.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 1))]
     pub cpu: Option<u32>,
-    /// Memory in megabytes, at least 10.
+    /// Also cap the task at `cpu` MHz, i.e. `cpu / MHz of one core` cores, even on an
+    /// idle node (default false). Needs `cpu`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cpu_hard_limit: Option<bool>,
+    /// Memory in megabytes, at least 10: the hard limit, or with `memoryMaxMB` the
+    /// reservation the kernel protects from reclaim.
     #[serde(rename = "memoryMB", default, skip_serializing_if = "Option::is_none")]
     #[schemars(range(min = 10))]
     pub memory_mb: Option<u32>,
+    /// The hard memory limit in megabytes, at least `memoryMB` (Nomad's `memory_max`).
+    /// Needs `memoryMB`.
+    #[serde(
+        rename = "memoryMaxMB",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    #[schemars(range(min = 10))]
+    pub memory_max_mb: Option<u32>,
+    /// The most processes and threads the task may have at once, at least 1.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(range(min = 1))]
+    pub pids: Option<u32>,
+    /// On an out-of-memory kill, kill every process of the task rather than only the
+    /// one the kernel chose (default false).
+    #[serde(
+        rename = "oomKillGroup",
+        default,
+        skip_serializing_if = "Option::is_none"
+    )]
+    pub oom_kill_group: Option<bool>,
     /// Devices to reserve.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<DeviceRequest>>,

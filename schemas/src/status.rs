@@ -55,6 +55,9 @@ pub struct TaskStatus {
     pub finished_at: Option<Timestamp>,
     /// The process id, for drivers that have one.
     pub pid: Option<u32>,
+    /// How its last run ended; left out before the first ended.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_exit: Option<TaskExitStatus>,
     /// The device instances the task holds, each with its health; left out when none.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub devices: Vec<TaskDeviceStatus>,
@@ -63,6 +66,22 @@ pub struct TaskStatus {
     pub checks: Vec<TaskCheckStatus>,
     /// History, oldest first.
     pub events: Vec<TaskEventStatus>,
+}
+
+/// How a run of a task ended.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct TaskExitStatus {
+    /// When.
+    pub time: Timestamp,
+    /// The exit code (128 + n after signal n).
+    pub exit_code: i32,
+    /// The signal that ended it, if one did.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub signal: Option<i32>,
+    /// Whether the kernel's OOM killer killed a process of it (read from its cgroup,
+    /// never guessed from the exit code).
+    pub oom_killed: bool,
 }
 
 /// One health check of a task.
@@ -113,4 +132,8 @@ pub struct TaskEventStatus {
     /// For `Terminated`: the signal.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub signal: Option<i32>,
+    /// For `Terminated`: the kernel's OOM killer killed a process of the task; left out
+    /// when not.
+    #[serde(skip_serializing_if = "std::ops::Not::not", default)]
+    pub oom_killed: bool,
 }

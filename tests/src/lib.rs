@@ -67,6 +67,18 @@ pub fn check_snapshot(path: &Path, actual: &str) -> Result<(), String> {
     }
 }
 
+/// A name for the tasks' parent cgroup that no other agent of the tests shares: agents
+/// of one test process sit in one cgroup, and their allocs' ids repeat.
+pub fn unique_cgroup_parent() -> String {
+    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
+    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    format!(
+        "stead-test-{}-{n}-{:08x}",
+        std::process::id(),
+        fastrand::u32(..)
+    )
+}
+
 /// Whether the tests run as root (some checks need it, others assume it).
 pub fn running_as_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {

@@ -11,6 +11,7 @@ pub mod devices;
 pub mod driver;
 pub mod errors;
 pub mod gc;
+pub mod host;
 pub mod metrics;
 pub mod node;
 pub mod queue;

@@ -41,6 +41,9 @@ pub const TASK_FAILURES: &str = "stead_task_failures_total";
 pub const CHECK_RESULTS: &str = "stead_check_results_total";
 /// Counter: tasks restarted because a health check stayed unhealthy.
 pub const CHECK_RESTARTS: &str = "stead_check_restarts_total";
+/// Counter: task runs in which the kernel's OOM killer killed a process (read from the
+/// task's cgroup).
+pub const TASK_OOM_KILLS: &str = "stead_task_oom_kills_total";
 /// Counter: alloc records written to the store.
 pub const STORE_WRITES: &str = "stead_store_writes_total";
 /// Counter: store writes skipped because the record was unchanged.
@@ -103,6 +106,7 @@ struct Events {
     /// `stead_check_results_total` by status, in the order of [`CHECK_RESULT_STATUSES`].
     check_results: [Counter; CHECK_RESULT_STATUSES.len()],
     check_restarts: Counter,
+    task_oom_kills: Counter,
     registry: Registry,
 }
 
@@ -113,6 +117,7 @@ impl Events {
             (Counter::default(), Counter::default(), Counter::default());
         let reconcile_duration = Histogram::new(RECONCILE_BUCKETS);
         let check_restarts = Counter::default();
+        let task_oom_kills = Counter::default();
         let check_family = Family::<[(&'static str, &'static str); 1], Counter>::default();
         let check_results = CHECK_RESULT_STATUSES.map(|status| {
             check_family
@@ -139,6 +144,11 @@ impl Events {
                 "Tasks restarted because a health check stayed unhealthy",
                 &check_restarts,
             ),
+            (
+                TASK_OOM_KILLS,
+                "Task runs in which the kernel's OOM killer killed a process",
+                &task_oom_kills,
+            ),
         ];
         for (series, help, counter) in counters {
             registry.register(family(series, "_total"), help, counter.clone());
@@ -163,6 +173,7 @@ impl Events {
             task_failures,
             check_results,
             check_restarts,
+            task_oom_kills,
             registry,
         }
     }
@@ -269,4 +280,9 @@ pub(crate) fn check_result(status: CheckStatus) {
 /// Records a task restarted for a failing health check.
 pub(crate) fn check_restart() {
     EVENTS.check_restarts.inc();
+}
+
+/// Counts a task run ended by the OOM killer.
+pub(crate) fn task_oom_killed() {
+    EVENTS.task_oom_kills.inc();
 }

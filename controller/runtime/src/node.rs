@@ -487,6 +487,22 @@ impl Node {
         Some(self.view(name)?.handles.clone())
     }
 
+    /// The `cpu` (MHz) and `memoryMB` that running tasks of every alloc reserve,
+    /// summed.
+    pub fn reserved(&self) -> (u64, u64) {
+        self.shared
+            .registry
+            .slots()
+            .values()
+            .map(|slot| slot.view().facts)
+            .fold((0, 0), |(cpu, memory), facts| {
+                (
+                    cpu + facts.reserved_cpu_mhz,
+                    memory + facts.reserved_memory_mb,
+                )
+            })
+    }
+
     /// Every published status, by name.
     pub fn statuses(&self) -> Vec<Arc<AllocStatus>> {
         let mut views: Vec<(Name, Arc<AllocView>)> = self

@@ -84,6 +84,10 @@ pub struct AllocFacts {
     pub collectable: bool,
     /// When its last task finished.
     pub finished_at: Option<Timestamp>,
+    /// The `cpu` (MHz) of its running tasks, summed.
+    pub reserved_cpu_mhz: u64,
+    /// The `memoryMB` of its running tasks, summed.
+    pub reserved_memory_mb: u64,
 }
 
 /// The node's allocs, one slot each, and the node-wide facts their workers act on.

@@ -9,8 +9,8 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use stead_schemas::api::{
-    AllocListItem, AllocStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry, DriverStatus,
-    HealthStatus, NodeStatus, RestartRequest, SignalRequest, TaskStats,
+    AllocListItem, AllocStats, CgroupStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry, DriverStatus,
+    HealthStatus, NodeResources, NodeStatus, RestartRequest, SignalRequest, TaskStats,
 };
 use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;
@@ -105,6 +105,16 @@ pub(super) async fn alloc_stats(
                         cpu_seconds,
                         rss_bytes: stats.rss_bytes,
                         processes: stats.processes,
+                        cgroup: stats.cgroup.map(|c| CgroupStats {
+                            memory_bytes: c.memory_bytes,
+                            memory_peak_bytes: c.memory_peak_bytes,
+                            memory_limit_bytes: c.memory_limit_bytes,
+                            cpu_seconds: c.cpu_usec as f64 / 1e6,
+                            cpu_throttled_seconds: c.throttled_usec.map(|us| us as f64 / 1e6),
+                            pids: c.pids,
+                            pids_limit: c.pids_limit,
+                            oom_kills: c.oom_kills,
+                        }),
                     },
                 );
             }
@@ -313,6 +323,18 @@ pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
         allocs,
         drivers,
         devices: state.node().devices().node_devices(),
+        resources: Some({
+            let host = crate::host::HostResources::get();
+            let (reserved_cpu_mhz, reserved_memory_mb) = state.node().reserved();
+            NodeResources {
+                cpu_cores: host.cores,
+                cpu_mhz_per_core: host.mhz_per_core,
+                cpu_mhz: host.total_mhz(),
+                memory_mb: host.memory_mb,
+                reserved_cpu_mhz,
+                reserved_memory_mb,
+            }
+        }),
     };
     json_response(StatusCode::OK, &node)
 }

@@ -14,6 +14,7 @@ use exec_support::{
 use stead_controller::driver::exec::ExecDriver;
 use stead_controller::driver::{
     DeviceAccess, Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle,
+    TaskResources,
 };
 use stead_schemas::spec::{DriverConfig, DriverKind, ExecConfig, Name};
 use stead_schemas::{AllocId, Revision};
@@ -38,6 +39,7 @@ fn request(alloc: &str, command: &str, args: &[&str], user: Option<&str>) -> Sta
             max_file_size_mb: 1,
         },
         devices: DeviceAccess::default(),
+        resources: TaskResources::default(),
     }
 }
 
@@ -342,7 +344,12 @@ async fn the_health_hook_flips_the_fingerprint_and_back_and_attributes_name_kern
     let release = std::fs::read_to_string("/proc/sys/kernel/osrelease").expect("readable");
     assert_eq!(healthy.attributes["kernel.version"], release.trim());
     assert_eq!(healthy.attributes["kernel.name"], "linux");
-    assert!(["v1", "v2", "none"].contains(&healthy.attributes["cgroup.version"].as_str()));
+    match healthy.attributes["cgroup.limits"].as_str() {
+        "true" => assert!(
+            ["v1", "v2", "hybrid"].contains(&healthy.attributes["cgroup.version"].as_str())
+        ),
+        _ => assert!(healthy.attributes.contains_key("cgroup.reason")),
+    }
     assert!(healthy.attributes.contains_key("os.name"));
 
     driver.set_health(Some(Health::Unhealthy));
@@ -660,7 +667,8 @@ async fn a_start_the_fork_server_has_no_process_to_fork_for_fails_recoverably() 
             data_dir: data.path().to_owned(),
             allow_root: true,
             supervisor: wrapper,
-            task_open_files: None,
+            cgroup_parent: stead_tests::unique_cgroup_parent(),
+            ..stead_controller::driver::exec::ExecDriverConfig::new(data.path())
         },
         stead_controller::clock::Clock::system(),
     );

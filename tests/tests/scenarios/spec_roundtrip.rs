@@ -483,12 +483,28 @@ fn resources() -> impl Strategy<Value = ResourcesSpec> {
         prop::option::of(prop_oneof![1..=4000u32, 1..=u32::MAX]),
         prop::option::of(prop_oneof![10..=4096u32, 10..=u32::MAX]),
         prop::option::of(prop::collection::vec(device, 0..3)),
+        (
+            prop::option::of(any::<bool>()),
+            prop::option::of(0..=4096u32),
+            prop::option::of(1..=u32::MAX),
+            prop::option::of(any::<bool>()),
+        ),
     )
-        .prop_map(|(cpu, memory_mb, devices)| ResourcesSpec {
-            cpu,
-            memory_mb,
-            devices,
-        })
+        .prop_map(
+            |(cpu, memory_mb, devices, (hard, above, pids, oom_kill_group))| ResourcesSpec {
+                cpu,
+                // A hard limit only with the MHz it caps at.
+                cpu_hard_limit: hard.filter(|_| cpu.is_some()),
+                memory_mb,
+                // A maximum only above a reservation.
+                memory_max_mb: memory_mb
+                    .zip(above)
+                    .map(|(memory, above)| memory.saturating_add(above)),
+                pids,
+                oom_kill_group,
+                devices,
+            },
+        )
 }
 
 /// Valid health checks of one task, named `check-0`, `check-1`, ….

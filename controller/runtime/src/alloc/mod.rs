@@ -44,7 +44,7 @@ use crate::allocdir::{AllocDirError, AllocDirs};
 use crate::clock::Clock;
 use crate::devices::DeviceManager;
 use crate::driver::{
-    DeviceAccess, Driver, DriverError, Drivers, ExecRequest, LogLimits, StartRequest, TaskHandle,
+    DeviceAccess, Driver, DriverError, Drivers, ExecRequest, LogLimits, TaskResources, StartRequest, TaskHandle,
 };
 use crate::errors::error_chain;
 use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand};

@@ -182,6 +182,7 @@ impl Worker {
                 max_file_size_mb,
             },
             devices: DeviceAccess::default(),
+            resources: TaskResources::of(spec.resources.as_ref()),
         };
         let kind = match &spec.config {
             DriverConfig::Exec(_) => stead_schemas::spec::DriverKind::Exec,
@@ -207,6 +208,18 @@ impl Worker {
             self.ops.remove(&task);
             return;
         };
+        if let Some(reason) = driver.unenforced_limits(&request.resources) {
+            tracing::warn!(task = %task, %reason, "task starts without its resource limits");
+            let current = self.current.as_mut().expect("checked above");
+            let jitter = Jitter::from_bits(self.rng.u32(..));
+            current.state.observe(
+                &current.desired,
+                &task,
+                Observation::LimitsNotEnforced { reason },
+                jitter,
+                now,
+            );
+        }
         let span = tracing::info_span!("task", task = %task, run);
         let devices = self.shared.config.devices.clone();
         let operation = async move {
@@ -286,8 +299,12 @@ impl Worker {
                     exit_code = result.exit_code,
                     signal = result.signal,
                     error = result.error.as_deref(),
+                    oom_killed = result.oom_killed,
                     "task exited"
                 );
+                if result.oom_killed {
+                    crate::metrics::task_oom_killed();
+                }
                 self.ops.remove(&task);
                 if let Some(handle) = current.handles.remove(&task)
                     && let Some(driver) = self.shared.drivers.get(handle.driver)

@@ -3,7 +3,8 @@
 
 use stead_reconcilers::check::CheckState;
 use stead_reconcilers::task::{TaskSettings, TaskState};
-use stead_schemas::status::TaskCheckStatus;
+use stead_reconcilers::event::TaskEventType;
+use stead_schemas::status::{TaskCheckStatus, TaskExitStatus};
 
 use super::*;
 
@@ -160,6 +161,17 @@ pub(super) fn status_of(
                     started_at: state.started_at,
                     finished_at: state.finished_at,
                     pid: current.handles.get(task).and_then(|h| h.pid),
+                    last_exit: state
+                        .events
+                        .iter()
+                        .rev()
+                        .find(|e| e.event_type == TaskEventType::Terminated)
+                        .map(|e| TaskExitStatus {
+                            time: e.time,
+                            exit_code: e.exit_code.unwrap_or(0),
+                            signal: e.signal,
+                            oom_killed: e.oom_killed,
+                        }),
                     devices: current
                         .devices
                         .get(task)
@@ -180,6 +192,7 @@ pub(super) fn status_of(
                             message: e.message.clone(),
                             exit_code: e.exit_code,
                             signal: e.signal,
+                            oom_killed: e.oom_killed,
                         })
                         .collect(),
                 };
@@ -288,8 +301,23 @@ impl Worker {
         }
         current.published = Some(shown);
         let status = status_of(&self.name, current, removed, &health);
+        let running = current.spec.spec.spec.tasks.iter().filter(|task| {
+            current
+                .state
+                .tasks
+                .get(&task.name)
+                .is_some_and(|state| state.phase == stead_reconcilers::task::TaskPhase::Running)
+        });
+        let (mut reserved_cpu_mhz, mut reserved_memory_mb) = (0, 0);
+        for task in running {
+            let resources = task.resources.as_ref();
+            reserved_cpu_mhz += u64::from(resources.and_then(|r| r.cpu).unwrap_or(0));
+            reserved_memory_mb += u64::from(resources.and_then(|r| r.memory_mb).unwrap_or(0));
+        }
         let facts = AllocFacts {
             collectable,
+            reserved_cpu_mhz,
+            reserved_memory_mb,
             finished_at: current
                 .state
                 .tasks

@@ -46,6 +46,7 @@ const KILLED: ExitResult = ExitResult {
     exit_code: 128 + 9,
     signal: Some(9),
     error: None,
+    oom_killed: false,
 };
 
 /// The in-process fake driver; clones share their tasks.
@@ -321,6 +322,7 @@ async fn live(inner: Weak<Inner>, id: String, config: MockConfig, ended: Cancell
                     exit_code: config.exit_code.unwrap_or(0),
                     signal: config.exit_signal,
                     error: config.exit_err_msg.clone(),
+                    oom_killed: false,
                 });
             }
         }
@@ -429,6 +431,7 @@ impl Driver for MockDriver {
                     exit_code: 0,
                     signal: None,
                     error: Some(format!("task {} is unknown to the mock driver", handle.id)),
+                    oom_killed: false,
                 };
             };
             let ended = match exit.wait_for(Option::is_some).await {
@@ -441,6 +444,7 @@ impl Driver for MockDriver {
                     exit_code: 0,
                     signal: None,
                     error: Some(format!("task {} was destroyed", handle.id)),
+                    oom_killed: false,
                 };
             };
             if ended.interrupted && inner.lock().hang_wait_after_kill {
@@ -488,6 +492,7 @@ impl Driver for MockDriver {
                 exit_code: 128 + number,
                 signal: Some(number),
                 error: None,
+                oom_killed: false,
             };
             match task.config.kill_after.map(|d| d.get()) {
                 Some(delay) if !delay.is_zero() => {
@@ -608,6 +613,7 @@ mod tests {
                 max_file_size_mb: 10,
             },
             devices: crate::driver::DeviceAccess::default(),
+            resources: crate::driver::TaskResources::default(),
         }
     }
 
@@ -623,7 +629,7 @@ mod tests {
         ExitResult {
             exit_code,
             signal,
-            error: None,
+            ..ExitResult::default()
         }
     }
 
@@ -670,7 +676,8 @@ mod tests {
             ExitResult {
                 exit_code: 3,
                 signal: Some(6),
-                error: Some("boom".to_owned())
+                error: Some("boom".to_owned()),
+                oom_killed: false,
             }
         );
         assert!(driver.running().is_empty());

@@ -38,6 +38,47 @@ pub struct StartRequest {
     pub logs: LogLimits,
     /// Paths the task's device plugins want it to see: mounts and device nodes.
     pub devices: DeviceAccess,
+    /// The CPU, memory and process limits the spec sets.
+    pub resources: TaskResources,
+}
+
+/// The limits a task's `resources` set, for drivers that enforce them.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash)]
+pub struct TaskResources {
+    /// CPU in MHz: the task's weight.
+    pub cpu: Option<u32>,
+    /// Also cap the task at `cpu` MHz.
+    pub cpu_hard_limit: bool,
+    /// Memory in MiB: the hard limit, or the reservation under `memory_max_mb`.
+    pub memory_mb: Option<u32>,
+    /// The hard memory limit in MiB.
+    pub memory_max_mb: Option<u32>,
+    /// The most processes and threads.
+    pub pids: Option<u32>,
+    /// Kill the whole task on an out-of-memory kill.
+    pub oom_kill_group: bool,
+}
+
+impl TaskResources {
+    /// The limits of a task spec's `resources` (none when it has none).
+    pub fn of(resources: Option<&stead_schemas::spec::ResourcesSpec>) -> Self {
+        let Some(r) = resources else {
+            return TaskResources::default();
+        };
+        TaskResources {
+            cpu: r.cpu,
+            cpu_hard_limit: r.cpu_hard_limit.unwrap_or(false),
+            memory_mb: r.memory_mb,
+            memory_max_mb: r.memory_max_mb,
+            pids: r.pids,
+            oom_kill_group: r.oom_kill_group.unwrap_or(false),
+        }
+    }
+
+    /// Whether the spec sets any limit.
+    pub fn any(&self) -> bool {
+        *self != TaskResources::default()
+    }
 }
 
 /// What a task's devices need besides env: paths their plugins' reserve returned.
@@ -108,6 +149,29 @@ pub struct TaskStats {
     pub rss_bytes: u64,
     /// How many processes the task has.
     pub processes: u32,
+    /// What the task's cgroup counts, when it has one.
+    pub cgroup: Option<CgroupUsage>,
+}
+
+/// One task's use and limits, as its cgroup counts them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CgroupUsage {
+    /// Memory charged now, in bytes; `None` without the memory controller.
+    pub memory_bytes: Option<u64>,
+    /// The most memory charged at once, in bytes, where the kernel counts it.
+    pub memory_peak_bytes: Option<u64>,
+    /// The hard memory limit, in bytes; `None`: none.
+    pub memory_limit_bytes: Option<u64>,
+    /// CPU time used, in microseconds.
+    pub cpu_usec: u64,
+    /// Time the CPU quota held the task back, in microseconds, where counted.
+    pub throttled_usec: Option<u64>,
+    /// Processes and threads now, where counted.
+    pub pids: Option<u64>,
+    /// The most it may have; `None`: no limit.
+    pub pids_limit: Option<u64>,
+    /// Processes the OOM killer killed in this run.
+    pub oom_kills: u64,
 }
 
 /// A started task, as the driver identifies it; persisted so a later agent can recover it.
@@ -297,6 +361,15 @@ pub trait Driver: Send + Sync + 'static {
                 command: request.command,
             })
         })
+    }
+
+    /// Why this driver would start a task with `resources` without enforcing them; `None`
+    /// when it enforces them, when there are none, or when it refuses such a start
+    /// instead (its `start` then fails). A driver that enforces nothing and says so
+    /// returns `None` (the default: the mock driver simulates tasks).
+    fn unenforced_limits(&self, resources: &TaskResources) -> Option<String> {
+        let _ = resources;
+        None
     }
 
     /// Measures what the task's processes use; `None` for a driver that does not measure

@@ -413,6 +413,7 @@ fn task_to_record(task: &TaskState) -> TaskStateRecord {
                 message: event.message.clone(),
                 exit_code: event.exit_code,
                 signal: event.signal,
+                oom_killed: event.oom_killed,
             })
             .collect(),
         checks: task
@@ -475,6 +476,7 @@ fn task_from_record(task: &str, record: TaskStateRecord) -> Result<TaskState, Re
                 message: event.message,
                 exit_code: event.exit_code,
                 signal: event.signal,
+                oom_killed: event.oom_killed,
             })
         })
         .collect::<Result<VecDeque<_>, RecordError>>()?;

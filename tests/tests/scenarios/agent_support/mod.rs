@@ -39,6 +39,8 @@ pub struct AgentDirs {
     pub data: PathBuf,
     pub config: PathBuf,
     pub port: u16,
+    /// The tasks' parent cgroup (`cgroupParent`), this agent's alone.
+    pub cgroup_parent: String,
 }
 
 impl AgentDirs {
@@ -56,12 +58,14 @@ impl AgentDirs {
         let data = root.path().join("data");
         std::fs::create_dir_all(&specs).expect("specs dir");
         let port = free_port();
+        let cgroup_parent = stead_tests::unique_cgroup_parent();
         let config = root.path().join("agent.yaml");
         let text = format!(
-            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\nallowRoot: {}\nlogFormat: text\n{lines}",
+            "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\nallowRoot: {}\nlogFormat: text\ncgroupParent: {}\n{lines}",
             specs.display(),
             data.display(),
             running_as_root(),
+            cgroup_parent,
         );
         std::fs::write(&config, text).expect("config written");
         AgentDirs {
@@ -70,6 +74,7 @@ impl AgentDirs {
             data,
             config,
             port,
+            cgroup_parent,
         }
     }
 

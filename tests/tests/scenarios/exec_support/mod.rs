@@ -37,10 +37,10 @@ pub use stead_tests::running_as_root;
 /// An exec driver over `data_dir` with the tests' supervisor.
 pub fn exec_driver(data_dir: &Path, allow_root: bool) -> ExecDriver {
     let config = ExecDriverConfig {
-        data_dir: data_dir.to_owned(),
         allow_root,
         supervisor: supervisor(),
-        task_open_files: None,
+        cgroup_parent: stead_tests::unique_cgroup_parent(),
+        ..ExecDriverConfig::new(data_dir)
     };
     ExecDriver::new(config, Clock::system())
 }

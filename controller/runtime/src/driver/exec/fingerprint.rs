@@ -1,5 +1,5 @@
 //! What the exec driver reports about the node: whether it can run tasks, and facts
-//! about the kernel, the OS and cgroups.
+//! about the kernel and the OS (the driver adds its cgroups').
 
 use std::collections::BTreeMap;
 use std::os::unix::fs::PermissionsExt;
@@ -41,17 +41,6 @@ fn os_release_field(text: &str, key: &str) -> Option<String> {
     })
 }
 
-/// `v2` on a unified hierarchy, `v1` on a legacy or hybrid one, `none` without cgroups.
-pub(crate) fn cgroup_version(root: &Path) -> &'static str {
-    if root.join("cgroup.controllers").exists() {
-        "v2"
-    } else if std::fs::read_dir(root).is_ok_and(|mut entries| entries.next().is_some()) {
-        "v1"
-    } else {
-        "none"
-    }
-}
-
 /// The driver's attributes, as `stead node status` shows them.
 pub(crate) fn attributes(supervisor: &Path) -> BTreeMap<String, String> {
     let mut attributes = BTreeMap::from([
@@ -61,10 +50,6 @@ pub(crate) fn attributes(supervisor: &Path) -> BTreeMap<String, String> {
             supervisor.display().to_string(),
         ),
         ("kernel.name".to_owned(), std::env::consts::OS.to_owned()),
-        (
-            "cgroup.version".to_owned(),
-            cgroup_version(Path::new("/sys/fs/cgroup")).to_owned(),
-        ),
     ]);
     if let Some(release) = first_line("/proc/sys/kernel/osrelease") {
         attributes.insert("kernel.version".to_owned(), release);
@@ -95,9 +80,5 @@ mod tests {
     fn a_missing_supervisor_makes_the_driver_unusable() {
         let problem = check(Path::new("/nonexistent/stead-supervisor")).expect_err("missing");
         assert!(problem.contains("cannot be found"), "{problem}");
-        let dir = tempfile::tempdir().expect("tempdir");
-        assert_eq!(cgroup_version(dir.path()), "none");
-        std::fs::write(dir.path().join("cgroup.controllers"), "cpu").expect("written");
-        assert_eq!(cgroup_version(dir.path()), "v2");
     }
 }

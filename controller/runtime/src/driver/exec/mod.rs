@@ -26,6 +26,7 @@
 //! leaves its task killed by `PR_SET_PDEATHSIG`; destroy then also kills the task's
 //! session.
 
+mod cgroup;
 mod command;
 mod fingerprint;
 mod process;
@@ -55,9 +56,10 @@ use tokio::sync::watch;
 use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
+use self::cgroup::{Cgroups, Limits, TaskCgroup, Unavailable};
 use super::{
-    BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health, RecordedRuns,
-    StartRequest, TaskHandle, TaskStats, signal_number,
+    BoxFuture, CgroupUsage, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health,
+    RecordedRuns, StartRequest, TaskHandle, TaskResources, TaskStats, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -82,6 +84,11 @@ pub struct ExecDriverConfig {
     /// the agent's own before it raised it for itself, so a task gets what any process
     /// started on the host gets. `None` leaves them the agent's.
     pub task_open_files: Option<u64>,
+    /// Whether a task whose limits cannot be enforced fails to start (the agent config's
+    /// `limits: required`) rather than starting with a `Limits Not Enforced` event.
+    pub limits_required: bool,
+    /// The cgroup below the agent's own that holds its tasks' cgroups (`cgroupParent`).
+    pub cgroup_parent: String,
 }
 
 impl ExecDriverConfig {
@@ -92,6 +99,8 @@ impl ExecDriverConfig {
             allow_root: false,
             supervisor: default_supervisor_path(),
             task_open_files: None,
+            limits_required: false,
+            cgroup_parent: stead_schemas::config::DEFAULT_CGROUP_PARENT.to_owned(),
         }
     }
 }
@@ -172,6 +181,14 @@ enum ExecError {
     DevicePathMoved { host: PathBuf, task: PathBuf },
     #[error("a device plugin's {} does not exist", path.display())]
     DevicePathMissing { path: PathBuf },
+    #[error("the task's resource limits cannot be enforced (limits: required): {reason}")]
+    LimitsUnenforced { reason: String },
+    #[error("making the task's cgroup {cgroup}")]
+    Cgroup {
+        cgroup: String,
+        #[source]
+        source: io::Error,
+    },
 }
 
 impl ExecError {
@@ -183,7 +200,8 @@ impl ExecError {
             | ExecError::UnknownUser { .. }
             | ExecError::RootRefused
             | ExecError::NeedsRoot { .. }
-            | ExecError::DevicePathMoved { .. } => false,
+            | ExecError::DevicePathMoved { .. }
+            | ExecError::LimitsUnenforced { .. } => false,
             ExecError::TaskFailed { recoverable, .. } => *recoverable,
             _ => true,
         }
@@ -226,15 +244,18 @@ struct RunState {
     cpu: Mutex<Option<(u64, tokio::time::Instant)>>,
     /// The supervisor reported the exit: it had killed what the task left by then.
     reported: AtomicBool,
+    /// The run's cgroup, when it has one.
+    cgroup: Option<TaskCgroup>,
 }
 
 impl RunState {
-    fn new(id: RunId) -> Arc<Self> {
+    fn new(id: RunId, cgroup: Option<TaskCgroup>) -> Arc<Self> {
         Arc::new(RunState {
             id,
             exit: watch::Sender::new(None),
             cpu: Mutex::new(None),
             reported: AtomicBool::new(false),
+            cgroup,
         })
     }
 }
@@ -257,6 +278,10 @@ struct Inner {
     agent: Account,
     /// The supervisors' fork server.
     zygote: zygote::Zygote,
+    /// Where tasks' cgroups go, or why they cannot.
+    cgroups: Result<Cgroups, Unavailable>,
+    /// The MHz of one core, for CPU quotas.
+    mhz_per_core: u32,
 }
 
 impl fmt::Debug for ExecDriver {
@@ -276,6 +301,15 @@ impl ExecDriver {
             config.data_dir = absolute;
         }
         let dirs = AllocDirs::new(&config.data_dir);
+        let cgroups = Cgroups::set_up(&config.cgroup_parent);
+        match &cgroups {
+            Ok(cgroups) => {
+                tracing::debug!(version = cgroups.version(), root = %cgroups.root().display(), "task cgroups set up");
+            }
+            Err(error) => {
+                tracing::warn!(%error, "resource limits cannot be enforced: no cgroup for tasks");
+            }
+        }
         ExecDriver {
             inner: Arc::new(Inner {
                 config,
@@ -290,6 +324,8 @@ impl ExecDriver {
                     groups: Vec::new(),
                 },
                 zygote: zygote::Zygote::default(),
+                cgroups,
+                mhz_per_core: crate::host::HostResources::get().mhz_per_core,
             }),
         }
     }
@@ -336,6 +372,23 @@ impl Inner {
     fn runs(&self) -> MutexGuard<'_, HashMap<String, Arc<RunState>>> {
         // Every update is one insert or remove: a panic cannot leave it half-done.
         self.runs.lock().unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// The cgroup of a run, when this node has task cgroups.
+    fn cgroup_of(&self, id: &RunId) -> Option<TaskCgroup> {
+        let cgroups = self.cgroups.as_ref().ok()?;
+        Some(cgroups.task(&id.alloc_id, id.task.as_str()))
+    }
+
+    /// Why `limits` cannot (all) be enforced here; `None` when they can.
+    fn unenforced(&self, limits: &Limits) -> Option<String> {
+        if limits.is_empty() {
+            return None;
+        }
+        match &self.cgroups {
+            Err(error) => Some(error.to_string()),
+            Ok(cgroups) => cgroups.unsupported(limits),
+        }
     }
 
     fn unknown(handle: &TaskHandle) -> DriverError {
@@ -489,6 +542,39 @@ impl Inner {
                 }
             }
         }
+        self.remove_unrecorded_cgroups(recorded);
+    }
+
+    /// Empties and removes the cgroups of allocs no record names (an agent died between a
+    /// task's start and its record, or while removing them), except those of allocs
+    /// whose records could not be read.
+    fn remove_unrecorded_cgroups(&self, recorded: &RecordedRuns) {
+        let (Ok(cgroups), Ok(runtime)) = (&self.cgroups, tokio::runtime::Handle::try_current())
+        else {
+            return;
+        };
+        let known: HashSet<String> = recorded
+            .handles
+            .iter()
+            .filter(|handle| handle.driver == DriverKind::Exec)
+            .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.alloc_id))
+            .collect();
+        for alloc_id in cgroups.alloc_ids() {
+            let name = alloc_id.rsplit_once('-').map_or(alloc_id.as_str(), |(name, _)| name);
+            if known.contains(&alloc_id)
+                || recorded.unreadable.iter().any(|unreadable| unreadable == name)
+                || self.dirs.alloc_by_id(&alloc_id).is_err()
+            {
+                continue;
+            }
+            for task in cgroups.task_names(&alloc_id) {
+                if task.parse::<Name>().is_err() {
+                    continue;
+                }
+                tracing::info!(alloc = %alloc_id, task = %task, "removing the cgroup of a task no record names");
+                runtime.spawn(release(cgroups.task(&alloc_id, &task)));
+            }
+        }
     }
 
     async fn start(self: Arc<Self>, request: StartRequest) -> Result<TaskHandle, ExecError> {
@@ -522,6 +608,27 @@ impl Inner {
         }
         self.clean_stale_runs(&task_dir);
 
+        let limits = Limits::of(&request.resources, self.mhz_per_core);
+        if self.config.limits_required
+            && let Some(reason) = self.unenforced(&limits)
+        {
+            return Err(ExecError::LimitsUnenforced { reason });
+        }
+        // From here on, a start that fails or is dropped removes the cgroup it made.
+        let mut cgroup = CgroupGuard(None);
+        if let Ok(cgroups) = &self.cgroups {
+            let task_cgroup = cgroups.task(request.alloc_id.as_str(), request.task.as_str());
+            let enforceable = cgroups.enforceable(&limits);
+            task_cgroup
+                .create(&enforceable)
+                .await
+                .map_err(|source| ExecError::Cgroup {
+                    cgroup: task_cgroup.to_string(),
+                    source,
+                })?;
+            cgroup.0 = Some(task_cgroup);
+        }
+
         let run = format!("{:016x}", fastrand::u64(..));
         let path_bytes = |path: &Path| path.as_os_str().as_bytes().to_vec();
         let supervisor_args = SupervisorArgs {
@@ -535,6 +642,12 @@ impl Inner {
             uid: account.as_ref().map(|a| a.uid),
             gid: account.as_ref().map(|a| a.gid),
             groups: account.map(|a| a.groups).unwrap_or_default(),
+            cgroups: cgroup
+                .0
+                .iter()
+                .flat_map(TaskCgroup::procs_files)
+                .map(|path| path_bytes(&path))
+                .collect(),
             command: config.command.clone().into_bytes(),
             args: args.iter().map(|arg| arg.clone().into_bytes()).collect(),
         };
@@ -616,7 +729,7 @@ impl Inner {
             started_at: self.clock.now(),
         };
         let supervisor = id.supervisor;
-        let state = RunState::new(id);
+        let state = RunState::new(id, cgroup.0.take());
         self.runs().insert(handle.id.clone(), state.clone());
         let reports = pending.reports.take();
         tokio::spawn(watch_run(reports, supervisor, state, task_dir.control, run));
@@ -630,8 +743,13 @@ impl Inner {
             .is_some_and(|dir| id.supervisor.exists_in(&dir.dir))
     }
 
-    /// SIGKILLs the task's process group and every process below its supervisor.
+    /// SIGKILLs the task's cgroup (through `cgroup.kill` where the kernel has it: a
+    /// grandchild that left the process group and the session dies too), its process
+    /// group and every process below its supervisor.
     fn kill_run(&self, id: &RunId) {
+        if let Some(cgroup) = self.cgroup_of(id) {
+            cgroup.kill();
+        }
         if id.process.exists() {
             let _ = process::signal_group(id.process.pid, RawSignal::KILL);
         }
@@ -660,14 +778,22 @@ impl Inner {
         }
         let id = RunId::parse(&handle.id).ok_or_else(|| Self::unknown(handle))?;
         let task_dir = self.task_dir(&id).ok_or_else(|| Self::unknown(handle))?;
-        let state = RunState::new(id.clone());
+        // Re-derived from the run's alloc and task; a run of an agent without cgroups
+        // has none.
+        let cgroup = self.cgroup_of(&id).filter(TaskCgroup::exists);
+        let state = RunState::new(id.clone(), cgroup.clone());
         if self.supervisor_alive(&id) {
             self.runs().insert(handle.id.clone(), state.clone());
             tokio::spawn(watch_pid(id.supervisor, state, task_dir.control, id.run));
             return Ok(());
         }
         if let Ok(Some(status)) = protocol::read_exit_record(&task_dir.control, &id.run) {
-            state.exit.send_replace(Some(exit_result(status)));
+            let mut result = exit_result(status);
+            if let Some(cgroup) = &cgroup {
+                result.oom_killed = cgroup.oom_kills().unwrap_or(0) > 0;
+                tokio::spawn(release(cgroup.clone()));
+            }
+            state.exit.send_replace(Some(result));
             self.runs().insert(handle.id.clone(), state);
             return Ok(());
         }
@@ -738,6 +864,19 @@ impl Inner {
             return Err(Self::unknown(handle));
         };
         let usage = process::usage(pids);
+        let cgroup = self
+            .run_state(handle)
+            .and_then(|state| state.cgroup.as_ref().and_then(TaskCgroup::usage))
+            .map(|u| CgroupUsage {
+                memory_bytes: u.memory_bytes,
+                memory_peak_bytes: u.memory_peak_bytes,
+                memory_limit_bytes: u.memory_limit_bytes,
+                cpu_usec: u.cpu_usec,
+                throttled_usec: u.throttled_usec,
+                pids: u.pids,
+                pids_limit: u.pids_limit,
+                oom_kills: u.oom_kills,
+            });
         let ticks_per_second = process::ticks_per_second().max(1);
         let now = self.clock.instant();
         let previous = self.run_state(handle).and_then(|state| {
@@ -771,11 +910,27 @@ impl Inner {
             ticks_per_second,
             rss_bytes: usage.rss_bytes,
             processes: usage.processes,
+            cgroup,
         })
     }
 
     fn fingerprint(&self) -> Fingerprint {
-        let attributes = fingerprint::attributes(&self.config.supervisor);
+        let mut attributes = fingerprint::attributes(&self.config.supervisor);
+        match &self.cgroups {
+            Ok(cgroups) => {
+                attributes.insert("cgroup.limits".to_owned(), "true".to_owned());
+                attributes.insert("cgroup.version".to_owned(), cgroups.version().to_owned());
+                attributes.insert(
+                    "cgroup.root".to_owned(),
+                    cgroups.root().display().to_string(),
+                );
+                attributes.insert("cgroup.kill".to_owned(), cgroups.kills().to_string());
+            }
+            Err(error) => {
+                attributes.insert("cgroup.limits".to_owned(), "false".to_owned());
+                attributes.insert("cgroup.reason".to_owned(), error.to_string());
+            }
+        }
         let forced = *self.health.lock().unwrap_or_else(PoisonError::into_inner);
         let (health, description) = match (forced, fingerprint::check(&self.config.supervisor)) {
             (Some(health), _) => (health, format!("{health} (set by a test hook)")),
@@ -795,7 +950,7 @@ fn exit_result(status: ExitStatus) -> ExitResult {
     ExitResult {
         exit_code: status.code,
         signal: status.signal,
-        error: None,
+        ..ExitResult::default()
     }
 }
 
@@ -804,14 +959,12 @@ fn recorded_exit(control: &Path, run: &str) -> ExitResult {
     match protocol::read_exit_record(control, run) {
         Ok(Some(status)) => exit_result(status),
         Ok(None) => ExitResult {
-            exit_code: 0,
-            signal: None,
             error: Some("the task's supervisor exited without recording its exit".to_owned()),
+            ..ExitResult::default()
         },
         Err(error) => ExitResult {
-            exit_code: 0,
-            signal: None,
             error: Some(crate::errors::error_chain(&error)),
+            ..ExitResult::default()
         },
     }
 }
@@ -844,13 +997,46 @@ async fn watch_run(
             recorded_exit(&control, &run)
         }
     };
-    state.exit.send_replace(Some(result));
+    publish_exit(&state, result).await;
 }
 
 /// Watches a supervisor an earlier agent started, until it exits.
 async fn watch_pid(supervisor: ProcessId, state: Arc<RunState>, control: PathBuf, run: String) {
     wait_for_exit(supervisor).await;
-    state.exit.send_replace(Some(recorded_exit(&control, &run)));
+    publish_exit(&state, recorded_exit(&control, &run)).await;
+}
+
+/// Tells the run's waiters how it ended, with whether the OOM killer killed a process of
+/// it (its cgroup's counter, read before anything else), once its cgroup is emptied and
+/// removed: an alloc that is over leaves no cgroup behind.
+async fn publish_exit(state: &RunState, mut result: ExitResult) {
+    if let Some(cgroup) = &state.cgroup {
+        result.oom_killed = cgroup.oom_kills().unwrap_or(0) > 0;
+        release(cgroup.clone()).await;
+    }
+    state.exit.send_replace(Some(result));
+}
+
+/// Kills what is left in a run's cgroup and removes it.
+async fn release(cgroup: TaskCgroup) {
+    cgroup.kill();
+    if let Err(error) = cgroup.remove().await {
+        tracing::warn!(cgroup = %cgroup, %error, "cannot remove a task's cgroup");
+    }
+}
+
+/// The cgroup a start made, removed if the start does not hand it to a run.
+struct CgroupGuard(Option<TaskCgroup>);
+
+impl Drop for CgroupGuard {
+    fn drop(&mut self) {
+        let Some(cgroup) = self.0.take() else {
+            return;
+        };
+        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
+            runtime.spawn(release(cgroup));
+        }
+    }
 }
 
 /// Resolves once `process` has exited (a zombie counts as exited).
@@ -961,9 +1147,8 @@ impl Driver for ExecDriver {
             match RunId::parse(&handle.id).and_then(|id| Some((inner.task_dir(&id)?, id))) {
                 Some((dir, id)) => recorded_exit(&dir.control, &id.run),
                 None => ExitResult {
-                    exit_code: 0,
-                    signal: None,
                     error: Some(format!("task {} is unknown to the exec driver", handle.id)),
+                    ..ExitResult::default()
                 },
             }
         })
@@ -994,7 +1179,21 @@ impl Driver for ExecDriver {
 
     fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()> {
         let handle = handle.clone();
-        Box::pin(async move { self.inner.destroy(&handle) })
+        Box::pin(async move {
+            let cgroup = RunId::parse(&handle.id).and_then(|id| self.inner.cgroup_of(&id));
+            self.inner.destroy(&handle);
+            if let Some(cgroup) = cgroup.filter(TaskCgroup::exists) {
+                release(cgroup).await;
+            }
+        })
+    }
+
+    fn unenforced_limits(&self, resources: &TaskResources) -> Option<String> {
+        if self.inner.config.limits_required {
+            return None; // the start fails instead
+        }
+        self.inner
+            .unenforced(&Limits::of(resources, self.inner.mhz_per_core))
     }
 
     fn stop_unrecorded(&self, recorded: &RecordedRuns) {

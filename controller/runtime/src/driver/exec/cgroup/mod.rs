@@ -1,0 +1,704 @@
+//! One cgroup per task run: found (v1, v2 or the hybrid of both), made, limited, killed,
+//! measured and removed by writing the kernel's few control files directly.
+//!
+//! Each task run gets `<agent's cgroup>/<parent>/<alloc-id>/<task>` in every hierarchy it
+//! needs: on cgroup v2 the one unified tree; on v1 the `memory`, `cpu`, `cpuacct` and
+//! `pids` hierarchies, plus, on a hybrid host, the v2 tree for its `cgroup.kill`. The
+//! supervisor writes the task into them before it `exec`s (`--cgroup`). On v2 the agent
+//! first moves itself (and whatever else runs in its cgroup) into a leaf of its own,
+//! `stead-agent`: a v2 cgroup that hands controllers to its children may hold no process.
+//!
+//! The versions differ only in file names and units: `v1.rs` and `v2.rs`.
+
+mod v1;
+mod v2;
+
+use std::fmt;
+use std::io;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use stead_schemas::config::AGENT_CGROUP_LEAF;
+
+/// The CPU quota's period, in microseconds (the kernel's default).
+pub(crate) const CPU_PERIOD_US: u64 = 100_000;
+/// The smallest quota the kernel takes, in microseconds.
+const MIN_CPU_QUOTA_US: u64 = 1_000;
+/// How long a removal waits for the killed processes of a cgroup to leave it.
+const REMOVE_PATIENCE: Duration = Duration::from_secs(2);
+
+/// The limits of one task, in the kernel's units.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Limits {
+    /// The hard memory limit, in bytes.
+    pub memory_max: Option<u64>,
+    /// The memory the kernel protects from reclaim, in bytes.
+    pub memory_low: Option<u64>,
+    /// The task's CPU weight, as v1 `cpu.shares` (its MHz).
+    pub cpu_shares: Option<u64>,
+    /// The CPU time it may use per [`CPU_PERIOD_US`], in microseconds.
+    pub cpu_quota_us: Option<u64>,
+    /// The most processes and threads.
+    pub pids: Option<u64>,
+    /// Kill the whole cgroup on an OOM kill.
+    pub oom_group: bool,
+}
+
+impl Limits {
+    /// The limits of a task's `resources`, a core being `mhz_per_core` MHz.
+    pub(crate) fn of(resources: &crate::driver::TaskResources, mhz_per_core: u32) -> Limits {
+        const MIB: u64 = 1024 * 1024;
+        let memory = resources.memory_mb.map(|mb| u64::from(mb) * MIB);
+        let memory_max = resources.memory_max_mb.map(|mb| u64::from(mb) * MIB);
+        Limits {
+            // With a maximum, the memory is the reservation below it.
+            memory_max: memory_max.or(memory),
+            memory_low: memory_max.and(memory),
+            cpu_shares: resources.cpu.map(u64::from),
+            cpu_quota_us: resources
+                .cpu
+                .filter(|_| resources.cpu_hard_limit)
+                .map(|mhz| {
+                    (u64::from(mhz) * CPU_PERIOD_US / u64::from(mhz_per_core.max(1)))
+                        .max(MIN_CPU_QUOTA_US)
+                }),
+            pids: resources.pids.map(u64::from),
+            oom_group: resources.oom_kill_group,
+        }
+    }
+
+    /// Whether there is anything to enforce.
+    pub(crate) fn is_empty(&self) -> bool {
+        *self == Limits::default()
+    }
+}
+
+/// What the kernel counts for one task's cgroup.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub(crate) struct Usage {
+    pub memory_bytes: Option<u64>,
+    pub memory_peak_bytes: Option<u64>,
+    pub memory_limit_bytes: Option<u64>,
+    pub cpu_usec: u64,
+    pub throttled_usec: Option<u64>,
+    pub pids: Option<u64>,
+    pub pids_limit: Option<u64>,
+    pub oom_kills: u64,
+}
+
+/// Why tasks' limits cannot be enforced on this node.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub(crate) enum Unavailable {
+    #[error("no cgroup file system is mounted")]
+    NotMounted,
+    #[error("cannot read {path}: {message}")]
+    Unreadable { path: String, message: String },
+    #[error("the agent's own {hierarchy} cgroup is not below its mount: {path}")]
+    Outside { hierarchy: String, path: String },
+    #[error(
+        "cannot create {}: {message} (the agent is not root, and its cgroup is not delegated to it)",
+        path.display()
+    )]
+    NotWritable { path: PathBuf, message: String },
+    #[error("cannot set up {}: {message}", path.display())]
+    Setup { path: PathBuf, message: String },
+}
+
+/// The agent's cgroup dirs (`<agent's cgroup>/<parent>`) in each v1 hierarchy, or a
+/// task's cgroups there.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub(crate) struct V1Dirs {
+    pub memory: Option<PathBuf>,
+    pub cpu: Option<PathBuf>,
+    pub cpuacct: Option<PathBuf>,
+    pub pids: Option<PathBuf>,
+    /// The hybrid's v2 tree, for `cgroup.kill`.
+    pub unified: Option<PathBuf>,
+}
+
+impl V1Dirs {
+    fn each(&self) -> impl Iterator<Item = &PathBuf> {
+        [
+            &self.memory,
+            &self.cpu,
+            &self.cpuacct,
+            &self.pids,
+            &self.unified,
+        ]
+        .into_iter()
+        .flatten()
+    }
+
+    fn join(&self, name: &str) -> V1Dirs {
+        let join = |dir: &Option<PathBuf>| dir.as_ref().map(|d| d.join(name));
+        V1Dirs {
+            memory: join(&self.memory),
+            cpu: join(&self.cpu),
+            cpuacct: join(&self.cpuacct),
+            pids: join(&self.pids),
+            unified: join(&self.unified),
+        }
+    }
+}
+
+/// The hierarchies tasks' cgroups go in, each at `<agent's cgroup>/<parent>`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Layout {
+    V2 {
+        /// `<agent's cgroup>/<parent>`.
+        root: PathBuf,
+        /// The controllers it hands to tasks.
+        controllers: Vec<String>,
+    },
+    V1(V1Dirs),
+}
+
+/// Where tasks' cgroups go on this node, and what they can enforce.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct Cgroups {
+    layout: Layout,
+}
+
+/// One mount of a cgroup file system, from `/proc/self/mountinfo`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Mount {
+    /// The directory of the hierarchy within it that is mounted.
+    root: String,
+    /// Where it is mounted.
+    point: PathBuf,
+    /// v1: its controllers (`name=…` hierarchies left out); v2: none.
+    controllers: Vec<String>,
+    v2: bool,
+}
+
+/// A mount point with its `\040`-style escapes undone.
+fn unescape(field: &str) -> String {
+    let bytes = field.as_bytes();
+    let mut out = Vec::with_capacity(bytes.len());
+    let mut i = 0;
+    while i < bytes.len() {
+        if bytes[i] == b'\\'
+            && i + 3 < bytes.len()
+            && let Ok(code) = u8::from_str_radix(&field[i + 1..i + 4], 8)
+        {
+            out.push(code);
+            i += 4;
+            continue;
+        }
+        out.push(bytes[i]);
+        i += 1;
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+/// The cgroup mounts in a `/proc/self/mountinfo` text.
+fn mounts(mountinfo: &str) -> Vec<Mount> {
+    mountinfo
+        .lines()
+        .filter_map(|line| {
+            let (before, after) = line.split_once(" - ")?;
+            let before: Vec<&str> = before.split(' ').collect();
+            let mut after = after.split(' ');
+            let fstype = after.next()?;
+            let superopts = after.nth(1).unwrap_or("");
+            let (root, point) = (before.get(3)?, before.get(4)?);
+            let v2 = match fstype {
+                "cgroup2" => true,
+                "cgroup" => false,
+                _ => return None,
+            };
+            let controllers = if v2 {
+                Vec::new()
+            } else {
+                superopts
+                    .split(',')
+                    .filter(|opt| {
+                        matches!(
+                            *opt,
+                            "memory" | "cpu" | "cpuacct" | "pids" | "cpuset" | "devices"
+                                | "freezer" | "blkio" | "net_cls" | "net_prio" | "perf_event"
+                                | "hugetlb" | "rdma" | "misc"
+                        )
+                    })
+                    .map(str::to_owned)
+                    .collect()
+            };
+            Some(Mount {
+                root: unescape(root),
+                point: PathBuf::from(unescape(point)),
+                controllers,
+                v2,
+            })
+        })
+        .collect()
+}
+
+/// The process's cgroup in the hierarchy of `mount`, from `/proc/self/cgroup`, as a
+/// directory below the mount point.
+fn own_dir(mount: &Mount, self_cgroup: &str) -> Result<PathBuf, Unavailable> {
+    let path = self_cgroup
+        .lines()
+        .filter_map(|line| {
+            let mut fields = line.splitn(3, ':');
+            let (_, controllers, path) = (fields.next()?, fields.next()?, fields.next()?);
+            let matches = if mount.v2 {
+                controllers.is_empty()
+            } else {
+                let listed: Vec<&str> = controllers.split(',').collect();
+                mount.controllers.iter().all(|c| listed.contains(&c.as_str()))
+            };
+            matches.then_some(path)
+        })
+        .next()
+        .ok_or_else(|| Unavailable::Outside {
+            hierarchy: hierarchy_name(mount),
+            path: "(not listed in /proc/self/cgroup)".to_owned(),
+        })?;
+    let outside = || Unavailable::Outside {
+        hierarchy: hierarchy_name(mount),
+        path: path.to_owned(),
+    };
+    let relative = if mount.root == "/" {
+        path
+    } else {
+        let rest = path.strip_prefix(mount.root.as_str()).ok_or_else(outside)?;
+        if !(rest.is_empty() || rest.starts_with('/')) {
+            return Err(outside());
+        }
+        rest
+    };
+    if relative.split('/').any(|part| part == "..") {
+        return Err(outside());
+    }
+    Ok(mount.point.join(relative.trim_start_matches('/')))
+}
+
+fn hierarchy_name(mount: &Mount) -> String {
+    if mount.v2 {
+        "v2".to_owned()
+    } else {
+        mount.controllers.join(",")
+    }
+}
+
+/// Makes `dir` (its parent exists); one that exists is fine.
+fn make_dir(dir: &Path) -> Result<(), Unavailable> {
+    match std::fs::create_dir(dir) {
+        Ok(()) => Ok(()),
+        Err(error) if error.kind() == io::ErrorKind::AlreadyExists => Ok(()),
+        Err(error)
+            if matches!(
+                error.kind(),
+                io::ErrorKind::PermissionDenied | io::ErrorKind::ReadOnlyFilesystem
+            ) =>
+        {
+            Err(Unavailable::NotWritable {
+                path: dir.to_owned(),
+                message: error.to_string(),
+            })
+        }
+        Err(error) => Err(Unavailable::Setup {
+            path: dir.to_owned(),
+            message: error.to_string(),
+        }),
+    }
+}
+
+fn setup_error(path: &Path) -> impl FnOnce(io::Error) -> Unavailable + '_ {
+    move |error| Unavailable::Setup {
+        path: path.to_owned(),
+        message: error.to_string(),
+    }
+}
+
+impl Cgroups {
+    /// Finds this process's cgroups and makes `<parent>` below them, moving the agent into
+    /// its own leaf on cgroup v2.
+    pub(crate) fn set_up(parent: &str) -> Result<Cgroups, Unavailable> {
+        let read = |path: &str| {
+            std::fs::read_to_string(path).map_err(|error| Unavailable::Unreadable {
+                path: path.to_owned(),
+                message: error.to_string(),
+            })
+        };
+        let mountinfo = read("/proc/self/mountinfo")?;
+        let self_cgroup = read("/proc/self/cgroup")?;
+        Cgroups::set_up_from(&mountinfo, &self_cgroup, parent, std::process::id())
+    }
+
+    /// [`Cgroups::set_up`] with the two proc files given, and the agent's pid: the
+    /// seam the tests drive with cgroup trees on a temporary dir.
+    fn set_up_from(
+        mountinfo: &str,
+        self_cgroup: &str,
+        parent: &str,
+        pid: u32,
+    ) -> Result<Cgroups, Unavailable> {
+        let mounts = mounts(mountinfo);
+        let v1 = |controller: &str| {
+            mounts
+                .iter()
+                .find(|m| !m.v2 && m.controllers.iter().any(|c| c == controller))
+        };
+        let unified = mounts.iter().find(|m| m.v2);
+        if let Some(memory) = v1("memory") {
+            // v1, or the hybrid: limits in the v1 hierarchies, kills through the v2 tree.
+            let dir = |mount: Option<&Mount>| -> Result<Option<PathBuf>, Unavailable> {
+                let Some(mount) = mount else { return Ok(None) };
+                let dir = own_dir(mount, self_cgroup)?.join(parent);
+                make_dir(&dir)?;
+                Ok(Some(dir))
+            };
+            let dirs = V1Dirs {
+                memory: dir(Some(memory))?,
+                cpu: dir(v1("cpu"))?,
+                cpuacct: dir(v1("cpuacct"))?,
+                pids: dir(v1("pids"))?,
+                // Without it only `cgroup.kill` is missing: not worth failing for.
+                unified: dir(unified).ok().flatten(),
+            };
+            return Ok(Cgroups {
+                layout: Layout::V1(dirs),
+            });
+        }
+        let Some(unified) = unified else {
+            return Err(Unavailable::NotMounted);
+        };
+        let mut base = own_dir(unified, self_cgroup)?;
+        let at_root = base == unified.point;
+        if base.file_name().is_some_and(|name| name == AGENT_CGROUP_LEAF) {
+            // A restart: the agent is in its leaf already.
+            base.pop();
+        } else if !at_root {
+            // No internal processes: everything in the agent's cgroup moves to a leaf,
+            // before the cgroup can hand controllers to its children.
+            let leaf = base.join(AGENT_CGROUP_LEAF);
+            make_dir(&leaf)?;
+            let procs = leaf.join("cgroup.procs");
+            let others = std::fs::read_to_string(base.join("cgroup.procs")).unwrap_or_default();
+            for other in others.lines().filter(|p| *p != pid.to_string()) {
+                // It may have exited meanwhile.
+                let _ = write_file(&procs, other);
+            }
+            write_file(&procs, &pid.to_string()).map_err(setup_error(&procs))?;
+        }
+        v2::enable_controllers(&base, &v2::CONTROLLERS).map_err(setup_error(&base))?;
+        let root = base.join(parent);
+        make_dir(&root)?;
+        v2::enable_controllers(&root, &v2::CONTROLLERS).map_err(setup_error(&root))?;
+        let controllers = v2::controllers(&root);
+        Ok(Cgroups {
+            layout: Layout::V2 { root, controllers },
+        })
+    }
+
+    /// `v1`, `v2` or `hybrid` (v1 limits, v2 kills).
+    pub(crate) fn version(&self) -> &'static str {
+        match &self.layout {
+            Layout::V2 { .. } => "v2",
+            Layout::V1(dirs) if dirs.unified.is_some() => "hybrid",
+            Layout::V1(_) => "v1",
+        }
+    }
+
+    /// Whether a task's final kill goes through `cgroup.kill`.
+    pub(crate) fn kills(&self) -> bool {
+        let probe = match &self.layout {
+            Layout::V2 { root, .. } => Some(root),
+            Layout::V1(dirs) => dirs.unified.as_ref(),
+        };
+        // A cgroup's own file, as the kernel (5.14 and later) gives every non-root one.
+        probe.is_some_and(|root| root.join("cgroup.kill").exists())
+    }
+
+    /// The tasks' parent cgroup, in its first hierarchy: for messages.
+    pub(crate) fn root(&self) -> &Path {
+        match &self.layout {
+            Layout::V2 { root, .. } => root,
+            Layout::V1(dirs) => dirs.memory.as_deref().unwrap_or(Path::new("/")),
+        }
+    }
+
+    /// Why some of `limits` cannot be enforced here; `None` when all can.
+    pub(crate) fn unsupported(&self, limits: &Limits) -> Option<String> {
+        let needs = [
+            (
+                limits.memory_max.is_some() || limits.memory_low.is_some(),
+                "memory",
+            ),
+            (
+                limits.cpu_shares.is_some() || limits.cpu_quota_us.is_some(),
+                "cpu",
+            ),
+            (limits.pids.is_some(), "pids"),
+        ];
+        let missing: Vec<&str> = needs
+            .iter()
+            .filter(|(needed, _)| *needed)
+            .map(|(_, controller)| *controller)
+            .filter(|controller| match &self.layout {
+                Layout::V2 { controllers, .. } => !controllers.iter().any(|c| c == controller),
+                Layout::V1(dirs) => match *controller {
+                    "memory" => dirs.memory.is_none(),
+                    "cpu" => dirs.cpu.is_none(),
+                    _ => dirs.pids.is_none(),
+                },
+            })
+            .collect();
+        if !missing.is_empty() {
+            return Some(format!(
+                "the {} controller is not available to the agent's cgroup",
+                missing.join(", ")
+            ));
+        }
+        if limits.oom_group && matches!(self.layout, Layout::V1(_)) {
+            return Some("oomKillGroup needs cgroup v2 (memory.oom.group)".to_owned());
+        }
+        None
+    }
+
+    /// `limits` without what this node cannot enforce (reported by
+    /// [`Cgroups::unsupported`]): a best-effort start writes the rest.
+    pub(crate) fn enforceable(&self, limits: &Limits) -> Limits {
+        let has = |controller: &str| match &self.layout {
+            Layout::V2 { controllers, .. } => controllers.iter().any(|c| c == controller),
+            Layout::V1(dirs) => match controller {
+                "memory" => dirs.memory.is_some(),
+                "cpu" => dirs.cpu.is_some(),
+                _ => dirs.pids.is_some(),
+            },
+        };
+        let mut enforceable = *limits;
+        if !has("memory") {
+            enforceable.memory_max = None;
+            enforceable.memory_low = None;
+            enforceable.oom_group = false;
+        }
+        if !has("cpu") {
+            enforceable.cpu_shares = None;
+            enforceable.cpu_quota_us = None;
+        }
+        if !has("pids") {
+            enforceable.pids = None;
+        }
+        if matches!(self.layout, Layout::V1(_)) {
+            enforceable.oom_group = false;
+        }
+        enforceable
+    }
+
+    /// The cgroup of the runs of `task` of `alloc_id` (names validated by the caller).
+    pub(crate) fn task(&self, alloc_id: &str, task: &str) -> TaskCgroup {
+        match &self.layout {
+            Layout::V2 { root, .. } => TaskCgroup::V2 {
+                dir: root.join(alloc_id).join(task),
+            },
+            Layout::V1(dirs) => TaskCgroup::V1(dirs.join(alloc_id).join(task)),
+        }
+    }
+
+    /// The alloc ids that have a cgroup here.
+    pub(crate) fn alloc_ids(&self) -> Vec<String> {
+        std::fs::read_dir(self.root())
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|entry| entry.file_name().into_string().ok())
+            .collect()
+    }
+
+    /// The task names that have a cgroup below `alloc_id`.
+    pub(crate) fn task_names(&self, alloc_id: &str) -> Vec<String> {
+        std::fs::read_dir(self.root().join(alloc_id))
+            .into_iter()
+            .flatten()
+            .filter_map(Result::ok)
+            .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
+            .filter_map(|entry| entry.file_name().into_string().ok())
+            .collect()
+    }
+}
+
+/// One task's cgroups.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum TaskCgroup {
+    V2 { dir: PathBuf },
+    V1(V1Dirs),
+}
+
+impl TaskCgroup {
+    fn dirs(&self) -> Vec<&PathBuf> {
+        match self {
+            TaskCgroup::V2 { dir } => vec![dir],
+            TaskCgroup::V1(dirs) => dirs.each().collect(),
+        }
+    }
+
+    /// The `cgroup.procs` files the task joins.
+    pub(crate) fn procs_files(&self) -> Vec<PathBuf> {
+        self.dirs()
+            .into_iter()
+            .map(|dir| dir.join("cgroup.procs"))
+            .collect()
+    }
+
+    /// Whether a run made it (a run of an agent without cgroups did not).
+    pub(crate) fn exists(&self) -> bool {
+        self.dirs().first().is_some_and(|dir| dir.is_dir())
+    }
+
+    /// Makes the cgroup with `limits`, after emptying and removing what an earlier run
+    /// left.
+    pub(crate) async fn create(&self, limits: &Limits) -> io::Result<()> {
+        if self.exists() {
+            self.kill();
+            self.remove().await?;
+        }
+        for dir in self.dirs() {
+            if let Some(alloc) = dir.parent() {
+                match std::fs::create_dir(alloc) {
+                    Ok(()) => {
+                        if let TaskCgroup::V2 { .. } = self {
+                            v2::enable_controllers(alloc, &v2::CONTROLLERS)?;
+                        }
+                    }
+                    Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
+                    Err(error) => return Err(error),
+                }
+            }
+            std::fs::create_dir(dir)?;
+        }
+        match self {
+            TaskCgroup::V2 { dir } => v2::write_limits(dir, limits),
+            TaskCgroup::V1(dirs) => v1::write_limits(dirs, limits),
+        }
+    }
+
+    /// SIGKILLs every process in it: through `cgroup.kill` where the kernel has it, else
+    /// each process listed. True when `cgroup.kill` was used.
+    pub(crate) fn kill(&self) -> bool {
+        let kill_file = match self {
+            TaskCgroup::V2 { dir } => Some(dir.join("cgroup.kill")),
+            TaskCgroup::V1(dirs) => dirs.unified.as_ref().map(|dir| dir.join("cgroup.kill")),
+        };
+        if let Some(file) = kill_file
+            && write_file(&file, "1").is_ok()
+        {
+            return true;
+        }
+        for procs in self.procs_files() {
+            for pid in std::fs::read_to_string(procs).unwrap_or_default().lines() {
+                if let Some(pid) = pid
+                    .parse::<i32>()
+                    .ok()
+                    .and_then(rustix::process::Pid::from_raw)
+                {
+                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                }
+            }
+        }
+        false
+    }
+
+    /// Removes it, and its alloc's cgroup once that is empty; waits a little for killed
+    /// processes to leave. One that is gone already is fine.
+    pub(crate) async fn remove(&self) -> io::Result<()> {
+        let deadline = tokio::time::Instant::now() + REMOVE_PATIENCE;
+        for dir in self.dirs() {
+            loop {
+                match std::fs::remove_dir(dir) {
+                    Ok(()) => break,
+                    Err(error) if error.kind() == io::ErrorKind::NotFound => break,
+                    Err(error)
+                        if error.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
+                            && tokio::time::Instant::now() < deadline =>
+                    {
+                        tokio::time::sleep(Duration::from_millis(10)).await;
+                    }
+                    Err(error) => return Err(error),
+                }
+            }
+            // Busy while another task of the alloc has its cgroup: that one removes it.
+            if let Some(alloc) = dir.parent() {
+                let _ = std::fs::remove_dir(alloc);
+            }
+        }
+        Ok(())
+    }
+
+    /// How many of its processes the OOM killer killed; `None` without a memory cgroup.
+    pub(crate) fn oom_kills(&self) -> Option<u64> {
+        match self {
+            TaskCgroup::V2 { dir } => v2::oom_kills(dir),
+            TaskCgroup::V1(dirs) => v1::oom_kills(dirs.memory.as_deref()?),
+        }
+    }
+
+    /// What the kernel counts for it; `None` when it is gone.
+    pub(crate) fn usage(&self) -> Option<Usage> {
+        match self {
+            TaskCgroup::V2 { dir } => v2::usage(dir),
+            TaskCgroup::V1(dirs) => v1::usage(dirs),
+        }
+    }
+}
+
+impl fmt::Display for TaskCgroup {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.dirs().first() {
+            Some(dir) => write!(f, "{}", dir.display()),
+            None => f.write_str("(none)"),
+        }
+    }
+}
+
+/// Writes `text` to the control file `path` in one `write`, as the kernel wants.
+pub(crate) fn write_file(path: &Path, text: &str) -> io::Result<()> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new().write(true).open(path).or_else(|error| {
+        // On a plain directory (the tests' stand-in for a cgroup) the file is created.
+        if error.kind() == io::ErrorKind::NotFound && !is_cgroup_fs(path) {
+            std::fs::OpenOptions::new()
+                .write(true)
+                .create(true)
+                .truncate(true)
+                .open(path)
+        } else {
+            Err(error)
+        }
+    })?;
+    file.write_all(text.as_bytes())
+}
+
+/// Whether `path`'s directory is on a cgroup file system.
+fn is_cgroup_fs(path: &Path) -> bool {
+    let Some(dir) = path.parent() else {
+        return false;
+    };
+    rustix::fs::statfs(dir).is_ok_and(|fs| {
+        // CGROUP_SUPER_MAGIC and CGROUP2_SUPER_MAGIC.
+        matches!(fs.f_type as u64, 0x0027_e0eb | 0x6367_7270)
+    })
+}
+
+/// The first number in file `path`; `None` when it is missing or reads `max`.
+fn read_number(path: &Path) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .split_whitespace()
+        .next()?
+        .parse()
+        .ok()
+}
+
+/// The value of `key` in a file of `key value` lines.
+fn read_keyed(path: &Path, key: &str) -> Option<u64> {
+    std::fs::read_to_string(path)
+        .ok()?
+        .lines()
+        .find_map(|line| {
+            let (k, v) = line.split_once(' ')?;
+            (k == key).then(|| v.trim().parse().ok()).flatten()
+        })
+}
