@@ -79,6 +79,60 @@ pub fn unique_cgroup_parent() -> String {
     )
 }
 
+/// Kills every process in the cgroups named `parent` (made by [`unique_cgroup_parent`]'s
+/// agents) and below them, in every hierarchy, and removes them: an agent a test killed
+/// leaves its tasks running, and their cgroups, by design.
+pub fn remove_test_cgroups(parent: &str) {
+    let mut found = Vec::new();
+    let mut dirs = vec![(std::path::PathBuf::from("/sys/fs/cgroup"), 0)];
+    while let Some((dir, depth)) = dirs.pop() {
+        let Ok(entries) = std::fs::read_dir(&dir) else {
+            continue;
+        };
+        for entry in entries.filter_map(Result::ok) {
+            if !entry.file_type().is_ok_and(|t| t.is_dir()) {
+                continue;
+            }
+            if entry.file_name() == parent {
+                found.push(entry.path());
+            } else if depth < 6 {
+                dirs.push((entry.path(), depth + 1));
+            }
+        }
+    }
+    for root in found {
+        // Deepest first.
+        let mut tree = vec![root.clone()];
+        let mut i = 0;
+        while i < tree.len() {
+            if let Ok(entries) = std::fs::read_dir(&tree[i]) {
+                for entry in entries.filter_map(Result::ok) {
+                    if entry.file_type().is_ok_and(|t| t.is_dir()) {
+                        tree.push(entry.path());
+                    }
+                }
+            }
+            i += 1;
+        }
+        for dir in tree.iter().rev() {
+            for _ in 0..200 {
+                for pid in std::fs::read_to_string(dir.join("cgroup.procs"))
+                    .unwrap_or_default()
+                    .lines()
+                {
+                    if let Some(pid) = pid.parse().ok().and_then(rustix::process::Pid::from_raw) {
+                        let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
+                    }
+                }
+                if std::fs::remove_dir(dir).is_ok() || !dir.exists() {
+                    break;
+                }
+                std::thread::sleep(std::time::Duration::from_millis(10));
+            }
+        }
+    }
+}
+
 /// Whether the tests run as root (some checks need it, others assume it).
 pub fn running_as_root() -> bool {
     std::fs::read_to_string("/proc/self/status").is_ok_and(|status| {

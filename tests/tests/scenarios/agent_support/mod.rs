@@ -43,6 +43,12 @@ pub struct AgentDirs {
     pub cgroup_parent: String,
 }
 
+impl Drop for AgentDirs {
+    fn drop(&mut self) {
+        stead_tests::remove_test_cgroups(&self.cgroup_parent);
+    }
+}
+
 impl AgentDirs {
     /// Fresh directories and a config with a quick tick and resync, and `extra` YAML
     /// lines appended.
@@ -105,6 +111,15 @@ impl AgentDirs {
     /// background job or `nohup` would, and waits until its API answers.
     pub fn start_ignoring(&self, signals: &str) -> Agent {
         self.start_after(&format!("trap '' {signals}"))
+    }
+
+    /// Starts the agent as user `uid` (its group the same number, no other groups) and
+    /// waits until its API answers.
+    pub fn start_as(&self, uid: u32) -> Agent {
+        use std::os::unix::process::CommandExt;
+        let mut command = Command::new(agent_binary());
+        command.uid(uid).gid(uid);
+        self.start_with(command, &supervisor_binary())
     }
 
     /// Starts the agent from a shell after `prelude` (`ulimit -Sn 512`, say), as a
