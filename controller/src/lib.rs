@@ -10,8 +10,8 @@ pub mod logging;
 pub mod sdnotify;
 
 pub use stead_runtime::{
-    alloc, allocdir, clock, devices, driver, errors, gc, host, metrics, node, queue, registry, source,
-    spec_files, watch,
+    alloc, allocdir, clock, devices, driver, errors, gc, host, metrics, node, queue, registry,
+    source, spec_files, watch,
 };
 
 /// Persisted state: the runtime's [`Store`](store::Store) seam and stores, and RocksDB's.

@@ -528,8 +528,8 @@ mod tests {
             );
         }
         let missing = dir.path().join("gone/cgroup.procs");
-        let error = start(&[missing.into_os_string().into_encoded_bytes()])
-            .expect_err("no cgroup to join");
+        let error =
+            start(&[missing.into_os_string().into_encoded_bytes()]).expect_err("no cgroup to join");
         assert_eq!(error, SpawnError::Cgroup(OsError(Errno::NOENT)));
         assert!(!error.is_permanent());
         assert_eq!(

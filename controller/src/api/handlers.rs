@@ -9,8 +9,9 @@ use axum::http::{HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use stead_schemas::api::{
-    AllocListItem, AllocStats, CgroupStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry, DriverStatus,
-    HealthStatus, NodeResources, NodeStatus, RestartRequest, SignalRequest, TaskStats,
+    AllocListItem, AllocStats, CgroupStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry,
+    DriverStatus, HealthStatus, NodeResources, NodeStatus, RestartRequest, SignalRequest,
+    TaskStats,
 };
 use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;

@@ -13,8 +13,7 @@ use exec_support::{
 };
 use stead_controller::driver::exec::ExecDriver;
 use stead_controller::driver::{
-    DeviceAccess, Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle,
-    TaskResources,
+    DeviceAccess, Driver, DriverError, Health, LogLimits, StartRequest, TaskHandle, TaskResources,
 };
 use stead_schemas::spec::{DriverConfig, DriverKind, ExecConfig, Name};
 use stead_schemas::{AllocId, Revision};
@@ -345,9 +344,9 @@ async fn the_health_hook_flips_the_fingerprint_and_back_and_attributes_name_kern
     assert_eq!(healthy.attributes["kernel.version"], release.trim());
     assert_eq!(healthy.attributes["kernel.name"], "linux");
     match healthy.attributes["cgroup.limits"].as_str() {
-        "true" => assert!(
-            ["v1", "v2", "hybrid"].contains(&healthy.attributes["cgroup.version"].as_str())
-        ),
+        "true" => {
+            assert!(["v1", "v2", "hybrid"].contains(&healthy.attributes["cgroup.version"].as_str()))
+        }
         _ => assert!(healthy.attributes.contains_key("cgroup.reason")),
     }
     assert!(healthy.attributes.contains_key("os.name"));

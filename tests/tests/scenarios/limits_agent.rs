@@ -42,7 +42,7 @@ fn can_limit() -> bool {
     true
 }
 
-fn task<'s>(agent: &Agent, name: &str, what: &str, check: impl Fn(&TaskStatus) -> bool) -> TaskStatus {
+fn task(agent: &Agent, name: &str, what: &str, check: impl Fn(&TaskStatus) -> bool) -> TaskStatus {
     wait_for(what, Duration::from_secs(30), || {
         let status = agent.status(name);
         status
@@ -101,17 +101,24 @@ fn subdirs(root: &Path) -> Vec<String> {
 }
 
 #[test]
-fn a_task_over_its_memory_limit_is_oom_killed_and_says_so_and_one_killed_from_outside_does_not()
-{
+fn a_task_over_its_memory_limit_is_oom_killed_and_says_so_and_one_killed_from_outside_does_not() {
     if !can_limit() {
         return;
     }
     let dirs = AgentDirs::new("");
-    dirs.write_spec("greedy", &limited("greedy", "{memoryMB: 64}", hog(), &["512"]));
-    dirs.write_spec("modest", &limited("modest", "{memoryMB: 64}", hog(), &["8"]));
+    dirs.write_spec(
+        "greedy",
+        &limited("greedy", "{memoryMB: 64}", hog(), &["512"]),
+    );
+    dirs.write_spec(
+        "modest",
+        &limited("modest", "{memoryMB: 64}", hog(), &["8"]),
+    );
     let agent = dirs.start();
 
-    let greedy = task(&agent, "greedy", "the greedy task died", |t| t.state == "dead");
+    let greedy = task(&agent, "greedy", "the greedy task died", |t| {
+        t.state == "dead"
+    });
     let started = greedy
         .events
         .iter()
@@ -127,10 +134,11 @@ fn a_task_over_its_memory_limit_is_oom_killed_and_says_so_and_one_killed_from_ou
         "{greedy:#?}"
     );
     assert!(terminated.oom_killed);
-    let took = terminated
-        .time
-        .saturating_duration_since(started.time);
-    assert!(took < Duration::from_secs(1), "died {took:?} after its start");
+    let took = terminated.time.saturating_duration_since(started.time);
+    assert!(
+        took < Duration::from_secs(1),
+        "died {took:?} after its start"
+    );
     let last = greedy.last_exit.as_ref().expect("a last exit");
     assert!(last.oom_killed && last.exit_code == 137 && last.signal == Some(9));
     let (_, metrics) = agent.try_get("/metrics").expect("metrics");
@@ -144,9 +152,14 @@ fn a_task_over_its_memory_limit_is_oom_killed_and_says_so_and_one_killed_from_ou
     });
     let pid = rustix::process::Pid::from_raw(modest.pid.expect("a pid") as i32).expect("a pid");
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("killed");
-    let modest = task(&agent, "modest", "the modest task died", |t| t.state == "dead");
+    let modest = task(&agent, "modest", "the modest task died", |t| {
+        t.state == "dead"
+    });
     let last = modest.last_exit.as_ref().expect("a last exit");
-    assert_eq!((last.exit_code, last.signal, last.oom_killed), (137, Some(9), false));
+    assert_eq!(
+        (last.exit_code, last.signal, last.oom_killed),
+        (137, Some(9), false)
+    );
     let terminated = modest
         .events
         .iter()
@@ -161,15 +174,23 @@ fn a_task_limited_to_five_pids_cannot_fork_a_sixth_process_and_sees_why() {
         return;
     }
     let dirs = AgentDirs::new("");
-    let script = "for i in 1 2 3 4; do sleep 301 & done; echo forked four; sleep 301 & echo forked a sixth";
-    dirs.write_spec("forks", &limited("forks", "{pids: 5}", "/bin/sh", &["-c", script]));
+    let script =
+        "for i in 1 2 3 4; do sleep 301 & done; echo forked four; sleep 301 & echo forked a sixth";
+    dirs.write_spec(
+        "forks",
+        &limited("forks", "{pids: 5}", "/bin/sh", &["-c", script]),
+    );
     let agent = dirs.start();
     let forks = task(&agent, "forks", "the task ended", |t| t.state == "dead");
     let status = agent.status("forks").expect("a status");
     let logs = dirs.data.join("allocs").join(&status.id).join("alloc/logs");
     let read = |name: &str| std::fs::read_to_string(logs.join(name)).unwrap_or_default();
     assert_eq!(read("main.stdout.0"), "forked four\n", "{forks:#?}");
-    assert!(read("main.stderr.0").contains("Cannot fork"), "{}", read("main.stderr.0"));
+    assert!(
+        read("main.stderr.0").contains("Cannot fork"),
+        "{}",
+        read("main.stderr.0")
+    );
     assert_eq!(forks.last_exit.as_ref().map(|e| e.exit_code), Some(2));
 }
 
@@ -192,7 +213,9 @@ fn a_hard_cpu_limit_of_a_quarter_core_holds_a_busy_loop_to_a_quarter_of_a_core()
             &["-c", "while :; do :; done"],
         ),
     );
-    task(&agent, "spin", "the busy loop runs", |t| t.state == "running");
+    task(&agent, "spin", "the busy loop runs", |t| {
+        t.state == "running"
+    });
     let (first, from) = (cgroup_stats(&agent, "spin"), Instant::now());
     std::thread::sleep(Duration::from_secs(5));
     let (last, to) = (cgroup_stats(&agent, "spin"), Instant::now());
@@ -202,7 +225,10 @@ fn a_hard_cpu_limit_of_a_quarter_core_holds_a_busy_loop_to_a_quarter_of_a_core()
         "the loop used {:.1} % of a core",
         share * 100.0
     );
-    assert!(last.cpu_throttled_seconds.is_some_and(|s| s > 0.0), "{last:?}");
+    assert!(
+        last.cpu_throttled_seconds.is_some_and(|s| s > 0.0),
+        "{last:?}"
+    );
     let reserved = node(&agent).resources.expect("resources");
     assert_eq!(reserved.reserved_cpu_mhz, u64::from(quarter));
 }
@@ -217,20 +243,34 @@ fn a_grandchild_that_called_setsid_and_ignores_sigterm_is_gone_after_the_kill_ti
     let script = format!(
         "setsid sh -c 'trap \"\" TERM; sleep {nap}; :' & trap 'exit 0' TERM; while :; do sleep 0.2; done"
     );
-    dirs.write_spec("daemon", &limited("daemon", "{memoryMB: 64}", "/bin/sh", &["-c", &script]));
+    dirs.write_spec(
+        "daemon",
+        &limited("daemon", "{memoryMB: 64}", "/bin/sh", &["-c", &script]),
+    );
     let agent = dirs.start();
     task(&agent, "daemon", "the task runs", |t| t.state == "running");
     let root = cgroup_root(&agent);
     wait_for("the grandchild runs", Duration::from_secs(10), || {
-        (!processes_with(&nap).is_empty()).then_some(()).ok_or_else(|| "not yet".to_owned())
+        (!processes_with(&nap).is_empty())
+            .then_some(())
+            .ok_or_else(|| "not yet".to_owned())
     });
     dirs.remove_spec("daemon");
-    task(&agent, "daemon", "the task was stopped", |t| t.state == "dead");
-    assert!(processes_with(&nap).is_empty(), "the grandchild outlived its task");
-    wait_for("the task's cgroup is removed", Duration::from_secs(5), || {
-        let left = subdirs(&root);
-        left.is_empty().then_some(()).ok_or(format!("{left:?}"))
+    task(&agent, "daemon", "the task was stopped", |t| {
+        t.state == "dead"
     });
+    assert!(
+        processes_with(&nap).is_empty(),
+        "the grandchild outlived its task"
+    );
+    wait_for(
+        "the task's cgroup is removed",
+        Duration::from_secs(5),
+        || {
+            let left = subdirs(&root);
+            left.is_empty().then_some(()).ok_or(format!("{left:?}"))
+        },
+    );
 }
 
 #[test]
@@ -251,11 +291,16 @@ fn an_agent_killed_and_restarted_keeps_the_limits_and_stats_and_a_drain_leaves_n
     let stats = cgroup_stats(&agent, "kept");
     assert_eq!(stats.memory_limit_bytes, Some(64 * MIB), "{stats:?}");
     assert_eq!(stats.pids_limit, Some(20), "{stats:?}");
-    assert!(stats.memory_bytes.is_some_and(|m| m >= 8 * MIB), "{stats:?}");
+    assert!(
+        stats.memory_bytes.is_some_and(|m| m >= 8 * MIB),
+        "{stats:?}"
+    );
     agent.kill9();
 
     let agent = dirs.start();
-    let after = task(&agent, "kept", "the task was reattached", |t| t.state == "running");
+    let after = task(&agent, "kept", "the task was reattached", |t| {
+        t.state == "running"
+    });
     assert_eq!(after.pid, before.pid, "the task ran on");
     assert_eq!(after.restarts, 0);
     let stats = cgroup_stats(&agent, "kept");
@@ -264,7 +309,10 @@ fn an_agent_killed_and_restarted_keeps_the_limits_and_stats_and_a_drain_leaves_n
     let pid = before.pid.expect("a pid");
     let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("the task's cgroups");
     let id = agent.status("kept").expect("a status").id;
-    assert!(own.contains(&format!("/{}/{id}/main", dirs.cgroup_parent)), "{own}");
+    assert!(
+        own.contains(&format!("/{}/{id}/main", dirs.cgroup_parent)),
+        "{own}"
+    );
 
     assert!(agent.terminate().success());
     assert!(subdirs(&root).is_empty(), "left: {:?}", subdirs(&root));
@@ -284,7 +332,10 @@ fn without_a_writable_cgroup_limits_are_not_enforced_and_with_limits_required_th
         for entry in walk(dirs.root.path()) {
             std::os::unix::fs::lchown(&entry, Some(NOBODY), Some(NOBODY)).expect("chowned");
         }
-        dirs.write_spec("capped", &limited("capped", "{memoryMB: 64}", "/bin/sleep", &["300"]));
+        dirs.write_spec(
+            "capped",
+            &limited("capped", "{memoryMB: 64}", "/bin/sleep", &["300"]),
+        );
         std::os::unix::fs::lchown(dirs.specs.join("capped.yaml"), Some(NOBODY), Some(NOBODY))
             .expect("chowned");
         let agent = dirs.start_as(NOBODY);
@@ -300,7 +351,9 @@ fn without_a_writable_cgroup_limits_are_not_enforced_and_with_limits_required_th
             let capped = task(&agent, "capped", "the task failed", |t| t.state == "dead");
             assert!(capped.failed);
         } else {
-            task(&agent, "capped", "the task runs all the same", |t| t.state == "running");
+            task(&agent, "capped", "the task runs all the same", |t| {
+                t.state == "running"
+            });
         }
     }
 }

@@ -667,6 +667,22 @@ fn systemd_unit_lets_tasks_of_other_users_reach_their_alloc_dirs() {
 }
 
 #[test]
+fn systemd_unit_delegates_its_cgroup_to_the_agent_and_kills_only_the_agent() {
+    let unit = read(&deploy("systemd/stead.service"));
+    // Without delegation systemd may rewrite the cgroups the agent made for its tasks.
+    assert_eq!(unit_directive(&unit, "Delegate").as_deref(), Some("yes"));
+    // Tasks in their own cgroups below the service outlive an agent restart.
+    assert_eq!(
+        unit_directive(&unit, "KillMode").as_deref(),
+        Some("process")
+    );
+    assert_ne!(
+        unit_directive(&unit, "ProtectControlGroups").as_deref(),
+        Some("yes")
+    );
+}
+
+#[test]
 fn systemd_unit_keeps_no_hardening_that_tasks_inherit_to_their_cost() {
     let unit = read(&deploy("systemd/stead.service"));
     let directives = unit_directives(&unit);

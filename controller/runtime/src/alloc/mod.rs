@@ -44,7 +44,8 @@ use crate::allocdir::{AllocDirError, AllocDirs};
 use crate::clock::Clock;
 use crate::devices::DeviceManager;
 use crate::driver::{
-    DeviceAccess, Driver, DriverError, Drivers, ExecRequest, LogLimits, TaskResources, StartRequest, TaskHandle,
+    DeviceAccess, Driver, DriverError, Drivers, ExecRequest, LogLimits, StartRequest, TaskHandle,
+    TaskResources,
 };
 use crate::errors::error_chain;
 use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand};

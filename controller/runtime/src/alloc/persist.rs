@@ -2,8 +2,8 @@
 //! writer (retried with backoff), then the status shown, when either changed.
 
 use stead_reconcilers::check::CheckState;
-use stead_reconcilers::task::{TaskSettings, TaskState};
 use stead_reconcilers::event::TaskEventType;
+use stead_reconcilers::task::{TaskSettings, TaskState};
 use stead_schemas::status::{TaskCheckStatus, TaskExitStatus};
 
 use super::*;

@@ -53,10 +53,10 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::watch;
 
+use self::cgroup::{Cgroups, Limits, TaskCgroup, Unavailable};
 use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
-use self::cgroup::{Cgroups, Limits, TaskCgroup, Unavailable};
 use super::{
     BoxFuture, CgroupUsage, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health,
     RecordedRuns, StartRequest, TaskHandle, TaskResources, TaskStats, signal_number,
@@ -377,7 +377,7 @@ impl Inner {
     /// The cgroup of a run, when this node has task cgroups.
     fn cgroup_of(&self, id: &RunId) -> Option<TaskCgroup> {
         let cgroups = self.cgroups.as_ref().ok()?;
-        Some(cgroups.task(&id.alloc_id, id.task.as_str()))
+        Some(cgroups.task(&id.alloc_id, id.task.as_str(), &id.run))
     }
 
     /// Why `limits` cannot (all) be enforced here; `None` when they can.
@@ -560,19 +560,27 @@ impl Inner {
             .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.alloc_id))
             .collect();
         for alloc_id in cgroups.alloc_ids() {
-            let name = alloc_id.rsplit_once('-').map_or(alloc_id.as_str(), |(name, _)| name);
+            let name = alloc_id
+                .rsplit_once('-')
+                .map_or(alloc_id.as_str(), |(name, _)| name);
             if known.contains(&alloc_id)
-                || recorded.unreadable.iter().any(|unreadable| unreadable == name)
+                || recorded
+                    .unreadable
+                    .iter()
+                    .any(|unreadable| unreadable == name)
                 || self.dirs.alloc_by_id(&alloc_id).is_err()
             {
                 continue;
             }
-            for task in cgroups.task_names(&alloc_id) {
-                if task.parse::<Name>().is_err() {
+            for name in cgroups.runs(&alloc_id) {
+                let Some((task, run)) = name.rsplit_once('-') else {
+                    continue;
+                };
+                if task.parse::<Name>().is_err() || !stead_supervisor::args::is_run_id(run) {
                     continue;
                 }
-                tracing::info!(alloc = %alloc_id, task = %task, "removing the cgroup of a task no record names");
-                runtime.spawn(release(cgroups.task(&alloc_id, &task)));
+                tracing::info!(alloc = %alloc_id, task, run, "removing the cgroup of a task no record names");
+                runtime.spawn(release(cgroups.task(&alloc_id, task, run)));
             }
         }
     }
@@ -614,14 +622,14 @@ impl Inner {
         {
             return Err(ExecError::LimitsUnenforced { reason });
         }
+        let run = format!("{:016x}", fastrand::u64(..));
         // From here on, a start that fails or is dropped removes the cgroup it made.
         let mut cgroup = CgroupGuard(None);
         if let Ok(cgroups) = &self.cgroups {
-            let task_cgroup = cgroups.task(request.alloc_id.as_str(), request.task.as_str());
+            let task_cgroup = cgroups.task(request.alloc_id.as_str(), request.task.as_str(), &run);
             let enforceable = cgroups.enforceable(&limits);
             task_cgroup
                 .create(&enforceable)
-                .await
                 .map_err(|source| ExecError::Cgroup {
                     cgroup: task_cgroup.to_string(),
                     source,
@@ -629,7 +637,6 @@ impl Inner {
             cgroup.0 = Some(task_cgroup);
         }
 
-        let run = format!("{:016x}", fastrand::u64(..));
         let path_bytes = |path: &Path| path.as_os_str().as_bytes().to_vec();
         let supervisor_args = SupervisorArgs {
             task_dir: path_bytes(&task_dir.dir),
@@ -663,9 +670,11 @@ impl Inner {
                 path: self.config.supervisor.clone(),
                 source,
             })?;
-        // From here on, a start that is dropped stops what it launched.
+        // From here on, a start that is dropped stops what it launched, then removes its
+        // cgroup.
         let mut pending = Pending {
             reports: Some(BufReader::new(reports)),
+            cgroup: cgroup.0.take(),
         };
         let mut line = String::new();
         let read = match pending.reports.as_mut() {
@@ -729,7 +738,7 @@ impl Inner {
             started_at: self.clock.now(),
         };
         let supervisor = id.supervisor;
-        let state = RunState::new(id, cgroup.0.take());
+        let state = RunState::new(id, pending.cgroup.take());
         self.runs().insert(handle.id.clone(), state.clone());
         let reports = pending.reports.take();
         tokio::spawn(watch_run(reports, supervisor, state, task_dir.control, run));
@@ -1068,22 +1077,38 @@ fn is_zombie(pid: u32) -> bool {
 }
 
 /// A run launched by a start that has not returned yet: if the start is dropped
-/// (cancelled), the run is stopped in the background rather than leaked.
+/// (cancelled), the run is stopped in the background rather than leaked, and a run that
+/// did not start has its cgroup removed.
 struct Pending {
     /// The supervisor's report pipe; `None` once the start returned or the run is known
     /// not to have started.
     reports: Option<BufReader<pipe::Receiver>>,
+    /// The run's cgroup, until a run takes it.
+    cgroup: Option<TaskCgroup>,
 }
 
 impl Drop for Pending {
     fn drop(&mut self) {
-        let Some(reports) = self.reports.take() else {
-            return;
-        };
+        let cgroup = self.cgroup.take();
         // Outside a runtime nothing can wait for the report; the supervisor then runs
         // its task until the next start of the task finds its run record.
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(abandon(reports));
+        let Ok(runtime) = tokio::runtime::Handle::try_current() else {
+            return;
+        };
+        match self.reports.take() {
+            Some(reports) => {
+                runtime.spawn(async move {
+                    abandon(reports).await;
+                    if let Some(cgroup) = cgroup {
+                        release(cgroup).await;
+                    }
+                });
+            }
+            None => {
+                if let Some(cgroup) = cgroup {
+                    runtime.spawn(release(cgroup));
+                }
+            }
         }
     }
 }

@@ -1,8 +1,9 @@
 //! One cgroup per task run: found (v1, v2 or the hybrid of both), made, limited, killed,
 //! measured and removed by writing the kernel's few control files directly.
 //!
-//! Each task run gets `<agent's cgroup>/<parent>/<alloc-id>/<task>` in every hierarchy it
-//! needs: on cgroup v2 the one unified tree; on v1 the `memory`, `cpu`, `cpuacct` and
+//! Each task run gets `<agent's cgroup>/<parent>/<alloc-id>/<task>-<run>` in every
+//! hierarchy it needs (the run in the name: removing a run's cgroup never touches its
+//! successor's): on cgroup v2 the one unified tree; on v1 the `memory`, `cpu`, `cpuacct` and
 //! `pids` hierarchies, plus, on a hybrid host, the v2 tree for its `cgroup.kill`. The
 //! supervisor writes the task into them before it `exec`s (`--cgroup`). On v2 the agent
 //! first moves itself (and whatever else runs in its cgroup) into a leaf of its own,
@@ -24,8 +25,9 @@ use stead_schemas::config::AGENT_CGROUP_LEAF;
 pub(crate) const CPU_PERIOD_US: u64 = 100_000;
 /// The smallest quota the kernel takes, in microseconds.
 const MIN_CPU_QUOTA_US: u64 = 1_000;
-/// How long a removal waits for the killed processes of a cgroup to leave it.
-const REMOVE_PATIENCE: Duration = Duration::from_secs(2);
+/// How often a removal looks again, 10 ms apart, for the killed processes of a cgroup to
+/// have left it (2 s in all).
+const REMOVE_ATTEMPTS: u32 = 200;
 
 /// The limits of one task, in the kernel's units.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
@@ -215,9 +217,20 @@ fn mounts(mountinfo: &str) -> Vec<Mount> {
                     .filter(|opt| {
                         matches!(
                             *opt,
-                            "memory" | "cpu" | "cpuacct" | "pids" | "cpuset" | "devices"
-                                | "freezer" | "blkio" | "net_cls" | "net_prio" | "perf_event"
-                                | "hugetlb" | "rdma" | "misc"
+                            "memory"
+                                | "cpu"
+                                | "cpuacct"
+                                | "pids"
+                                | "cpuset"
+                                | "devices"
+                                | "freezer"
+                                | "blkio"
+                                | "net_cls"
+                                | "net_prio"
+                                | "perf_event"
+                                | "hugetlb"
+                                | "rdma"
+                                | "misc"
                         )
                     })
                     .map(str::to_owned)
@@ -245,7 +258,10 @@ fn own_dir(mount: &Mount, self_cgroup: &str) -> Result<PathBuf, Unavailable> {
                 controllers.is_empty()
             } else {
                 let listed: Vec<&str> = controllers.split(',').collect();
-                mount.controllers.iter().all(|c| listed.contains(&c.as_str()))
+                mount
+                    .controllers
+                    .iter()
+                    .all(|c| listed.contains(&c.as_str()))
             };
             matches.then_some(path)
         })
@@ -366,7 +382,10 @@ impl Cgroups {
         };
         let mut base = own_dir(unified, self_cgroup)?;
         let at_root = base == unified.point;
-        if base.file_name().is_some_and(|name| name == AGENT_CGROUP_LEAF) {
+        if base
+            .file_name()
+            .is_some_and(|name| name == AGENT_CGROUP_LEAF)
+        {
             // A restart: the agent is in its leaf already.
             base.pop();
         } else if !at_root {
@@ -487,13 +506,14 @@ impl Cgroups {
         enforceable
     }
 
-    /// The cgroup of the runs of `task` of `alloc_id` (names validated by the caller).
-    pub(crate) fn task(&self, alloc_id: &str, task: &str) -> TaskCgroup {
+    /// The cgroup of run `run` of `task` of `alloc_id` (names validated by the caller).
+    pub(crate) fn task(&self, alloc_id: &str, task: &str, run: &str) -> TaskCgroup {
+        let name = format!("{task}-{run}");
         match &self.layout {
             Layout::V2 { root, .. } => TaskCgroup::V2 {
-                dir: root.join(alloc_id).join(task),
+                dir: root.join(alloc_id).join(name),
             },
-            Layout::V1(dirs) => TaskCgroup::V1(dirs.join(alloc_id).join(task)),
+            Layout::V1(dirs) => TaskCgroup::V1(dirs.join(alloc_id).join(&name)),
         }
     }
 
@@ -508,8 +528,8 @@ impl Cgroups {
             .collect()
     }
 
-    /// The task names that have a cgroup below `alloc_id`.
-    pub(crate) fn task_names(&self, alloc_id: &str) -> Vec<String> {
+    /// The `<task>-<run>` names of the task cgroups below `alloc_id`.
+    pub(crate) fn runs(&self, alloc_id: &str) -> Vec<String> {
         std::fs::read_dir(self.root().join(alloc_id))
             .into_iter()
             .flatten()
@@ -548,13 +568,8 @@ impl TaskCgroup {
         self.dirs().first().is_some_and(|dir| dir.is_dir())
     }
 
-    /// Makes the cgroup with `limits`, after emptying and removing what an earlier run
-    /// left.
-    pub(crate) async fn create(&self, limits: &Limits) -> io::Result<()> {
-        if self.exists() {
-            self.kill();
-            self.remove().await?;
-        }
+    /// Makes the cgroup (its run's alone: the run id is in its name) with `limits`.
+    pub(crate) fn create(&self, limits: &Limits) -> io::Result<()> {
         for dir in self.dirs() {
             if let Some(alloc) = dir.parent() {
                 match std::fs::create_dir(alloc) {
@@ -604,16 +619,17 @@ impl TaskCgroup {
     /// Removes it, and its alloc's cgroup once that is empty; waits a little for killed
     /// processes to leave. One that is gone already is fine.
     pub(crate) async fn remove(&self) -> io::Result<()> {
-        let deadline = tokio::time::Instant::now() + REMOVE_PATIENCE;
         for dir in self.dirs() {
+            let mut attempts = 0;
             loop {
                 match std::fs::remove_dir(dir) {
                     Ok(()) => break,
                     Err(error) if error.kind() == io::ErrorKind::NotFound => break,
                     Err(error)
                         if error.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
-                            && tokio::time::Instant::now() < deadline =>
+                            && attempts < REMOVE_ATTEMPTS =>
                     {
+                        attempts += 1;
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                     Err(error) => return Err(error),
@@ -656,18 +672,21 @@ impl fmt::Display for TaskCgroup {
 /// Writes `text` to the control file `path` in one `write`, as the kernel wants.
 pub(crate) fn write_file(path: &Path, text: &str) -> io::Result<()> {
     use std::io::Write;
-    let mut file = std::fs::OpenOptions::new().write(true).open(path).or_else(|error| {
-        // On a plain directory (the tests' stand-in for a cgroup) the file is created.
-        if error.kind() == io::ErrorKind::NotFound && !is_cgroup_fs(path) {
-            std::fs::OpenOptions::new()
-                .write(true)
-                .create(true)
-                .truncate(true)
-                .open(path)
-        } else {
-            Err(error)
-        }
-    })?;
+    let mut file = std::fs::OpenOptions::new()
+        .write(true)
+        .open(path)
+        .or_else(|error| {
+            // On a plain directory (the tests' stand-in for a cgroup) the file is created.
+            if error.kind() == io::ErrorKind::NotFound && !is_cgroup_fs(path) {
+                std::fs::OpenOptions::new()
+                    .write(true)
+                    .create(true)
+                    .truncate(true)
+                    .open(path)
+            } else {
+                Err(error)
+            }
+        })?;
     file.write_all(text.as_bytes())
 }
 

@@ -18,7 +18,10 @@ pub(super) fn enable_controllers(dir: &Path, controllers: &[&str]) -> io::Result
     for controller in controllers {
         let has = |list: &str| list.split_whitespace().any(|c| c == *controller);
         if has(&available) && !has(&enabled) {
-            write_file(&dir.join("cgroup.subtree_control"), &format!("+{controller}"))?;
+            write_file(
+                &dir.join("cgroup.subtree_control"),
+                &format!("+{controller}"),
+            )?;
         }
     }
     Ok(())
