@@ -7,7 +7,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use stead_schemas::api::{
-    AllocListItem, HealthStatus, LOG_BACKLOG_HEADER, NodeStatus, RestartRequest, SignalRequest,
+    AllocListItem, AllocStats, HealthStatus, LOG_BACKLOG_HEADER, NodeStatus, RestartRequest,
+    SignalRequest,
 };
 use stead_schemas::status::AllocStatus;
 
@@ -250,12 +251,22 @@ async fn status(
     out: &mut dyn Write,
 ) -> anyhow::Result<u8> {
     let alloc: AllocStatus = client.get(&status_path(name)).await?;
-    show_status(&alloc, json, style, out)?;
+    // What the tasks use, when the agent measures them; the status shows without it.
+    let stats: Option<AllocStats> = if json {
+        None
+    } else {
+        client
+            .get(&format!("{}/stats", status_path(name)))
+            .await
+            .ok()
+    };
+    show_status(&alloc, stats.as_ref(), json, style, out)?;
     Ok(EXIT_OK)
 }
 
 fn show_status(
     alloc: &AllocStatus,
+    stats: Option<&AllocStats>,
     json: bool,
     style: Style,
     out: &mut dyn Write,
@@ -263,7 +274,7 @@ fn show_status(
     if json {
         print_json(out, alloc)
     } else {
-        out.write_all(render::alloc_status(style, alloc).as_bytes())?;
+        out.write_all(render::alloc_status(style, alloc, stats).as_bytes())?;
         Ok(())
     }
 }
@@ -293,7 +304,7 @@ async fn watch_status(
                     } else if shown.is_some() {
                         out.write_all(b"\n")?;
                     }
-                    show_status(&alloc, json, style, out)?;
+                    show_status(&alloc, None, json, style, out)?;
                     out.flush()?;
                     shown = Some(alloc);
                 }

@@ -6,7 +6,7 @@ use std::fmt::Write as _;
 use comfy_table::presets::NOTHING;
 use comfy_table::{Cell, Color, ContentArrangement, Table};
 use stead_schemas::Timestamp;
-use stead_schemas::api::{AllocListItem, HealthStatus, NodeStatus};
+use stead_schemas::api::{AllocListItem, AllocStats, CgroupStats, HealthStatus, NodeStatus};
 use stead_schemas::status::{AllocStatus, TaskStatus};
 
 /// How many events of each task `alloc status` shows, newest first.
@@ -120,8 +120,13 @@ pub(crate) fn alloc_list(style: Style, allocs: &[AllocListItem]) -> String {
     style.finish(table)
 }
 
-/// `stead alloc status`: the alloc, then each task with its recent events, newest first.
-pub(crate) fn alloc_status(style: Style, alloc: &AllocStatus) -> String {
+/// `stead alloc status`: the alloc, then each task with what it uses (from `stats`, when
+/// the agent measured it) and its recent events, newest first.
+pub(crate) fn alloc_status(
+    style: Style,
+    alloc: &AllocStatus,
+    stats: Option<&AllocStats>,
+) -> String {
     let mut rows = vec![
         ("ID", alloc.id.clone()),
         ("Name", alloc.name.clone()),
@@ -142,12 +147,58 @@ pub(crate) fn alloc_status(style: Style, alloc: &AllocStatus) -> String {
     let mut text = key_values(&rows);
     for (name, task) in &alloc.tasks {
         text.push('\n');
-        text.push_str(&task_status(style, name, task));
+        let cgroup = stats
+            .and_then(|s| s.tasks.get(name))
+            .and_then(|t| t.cgroup.as_ref());
+        text.push_str(&task_status(style, name, task, cgroup));
     }
     text
 }
 
-fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
+/// `bytes` in MiB with one decimal.
+fn mib(bytes: u64) -> String {
+    format!("{:.1} MiB", bytes as f64 / (1024.0 * 1024.0))
+}
+
+/// A task's use and limits as its cgroup counts them: one table row.
+fn resources(style: Style, cgroup: &CgroupStats) -> String {
+    let unlimited = || "unlimited".to_owned();
+    let mut table = style.table();
+    table.set_header([
+        "CPU Time",
+        "Throttled",
+        "Memory",
+        "Memory Peak",
+        "Memory Limit",
+        "Pids",
+        "Pids Limit",
+        "OOM Kills",
+    ]);
+    table.add_row([
+        format!("{:.2}s", cgroup.cpu_seconds),
+        cgroup
+            .cpu_throttled_seconds
+            .map_or_else(|| "N/A".to_owned(), |s| format!("{s:.2}s")),
+        cgroup.memory_bytes.map_or_else(|| "N/A".to_owned(), mib),
+        cgroup
+            .memory_peak_bytes
+            .map_or_else(|| "N/A".to_owned(), mib),
+        cgroup.memory_limit_bytes.map_or_else(unlimited, mib),
+        cgroup
+            .pids
+            .map_or_else(|| "N/A".to_owned(), |p| p.to_string()),
+        cgroup.pids_limit.map_or_else(unlimited, |p| p.to_string()),
+        cgroup.oom_kills.to_string(),
+    ]);
+    style.finish(table)
+}
+
+fn task_status(
+    style: Style,
+    name: &str,
+    task: &TaskStatus,
+    cgroup: Option<&CgroupStats>,
+) -> String {
     let state = style.paint(&task.state, status_colour(&task.state));
     let mut text = format!("Task {name:?} is \"{state}\"\n");
     text.push_str(&key_values(&[
@@ -168,6 +219,20 @@ fn task_status(style: Style, name: &str, task: &TaskStatus) -> String {
             task.pid.map_or_else(|| "N/A".to_owned(), |p| p.to_string()),
         ),
     ]));
+    if let Some(exit) = task.last_exit.as_ref().filter(|e| e.oom_killed) {
+        let _ = writeln!(
+            text,
+            "{}",
+            style.paint(
+                &format!("Last run OOM killed at {}", exit.time),
+                Some(Color::Red)
+            )
+        );
+    }
+    if let Some(cgroup) = cgroup {
+        text.push_str("\nResources:\n");
+        text.push_str(&resources(style, cgroup));
+    }
     if !task.checks.is_empty() {
         text.push_str("\nChecks:\n");
         let mut table = style.table();
@@ -256,13 +321,33 @@ pub(crate) fn node_status(style: Style, node: &NodeStatus) -> String {
         .map(|s| format!("{} {s}", node.allocs.get(*s).copied().unwrap_or(0)))
         .collect::<Vec<_>>()
         .join(", ");
-    let mut text = key_values(&[
+    let mut rows = vec![
         ("Name", node.name.clone()),
         ("Version", node.version.clone()),
         ("Started At", node.started_at.to_string()),
         ("Time", node.time.to_string()),
         ("Allocs", allocs),
-    ]);
+    ];
+    if let Some(resources) = &node.resources {
+        rows.push((
+            "CPU",
+            format!(
+                "{} MHz ({} cores x {} MHz), {} MHz reserved",
+                resources.cpu_mhz,
+                resources.cpu_cores,
+                resources.cpu_mhz_per_core,
+                resources.reserved_cpu_mhz
+            ),
+        ));
+        rows.push((
+            "Memory",
+            format!(
+                "{} MiB, {} MiB reserved",
+                resources.memory_mb, resources.reserved_memory_mb
+            ),
+        ));
+    }
+    let mut text = key_values(&rows);
     text.push_str("\nDrivers\n");
     if node.drivers.is_empty() {
         text.push_str("No drivers\n");
@@ -355,6 +440,49 @@ mod tests {
         assert_eq!(
             output_line(&"x".repeat(100)).chars().count(),
             CHECK_OUTPUT_SHOWN + 1
+        );
+    }
+
+    #[test]
+    fn a_tasks_cgroup_use_and_limits_show_as_one_row_and_an_oom_kill_as_a_line() {
+        let cgroup = CgroupStats {
+            memory_bytes: Some(12 * 1024 * 1024),
+            memory_peak_bytes: Some(64 * 1024 * 1024),
+            memory_limit_bytes: Some(64 * 1024 * 1024),
+            cpu_seconds: 1.5,
+            cpu_throttled_seconds: Some(0.25),
+            pids: Some(3),
+            pids_limit: None,
+            oom_kills: 1,
+        };
+        let style = Style { colour: false };
+        assert_eq!(
+            resources(style, &cgroup),
+            "CPU Time  Throttled  Memory    Memory Peak  Memory Limit  Pids  Pids Limit  OOM Kills\n\
+             1.50s     0.25s      12.0 MiB  64.0 MiB     64.0 MiB      3     unlimited   1\n"
+        );
+        let task = TaskStatus {
+            state: "dead".to_owned(),
+            failed: true,
+            restarts: 0,
+            last_restart: None,
+            started_at: None,
+            finished_at: None,
+            pid: None,
+            last_exit: Some(stead_schemas::status::TaskExitStatus {
+                time: Timestamp::EPOCH,
+                exit_code: 137,
+                signal: Some(9),
+                oom_killed: true,
+            }),
+            devices: Vec::new(),
+            checks: Vec::new(),
+            events: Vec::new(),
+        };
+        let text = task_status(style, "main", &task, Some(&cgroup));
+        assert!(
+            text.contains("Last run OOM killed at 1970-01-01T00:00:00Z\n\nResources:\nCPU Time"),
+            "{text}"
         );
     }
 

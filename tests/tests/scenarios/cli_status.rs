@@ -156,7 +156,19 @@ async fn alloc_list_and_node_status_summarise_the_node() {
     insta::assert_snapshot!("alloc_list", list);
 
     let node = cli(&served.address, &["node", "status"]).await;
-    let node = node.replace(env!("CARGO_PKG_VERSION"), "<version>");
+    let host = stead_controller::host::HostResources::get();
+    let node = node
+        .replace(env!("CARGO_PKG_VERSION"), "<version>")
+        .replace(
+            &format!(
+                "{} MHz ({} cores x {} MHz)",
+                host.total_mhz(),
+                host.cores,
+                host.mhz_per_core
+            ),
+            "<total> MHz (<cores> cores x <mhz> MHz)",
+        )
+        .replace(&format!("{} MiB,", host.memory_mb), "<memory> MiB,");
     insta::assert_snapshot!("node_status", node);
     served.stop().await;
 }

@@ -401,11 +401,11 @@ impl Cgroups {
             }
             write_file(&procs, &pid.to_string()).map_err(setup_error(&procs))?;
         }
-        v2::enable_controllers(&base, &v2::CONTROLLERS).map_err(setup_error(&base))?;
+        let controllers = v2::available(&base, &v2::CONTROLLERS).map_err(setup_error(&base))?;
+        v2::enable(&base, &controllers).map_err(setup_error(&base))?;
         let root = base.join(parent);
         make_dir(&root)?;
-        v2::enable_controllers(&root, &v2::CONTROLLERS).map_err(setup_error(&root))?;
-        let controllers = v2::controllers(&root);
+        v2::enable(&root, &controllers).map_err(setup_error(&root))?;
         Ok(Cgroups {
             layout: Layout::V2 { root, controllers },
         })
@@ -510,8 +510,9 @@ impl Cgroups {
     pub(crate) fn task(&self, alloc_id: &str, task: &str, run: &str) -> TaskCgroup {
         let name = format!("{task}-{run}");
         match &self.layout {
-            Layout::V2 { root, .. } => TaskCgroup::V2 {
+            Layout::V2 { root, controllers } => TaskCgroup::V2 {
                 dir: root.join(alloc_id).join(name),
+                controllers: controllers.clone(),
             },
             Layout::V1(dirs) => TaskCgroup::V1(dirs.join(alloc_id).join(&name)),
         }
@@ -543,14 +544,18 @@ impl Cgroups {
 /// One task's cgroups.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum TaskCgroup {
-    V2 { dir: PathBuf },
+    V2 {
+        dir: PathBuf,
+        /// What the alloc's cgroup hands to it.
+        controllers: Vec<String>,
+    },
     V1(V1Dirs),
 }
 
 impl TaskCgroup {
     fn dirs(&self) -> Vec<&PathBuf> {
         match self {
-            TaskCgroup::V2 { dir } => vec![dir],
+            TaskCgroup::V2 { dir, .. } => vec![dir],
             TaskCgroup::V1(dirs) => dirs.each().collect(),
         }
     }
@@ -573,19 +578,19 @@ impl TaskCgroup {
         for dir in self.dirs() {
             if let Some(alloc) = dir.parent() {
                 match std::fs::create_dir(alloc) {
-                    Ok(()) => {
-                        if let TaskCgroup::V2 { .. } = self {
-                            v2::enable_controllers(alloc, &v2::CONTROLLERS)?;
-                        }
-                    }
+                    Ok(()) => {}
                     Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
                     Err(error) => return Err(error),
+                }
+                // Whoever made it: a sibling's start may not have got this far yet.
+                if let TaskCgroup::V2 { controllers, .. } = self {
+                    v2::enable(alloc, controllers)?;
                 }
             }
             std::fs::create_dir(dir)?;
         }
         match self {
-            TaskCgroup::V2 { dir } => v2::write_limits(dir, limits),
+            TaskCgroup::V2 { dir, .. } => v2::write_limits(dir, limits),
             TaskCgroup::V1(dirs) => v1::write_limits(dirs, limits),
         }
     }
@@ -594,7 +599,7 @@ impl TaskCgroup {
     /// each process listed. True when `cgroup.kill` was used.
     pub(crate) fn kill(&self) -> bool {
         let kill_file = match self {
-            TaskCgroup::V2 { dir } => Some(dir.join("cgroup.kill")),
+            TaskCgroup::V2 { dir, .. } => Some(dir.join("cgroup.kill")),
             TaskCgroup::V1(dirs) => dirs.unified.as_ref().map(|dir| dir.join("cgroup.kill")),
         };
         if let Some(file) = kill_file
@@ -646,7 +651,7 @@ impl TaskCgroup {
     /// How many of its processes the OOM killer killed; `None` without a memory cgroup.
     pub(crate) fn oom_kills(&self) -> Option<u64> {
         match self {
-            TaskCgroup::V2 { dir } => v2::oom_kills(dir),
+            TaskCgroup::V2 { dir, .. } => v2::oom_kills(dir),
             TaskCgroup::V1(dirs) => v1::oom_kills(dirs.memory.as_deref()?),
         }
     }
@@ -654,7 +659,7 @@ impl TaskCgroup {
     /// What the kernel counts for it; `None` when it is gone.
     pub(crate) fn usage(&self) -> Option<Usage> {
         match self {
-            TaskCgroup::V2 { dir } => v2::usage(dir),
+            TaskCgroup::V2 { dir, .. } => v2::usage(dir),
             TaskCgroup::V1(dirs) => v1::usage(dirs),
         }
     }
@@ -720,4 +725,345 @@ fn read_keyed(path: &Path, key: &str) -> Option<u64> {
             let (k, v) = line.split_once(' ')?;
             (k == key).then(|| v.trim().parse().ok()).flatten()
         })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::driver::TaskResources;
+
+    const MIB: u64 = 1024 * 1024;
+
+    fn read(path: &Path) -> String {
+        std::fs::read_to_string(path).unwrap_or_else(|error| panic!("{}: {error}", path.display()))
+    }
+
+    #[test]
+    fn limits_follow_nomads_meaning_of_memory_memory_max_and_cpu_mhz() {
+        let of = |resources: TaskResources| Limits::of(&resources, 2_000);
+        assert!(of(TaskResources::default()).is_empty());
+        let hard = of(TaskResources {
+            memory_mb: Some(64),
+            ..TaskResources::default()
+        });
+        assert_eq!((hard.memory_max, hard.memory_low), (Some(64 * MIB), None));
+        let reserved = of(TaskResources {
+            memory_mb: Some(64),
+            memory_max_mb: Some(256),
+            ..TaskResources::default()
+        });
+        assert_eq!(
+            (reserved.memory_max, reserved.memory_low),
+            (Some(256 * MIB), Some(64 * MIB))
+        );
+        let weighted = of(TaskResources {
+            cpu: Some(500),
+            ..TaskResources::default()
+        });
+        assert_eq!(
+            (weighted.cpu_shares, weighted.cpu_quota_us),
+            (Some(500), None)
+        );
+        let capped = of(TaskResources {
+            cpu: Some(500),
+            cpu_hard_limit: true,
+            ..TaskResources::default()
+        });
+        // A quarter of a 2,000 MHz core: a quarter of each period.
+        assert_eq!(capped.cpu_quota_us, Some(CPU_PERIOD_US / 4));
+        let tiny = of(TaskResources {
+            cpu: Some(1),
+            cpu_hard_limit: true,
+            ..TaskResources::default()
+        });
+        assert_eq!(tiny.cpu_quota_us, Some(MIN_CPU_QUOTA_US));
+    }
+
+    #[test]
+    fn cpu_shares_map_onto_v2_weights_as_runc_maps_them() {
+        assert_eq!(v2::weight(2), 1);
+        assert_eq!(v2::weight(1024), 39);
+        assert_eq!(v2::weight(262_144), 10_000);
+        assert_eq!(v2::weight(1), 1);
+        assert_eq!(v2::weight(u64::MAX), 10_000);
+    }
+
+    /// This machine's kind of host: v1 controllers, and the v2 tree of the hybrid.
+    const HYBRID_MOUNTINFO: &str = "\
+31 23 0:28 / /sys/fs/cgroup rw,relatime - tmpfs tmpfs rw,mode=755
+32 31 0:29 / {root}/cpu rw,relatime - cgroup cgroup rw,cpu
+33 31 0:30 / {root}/cpuacct rw,relatime - cgroup cgroup rw,cpuacct
+35 31 0:32 / {root}/memory rw,relatime - cgroup cgroup rw,memory
+39 31 0:36 / {root}/pids rw,relatime - cgroup cgroup rw,pids
+40 31 0:37 / {root}/systemd rw,relatime - cgroup cgroup rw,name=systemd
+41 31 0:38 / {root}/unified rw,relatime - cgroup2 cgroup2 rw
+";
+    const HYBRID_CGROUP: &str = "\
+9:name=systemd:/
+8:pids:/
+4:memory:/process_api/abc
+2:cpuacct:/
+1:cpu:/
+0::/
+";
+
+    fn tree() -> (tempfile::TempDir, PathBuf) {
+        let dir = tempfile::tempdir().expect("a temporary dir");
+        let root = dir.path().to_owned();
+        (dir, root)
+    }
+
+    #[test]
+    fn on_a_hybrid_host_limits_go_to_the_v1_hierarchies_and_kills_through_the_v2_tree() {
+        let (_dir, root) = tree();
+        for hierarchy in [
+            "cpu",
+            "cpuacct",
+            "memory/process_api/abc",
+            "pids",
+            "unified",
+        ] {
+            std::fs::create_dir_all(root.join(hierarchy)).expect("a hierarchy");
+        }
+        let mountinfo = HYBRID_MOUNTINFO.replace("{root}", &root.display().to_string());
+        let cgroups =
+            Cgroups::set_up_from(&mountinfo, HYBRID_CGROUP, "stead", 4242).expect("set up");
+        assert_eq!(cgroups.version(), "hybrid");
+        assert_eq!(cgroups.root(), root.join("memory/process_api/abc/stead"));
+        let limits = Limits {
+            memory_max: Some(64 * MIB),
+            memory_low: None,
+            cpu_shares: Some(500),
+            cpu_quota_us: Some(25_000),
+            pids: Some(5),
+            oom_group: false,
+        };
+        assert_eq!(cgroups.unsupported(&limits), None);
+        assert_eq!(
+            cgroups
+                .unsupported(&Limits {
+                    oom_group: true,
+                    ..limits
+                })
+                .as_deref(),
+            Some("oomKillGroup needs cgroup v2 (memory.oom.group)")
+        );
+        let task = cgroups.task("web-1234abcd", "main", "00ff");
+        task.create(&limits).expect("created");
+        let run = "web-1234abcd/main-00ff";
+        let memory = root.join("memory/process_api/abc/stead").join(run);
+        assert_eq!(
+            read(&memory.join("memory.limit_in_bytes")),
+            (64 * MIB).to_string()
+        );
+        let cpu = root.join("cpu/stead").join(run);
+        assert_eq!(read(&cpu.join("cpu.shares")), "500");
+        assert_eq!(read(&cpu.join("cpu.cfs_quota_us")), "25000");
+        assert_eq!(read(&cpu.join("cpu.cfs_period_us")), "100000");
+        assert_eq!(
+            read(&root.join("pids/stead").join(run).join("pids.max")),
+            "5"
+        );
+        let procs: Vec<PathBuf> = task.procs_files();
+        assert_eq!(
+            procs,
+            [
+                "memory/process_api/abc",
+                "cpu",
+                "cpuacct",
+                "pids",
+                "unified"
+            ]
+            .iter()
+            .map(|h| root.join(h).join("stead").join(run).join("cgroup.procs"))
+            .collect::<Vec<_>>()
+        );
+        assert!(task.kill(), "through cgroup.kill");
+        assert_eq!(
+            read(&root.join("unified/stead").join(run).join("cgroup.kill")),
+            "1"
+        );
+
+        std::fs::write(memory.join("memory.usage_in_bytes"), "8388608\n").expect("written");
+        std::fs::write(memory.join("memory.max_usage_in_bytes"), "9437184\n").expect("written");
+        std::fs::write(
+            memory.join("memory.oom_control"),
+            "oom_kill_disable 0\nunder_oom 0\noom_kill 1\n",
+        )
+        .expect("written");
+        std::fs::write(
+            root.join("cpuacct/stead").join(run).join("cpuacct.usage"),
+            "2500000000\n",
+        )
+        .expect("written");
+        std::fs::write(
+            cpu.join("cpu.stat"),
+            "nr_periods 10\nnr_throttled 4\nthrottled_time 750000000\n",
+        )
+        .expect("written");
+        std::fs::write(
+            root.join("pids/stead").join(run).join("pids.current"),
+            "3\n",
+        )
+        .expect("written");
+        let usage = task.usage().expect("usage");
+        assert_eq!(
+            usage,
+            Usage {
+                memory_bytes: Some(8 * MIB),
+                memory_peak_bytes: Some(9 * MIB),
+                memory_limit_bytes: Some(64 * MIB),
+                cpu_usec: 2_500_000,
+                throttled_usec: Some(750_000),
+                pids: Some(3),
+                pids_limit: Some(5),
+                oom_kills: 1,
+            }
+        );
+        assert_eq!(task.oom_kills(), Some(1));
+    }
+
+    #[test]
+    fn on_cgroup_v2_the_agent_moves_into_its_leaf_hands_controllers_down_and_a_task_gets_its_limits()
+     {
+        let (_dir, root) = tree();
+        let service = root.join("system.slice/stead.service");
+        std::fs::create_dir_all(&service).expect("the service's cgroup");
+        std::fs::write(
+            service.join("cgroup.controllers"),
+            "cpuset cpu io memory pids\n",
+        )
+        .expect("written");
+        std::fs::write(service.join("cgroup.procs"), "4242\n").expect("written");
+        let mountinfo = format!(
+            "30 23 0:26 / {} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n",
+            root.display()
+        );
+        let self_cgroup = "0::/system.slice/stead.service\n";
+        let cgroups = Cgroups::set_up_from(&mountinfo, self_cgroup, "stead", 4242).expect("set up");
+        assert_eq!(cgroups.version(), "v2");
+        assert_eq!(read(&service.join("stead-agent/cgroup.procs")), "4242");
+        assert_eq!(
+            read(&service.join("cgroup.subtree_control")),
+            "+cpu +memory +pids"
+        );
+        assert_eq!(
+            read(&service.join("stead/cgroup.subtree_control")),
+            "+cpu +memory +pids"
+        );
+        // After a restart the agent is in its leaf: it moves nothing.
+        let again = Cgroups::set_up_from(
+            &mountinfo,
+            "0::/system.slice/stead.service/stead-agent\n",
+            "stead",
+            4343,
+        )
+        .expect("set up again");
+        assert_eq!(again, cgroups);
+        assert_eq!(read(&service.join("stead-agent/cgroup.procs")), "4242");
+
+        let limits = Limits {
+            memory_max: Some(256 * MIB),
+            memory_low: Some(64 * MIB),
+            cpu_shares: Some(1024),
+            cpu_quota_us: Some(50_000),
+            pids: Some(100),
+            oom_group: true,
+        };
+        assert_eq!(cgroups.unsupported(&limits), None);
+        let task = cgroups.task("web-1234abcd", "main", "00ff");
+        task.create(&limits).expect("created");
+        let alloc = service.join("stead/web-1234abcd");
+        let dir = alloc.join("main-00ff");
+        assert_eq!(
+            read(&alloc.join("cgroup.subtree_control")),
+            "+cpu +memory +pids"
+        );
+        for (file, value) in [
+            ("memory.max", (256 * MIB).to_string()),
+            ("memory.low", (64 * MIB).to_string()),
+            ("memory.oom.group", "1".to_owned()),
+            ("cpu.weight", "39".to_owned()),
+            ("cpu.max", "50000 100000".to_owned()),
+            ("pids.max", "100".to_owned()),
+        ] {
+            assert_eq!(read(&dir.join(file)), value, "{file}");
+        }
+        assert_eq!(task.procs_files(), [dir.join("cgroup.procs")]);
+
+        for (file, text) in [
+            ("memory.current", "1048576\n"),
+            ("memory.peak", "2097152\n"),
+            (
+                "memory.events",
+                "low 0\nhigh 0\nmax 3\noom 1\noom_kill 1\noom_group_kill 1\n",
+            ),
+            (
+                "cpu.stat",
+                "usage_usec 1500000\nuser_usec 1000000\nsystem_usec 500000\nnr_periods 3\nnr_throttled 1\nthrottled_usec 20000\n",
+            ),
+            ("pids.current", "2\n"),
+            ("pids.max", "max\n"),
+        ] {
+            std::fs::write(dir.join(file), text).expect("written");
+        }
+        assert_eq!(
+            task.usage(),
+            Some(Usage {
+                memory_bytes: Some(MIB),
+                memory_peak_bytes: Some(2 * MIB),
+                memory_limit_bytes: Some(256 * MIB),
+                cpu_usec: 1_500_000,
+                throttled_usec: Some(20_000),
+                pids: Some(2),
+                pids_limit: None,
+                oom_kills: 1,
+            })
+        );
+    }
+
+    #[test]
+    fn a_v2_controller_the_agents_cgroup_lacks_is_reported_and_left_out_of_the_limits() {
+        let (_dir, root) = tree();
+        std::fs::write(root.join("cgroup.controllers"), "cpu memory\n").expect("written");
+        let mountinfo = format!("30 23 0:26 / {} rw - cgroup2 cgroup2 rw\n", root.display());
+        // At the root no leaf is needed: the root cgroup may hold processes.
+        let cgroups = Cgroups::set_up_from(&mountinfo, "0::/\n", "stead", 1).expect("set up");
+        assert!(!root.join("stead-agent").exists());
+        let limits = Limits {
+            pids: Some(5),
+            memory_max: Some(MIB * 10),
+            ..Limits::default()
+        };
+        assert_eq!(
+            cgroups.unsupported(&limits).as_deref(),
+            Some("the pids controller is not available to the agent's cgroup")
+        );
+        assert_eq!(
+            cgroups.enforceable(&limits),
+            Limits {
+                memory_max: Some(MIB * 10),
+                ..Limits::default()
+            }
+        );
+    }
+
+    #[test]
+    fn without_a_cgroup_mount_or_outside_its_mount_nothing_is_set_up() {
+        assert_eq!(
+            Cgroups::set_up_from(
+                "22 1 0:21 / /proc rw - proc proc rw\n",
+                "0::/\n",
+                "stead",
+                1
+            ),
+            Err(Unavailable::NotMounted)
+        );
+        let mountinfo = "30 23 0:26 /kubepods /sys/fs/cgroup rw - cgroup2 cgroup2 rw\n";
+        assert!(matches!(
+            Cgroups::set_up_from(mountinfo, "0::/system.slice\n", "stead", 1),
+            Err(Unavailable::Outside { .. })
+        ));
+        assert_eq!(unescape(r"/mnt/with\040space"), "/mnt/with space");
+    }
 }

@@ -9,31 +9,25 @@ use super::{Limits, Usage, read_keyed, read_number, write_file};
 /// The controllers a task's limits need, as `cgroup.controllers` names them.
 pub(super) const CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
 
-/// Enables in `dir`'s children those of `controllers` that `dir` has (a controller its
-/// parent does not give it is left out: the limits that need it are reported as not
-/// enforced).
-pub(super) fn enable_controllers(dir: &Path, controllers: &[&str]) -> io::Result<()> {
-    let available = std::fs::read_to_string(dir.join("cgroup.controllers"))?;
-    let enabled = std::fs::read_to_string(dir.join("cgroup.subtree_control")).unwrap_or_default();
-    for controller in controllers {
-        let has = |list: &str| list.split_whitespace().any(|c| c == *controller);
-        if has(&available) && !has(&enabled) {
-            write_file(
-                &dir.join("cgroup.subtree_control"),
-                &format!("+{controller}"),
-            )?;
-        }
-    }
-    Ok(())
+/// Of `wanted`, the controllers `dir` has (`cgroup.controllers`): a controller its
+/// parent does not give it is left out, and the limits that need it are reported as not
+/// enforced.
+pub(super) fn available(dir: &Path, wanted: &[&str]) -> io::Result<Vec<String>> {
+    let listed = std::fs::read_to_string(dir.join("cgroup.controllers"))?;
+    Ok(wanted
+        .iter()
+        .filter(|c| listed.split_whitespace().any(|l| l == **c))
+        .map(|c| (*c).to_owned())
+        .collect())
 }
 
-/// The controllers `dir` gives its children.
-pub(super) fn controllers(dir: &Path) -> Vec<String> {
-    std::fs::read_to_string(dir.join("cgroup.controllers"))
-        .unwrap_or_default()
-        .split_whitespace()
-        .map(str::to_owned)
-        .collect()
+/// Hands `controllers` (which `dir` has) to `dir`'s children, in one write.
+pub(super) fn enable(dir: &Path, controllers: &[String]) -> io::Result<()> {
+    if controllers.is_empty() {
+        return Ok(());
+    }
+    let line: Vec<String> = controllers.iter().map(|c| format!("+{c}")).collect();
+    write_file(&dir.join("cgroup.subtree_control"), &line.join(" "))
 }
 
 /// cgroup v1's `cpu.shares` (a task's MHz) as v2's `cpu.weight`, by the conversion runc
