@@ -579,10 +579,14 @@ impl Decode for ResourcesSpec {
                 "memoryMaxMB",
                 "needs memoryMB, the reservation below it".to_owned(),
             ),
-            (Some(memory), Some(max)) if max < memory && memory >= MIN_MEMORY_MB => report(
-                "memoryMaxMB",
-                format!("must be at least memoryMB ({memory})"),
-            ),
+            (Some(memory), Some(max))
+                if max < memory && memory >= MIN_MEMORY_MB && max >= MIN_MEMORY_MB =>
+            {
+                report(
+                    "memoryMaxMB",
+                    format!("must be at least memoryMB ({memory})"),
+                );
+            }
             _ => {}
         }
         if resources.cpu_hard_limit == Some(true) && resources.cpu.is_none() {

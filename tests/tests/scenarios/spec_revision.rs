@@ -933,3 +933,38 @@ spec:
         );
     }
 }
+
+const LIMITED: &str = r#"apiVersion: stead/v1
+kind: Alloc
+metadata: {name: shop}
+spec:
+  tasks:
+    - name: server
+      driver: exec
+      config: {command: /usr/bin/python3, args: ["-m", "http.server", "8080"]}
+      resources: {cpu: 500, memoryMB: 256}
+"#;
+
+#[test]
+fn limits_left_off_or_spelled_at_their_defaults_keep_the_revision() {
+    let explicit = LIMITED.replace(
+        "{cpu: 500, memoryMB: 256}",
+        "{cpu: 500, memoryMB: 256, cpuHardLimit: false, oomKillGroup: false}",
+    );
+    assert_eq!(revision(&explicit), revision(LIMITED));
+}
+
+#[test]
+fn every_limit_set_changes_the_revision() {
+    let base = revision(LIMITED);
+    let mut seen = std::collections::BTreeSet::from([base]);
+    for limit in [
+        "cpuHardLimit: true",
+        "memoryMaxMB: 512",
+        "pids: 100",
+        "oomKillGroup: true",
+    ] {
+        let edited = LIMITED.replace("memoryMB: 256}", &format!("memoryMB: 256, {limit}}}"));
+        assert!(seen.insert(revision(&edited)), "{limit} kept the revision");
+    }
+}

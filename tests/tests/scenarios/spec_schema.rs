@@ -65,6 +65,7 @@ fn the_schema_rejects_structural_mistakes_the_validator_rejects() {
         "no-tasks",
         "device-count-zero",
         "resources-below-minimums",
+        "resources-limit-dependencies",
         "disk-size-below-minimum",
     ];
     for name in fixtures {
@@ -75,6 +76,42 @@ fn the_schema_rejects_structural_mistakes_the_validator_rejects() {
                 "{name}: the schema accepts what the validator rejects"
             );
         }
+    }
+}
+
+#[test]
+fn the_schema_needs_memory_under_a_memory_maximum_and_cpu_under_a_hard_cpu_limit() {
+    let validator = jsonschema::validator_for(&printed_schema()).expect("a valid JSON Schema");
+    let with = |resources: serde_json::Value| {
+        serde_json::json!({
+            "apiVersion": "stead/v1",
+            "kind": "Alloc",
+            "metadata": {"name": "web"},
+            "spec": {"tasks": [{
+                "name": "main",
+                "driver": "exec",
+                "config": {"command": "/bin/true"},
+                "resources": resources,
+            }]},
+        })
+    };
+    for (resources, valid) in [
+        (
+            serde_json::json!({"memoryMB": 64, "memoryMaxMB": 128}),
+            true,
+        ),
+        (serde_json::json!({"memoryMaxMB": 128}), false),
+        (serde_json::json!({"cpu": 100, "cpuHardLimit": true}), true),
+        (serde_json::json!({"cpuHardLimit": true}), false),
+        (serde_json::json!({"cpuHardLimit": false}), true),
+        (serde_json::json!({"pids": 0}), false),
+        (serde_json::json!({"pids": 5, "oomKillGroup": true}), true),
+    ] {
+        assert_eq!(
+            validator.is_valid(&with(resources.clone())),
+            valid,
+            "{resources}"
+        );
     }
 }
 
