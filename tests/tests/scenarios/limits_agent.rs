@@ -373,3 +373,30 @@ fn walk(root: &Path) -> Vec<PathBuf> {
     }
     out
 }
+
+#[test]
+fn an_exec_check_runs_in_its_tasks_cgroup_and_counts_against_its_limits() {
+    if !can_limit() {
+        return;
+    }
+    let dirs = AgentDirs::new("");
+    let mut spec = limited("probed", "{memoryMB: 64, pids: 20}", "/bin/sleep", &["300"]);
+    spec.push_str(
+        "      checks:\n        - {name: where, type: exec, command: /bin/cat, args: [/proc/self/cgroup], interval: 1s}\n",
+    );
+    dirs.write_spec("probed", &spec);
+    let agent = dirs.start();
+    let probed = task(&agent, "probed", "the check passed", |t| {
+        t.checks.iter().any(|c| c.status == "passing")
+    });
+    let id = agent.status("probed").expect("a status").id;
+    let output = &probed.checks[0].output;
+    let pids_line = output
+        .lines()
+        .find(|line| line.contains(":pids:") || line.starts_with("0::"))
+        .unwrap_or_else(|| panic!("no pids or v2 line in {output}"));
+    assert!(
+        pids_line.contains(&format!("/{}/{id}/main-", dirs.cgroup_parent)),
+        "{output}"
+    );
+}

@@ -10,7 +10,7 @@
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::OwnedFd;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -37,6 +37,7 @@ pub(super) async fn run(
     env: &BTreeMap<String, String>,
     dir: &Path,
     account: Option<&Account>,
+    cgroups: &[PathBuf],
     timeout: Duration,
 ) -> io::Result<ExecOutput> {
     let (reader, writer) = std::io::pipe()?;
@@ -51,7 +52,12 @@ pub(super) async fn run(
         .stderr(writer)
         .process_group(0)
         .kill_on_drop(false);
-    prepare_child(&mut builder, account.cloned());
+    let cgroups = cgroups
+        .iter()
+        .map(|path| std::ffi::CString::new(path.as_os_str().as_encoded_bytes()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a cgroup path"))?;
+    prepare_child(&mut builder, account.cloned(), cgroups);
     let child = builder.spawn()?;
     // Our copies of the write end are gone with `builder`: the pipe ends when the
     // command's processes close it.
@@ -163,12 +169,18 @@ impl Drop for Group {
     }
 }
 
-/// Between fork and exec, where only the forking thread exists: asks for SIGKILL when
-/// the agent's thread that started it ends (the agent died), and switches to `account`
-/// (groups, then group, then user) when the agent may, that is when it runs as root (a
-/// non-root agent only ever runs tasks as itself).
+/// Between fork and exec, where only the forking thread exists: joins the task's
+/// cgroups (`cgroup.procs` files: the command counts against the task's limits, as a
+/// probe inside a container does), asks for SIGKILL when the agent's thread that started
+/// it ends (the agent died), and switches to `account` (groups, then group, then user)
+/// when the agent may, that is when it runs as root (a non-root agent only ever runs
+/// tasks as itself).
 #[allow(unsafe_code)]
-fn prepare_child(builder: &mut tokio::process::Command, account: Option<Account>) {
+fn prepare_child(
+    builder: &mut tokio::process::Command,
+    account: Option<Account>,
+    cgroups: Vec<std::ffi::CString>,
+) {
     use rustix::process::{Gid, Uid};
     let switch = account
         .filter(|_| rustix::process::geteuid().is_root())
@@ -185,6 +197,15 @@ fn prepare_child(builder: &mut tokio::process::Command, account: Option<Account>
     // parent could have held at the fork) on data moved in before the fork.
     unsafe {
         builder.pre_exec(move || {
+            for procs in &cgroups {
+                let fd = rustix::fs::open(
+                    procs.as_c_str(),
+                    rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
+                    rustix::fs::Mode::empty(),
+                )?;
+                // `0`: the writing process.
+                rustix::io::write(&fd, b"0")?;
+            }
             rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
             if let Some((groups, gid, uid)) = &switch {
                 rustix::thread::set_thread_groups(groups)?;
@@ -213,6 +234,7 @@ mod tests {
                 &env,
                 Path::new("/"),
                 None,
+                &[],
                 timeout,
             ))
             .expect("the command runs")

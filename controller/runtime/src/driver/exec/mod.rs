@@ -1252,12 +1252,24 @@ impl Driver for ExecDriver {
                 &alloc_dir,
                 &task_dir,
             );
+            // The running run's cgroup, which the command joins.
+            let cgroups: Vec<PathBuf> = inner
+                .runs()
+                .values()
+                .filter(|state| {
+                    state.id.alloc_id == request.alloc_id.as_str()
+                        && state.id.task == request.task
+                        && state.exit.borrow().is_none()
+                })
+                .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::procs_files))
+                .unwrap_or_default();
             command::run(
                 &request.command,
                 &request.args,
                 &env,
                 &task_dir.dir,
                 account.as_ref(),
+                &cgroups,
                 request.timeout,
             )
             .await
