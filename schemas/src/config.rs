@@ -215,17 +215,17 @@ pub const DEFAULT_CGROUP_PARENT: &str = "stead";
 /// The leaf cgroup a cgroup v2 agent moves itself into, beside its tasks' parent.
 pub const AGENT_CGROUP_LEAF: &str = "stead-agent";
 
-/// Whether `name` can name the tasks' parent cgroup: one path component of letters,
-/// digits, `-`, `_` and `.`, not starting with `.`, at most 64 bytes, and not the
-/// agent's own leaf.
+/// Whether `name` can name the tasks' parent cgroup: letters, digits, `-` and `_`, at
+/// most 64 bytes; no `.` (control files are named `<controller>.<file>`), not v1's
+/// `tasks`, not the agent's own leaf.
 pub fn is_cgroup_name(name: &str) -> bool {
     !name.is_empty()
         && name.len() <= 64
-        && !name.starts_with('.')
+        && name != "tasks"
         && name != AGENT_CGROUP_LEAF
         && name
             .bytes()
-            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.'))
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_'))
 }
 
 fn cgroup_parent<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
@@ -234,7 +234,7 @@ fn cgroup_parent<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<St
         && !is_cgroup_name(name)
     {
         return Err(serde::de::Error::custom(format!(
-            "cgroupParent: {name:?} is not a cgroup name (letters, digits, '-', '_' and '.', at most 64, not starting with '.', not {AGENT_CGROUP_LEAF:?})"
+            "cgroupParent: {name:?} is not a cgroup name (letters, digits, '-' and '_', at most 64, not \"tasks\" or {AGENT_CGROUP_LEAF:?})"
         )));
     }
     Ok(name)
@@ -382,7 +382,7 @@ logFormat: json
             ),
             (
                 "cgroupParent: ../x\n",
-                "agent.yaml:1:15: cgroupParent: \"../x\" is not a cgroup name (letters, digits, '-', '_' and '.', at most 64, not starting with '.', not \"stead-agent\")",
+                "agent.yaml:1:15: cgroupParent: \"../x\" is not a cgroup name (letters, digits, '-' and '_', at most 64, not \"tasks\" or \"stead-agent\")",
             ),
             (
                 "token: \"\"\n",

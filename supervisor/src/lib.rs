@@ -43,6 +43,7 @@ extern crate thiserror_no_std as thiserror;
 extern crate std;
 
 pub mod args;
+pub mod cgroup;
 mod children;
 pub mod error;
 mod file;

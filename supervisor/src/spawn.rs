@@ -241,26 +241,12 @@ fn install(fd: &OwnedFd, target: i32) -> Result<(), Errno> {
     }
 }
 
-/// In the child: moves itself into the task's cgroups (before anything else, so that
-/// no instant of the task runs outside its limits).
-fn join_cgroups(child: &Child) -> Result<(), Errno> {
-    for procs in &child.cgroups {
-        let fd = rustix::fs::open(
-            procs.as_c_str(),
-            OFlags::WRONLY | OFlags::CLOEXEC,
-            rustix::fs::Mode::empty(),
-        )?;
-        // `0` is the writing process, as both cgroup versions read it.
-        file::write_all(&fd, b"0")?;
-    }
-    Ok(())
-}
-
 /// In the child: sets it up and executes the task; returns which step failed and its
 /// errno.
 #[allow(unsafe_code)]
 fn prepare_and_exec(child: &Child) -> (u8, Errno) {
-    if let Err(errno) = join_cgroups(child) {
+    // Before anything else, so that no instant of the task runs outside its limits.
+    if let Err(errno) = crate::cgroup::join(&child.cgroups) {
         return (FAILED_CGROUP, errno);
     }
     let steps = || -> Result<(), Errno> {

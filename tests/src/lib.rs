@@ -79,10 +79,9 @@ pub fn unique_cgroup_parent() -> String {
     )
 }
 
-/// Kills every process in the cgroups named `parent` (made by [`unique_cgroup_parent`]'s
-/// agents) and below them, in every hierarchy, and removes them: an agent a test killed
-/// leaves its tasks running, and their cgroups, by design.
-pub fn remove_test_cgroups(parent: &str) {
+/// The cgroups named `parent` (made by [`unique_cgroup_parent`]'s agents), in every
+/// hierarchy below `/sys/fs/cgroup`.
+pub fn test_cgroups(parent: &str) -> Vec<std::path::PathBuf> {
     let mut found = Vec::new();
     let mut dirs = vec![(std::path::PathBuf::from("/sys/fs/cgroup"), 0)];
     while let Some((dir, depth)) = dirs.pop() {
@@ -100,21 +99,31 @@ pub fn remove_test_cgroups(parent: &str) {
             }
         }
     }
-    for root in found {
-        // Deepest first.
-        let mut tree = vec![root.clone()];
-        let mut i = 0;
-        while i < tree.len() {
-            if let Ok(entries) = std::fs::read_dir(&tree[i]) {
-                for entry in entries.filter_map(Result::ok) {
-                    if entry.file_type().is_ok_and(|t| t.is_dir()) {
-                        tree.push(entry.path());
-                    }
-                }
-            }
-            i += 1;
-        }
-        for dir in tree.iter().rev() {
+    found.sort();
+    found
+}
+
+/// The dirs directly below `dir`.
+pub fn subdirs(dir: &std::path::Path) -> Vec<std::path::PathBuf> {
+    std::fs::read_dir(dir)
+        .map(|entries| {
+            entries
+                .filter_map(Result::ok)
+                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
+                .map(|e| e.path())
+                .collect()
+        })
+        .unwrap_or_default()
+}
+
+/// Kills every process in the cgroups named `parent` and below them, in every
+/// hierarchy, and removes them: an agent a test killed leaves its tasks running, and
+/// their cgroups, by design.
+pub fn remove_test_cgroups(parent: &str) {
+    for root in test_cgroups(parent) {
+        let mut tree = subdirs(&root);
+        tree.push(root);
+        for dir in &tree {
             for _ in 0..200 {
                 for pid in std::fs::read_to_string(dir.join("cgroup.procs"))
                     .unwrap_or_default()

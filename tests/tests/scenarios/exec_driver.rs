@@ -408,6 +408,53 @@ async fn a_start_cancelled_midway_leaves_no_process_behind() {
         processes_under(&alloc_dir).is_empty() && processes_of_alloc(&id).is_empty()
     })
     .await;
+    let attributes = driver.fingerprint().await.attributes;
+    if attributes["cgroup.limits"] == "true" {
+        let root = std::path::PathBuf::from(&attributes["cgroup.root"]);
+        eventually("the cancelled run's cgroup is removed", || {
+            stead_tests::subdirs(&root).is_empty()
+        })
+        .await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_oom_kill_is_still_reported_by_an_agent_that_finds_the_run_over_after_a_restart() {
+    if !running_as_root() {
+        eprintln!("skipped: only root has cgroups to put tasks in");
+        return;
+    }
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    let hog = hog();
+    let request = StartRequest {
+        resources: TaskResources {
+            memory_mb: Some(32),
+            ..TaskResources::default()
+        },
+        ..request(
+            "greedy",
+            hog.to_str().expect("a UTF-8 path"),
+            &["256"],
+            None,
+        )
+    };
+    let handle = driver.start(request).await.expect("started");
+    let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
+        .await
+        .expect("the task ends");
+    assert!(exit.oom_killed, "{exit:?}");
+    // The run's cgroup, and its counter, are gone with the run: a restarted agent that
+    // had not stored the exit yet learns it from what the driver noted beside the
+    // supervisor's exit record.
+    let restarted = exec_driver(data.path(), true);
+    restarted
+        .recover(&handle)
+        .await
+        .expect("the run's record is found");
+    let again = restarted.wait(handle.clone()).await;
+    assert_eq!(again, exit);
+    restarted.destroy(&handle).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -87,17 +87,18 @@ fn cgroup_root(agent: &Agent) -> PathBuf {
     PathBuf::from(&exec.attributes["cgroup.root"])
 }
 
-/// The dirs below `root`.
-fn subdirs(root: &Path) -> Vec<String> {
-    std::fs::read_dir(root)
-        .map(|entries| {
-            entries
-                .filter_map(Result::ok)
-                .filter(|e| e.file_type().is_ok_and(|t| t.is_dir()))
-                .map(|e| e.file_name().to_string_lossy().into_owned())
-                .collect()
-        })
-        .unwrap_or_default()
+/// The task cgroups left below the agent's parent, in every hierarchy.
+fn left(dirs: &AgentDirs) -> Vec<PathBuf> {
+    let parents = stead_tests::test_cgroups(&dirs.cgroup_parent);
+    assert!(
+        !parents.is_empty(),
+        "no cgroup named {}",
+        dirs.cgroup_parent
+    );
+    parents
+        .iter()
+        .flat_map(|p| stead_tests::subdirs(p))
+        .collect()
 }
 
 #[test]
@@ -249,7 +250,7 @@ fn a_grandchild_that_called_setsid_and_ignores_sigterm_is_gone_after_the_kill_ti
     );
     let agent = dirs.start();
     task(&agent, "daemon", "the task runs", |t| t.state == "running");
-    let root = cgroup_root(&agent);
+    assert!(!left(&dirs).is_empty(), "the run has its cgroups");
     wait_for("the grandchild runs", Duration::from_secs(10), || {
         (!processes_with(&nap).is_empty())
             .then_some(())
@@ -264,10 +265,10 @@ fn a_grandchild_that_called_setsid_and_ignores_sigterm_is_gone_after_the_kill_ti
         "the grandchild outlived its task"
     );
     wait_for(
-        "the task's cgroup is removed",
+        "the run's cgroups are removed",
         Duration::from_secs(5),
         || {
-            let left = subdirs(&root);
+            let left = left(&dirs);
             left.is_empty().then_some(()).ok_or(format!("{left:?}"))
         },
     );
@@ -287,7 +288,7 @@ fn an_agent_killed_and_restarted_keeps_the_limits_and_stats_and_a_drain_leaves_n
     let before = task(&agent, "kept", "the task runs", |t| {
         t.state == "running" && t.pid.is_some()
     });
-    let root = cgroup_root(&agent);
+    cgroup_root(&agent);
     let stats = cgroup_stats(&agent, "kept");
     assert_eq!(stats.memory_limit_bytes, Some(64 * MIB), "{stats:?}");
     assert_eq!(stats.pids_limit, Some(20), "{stats:?}");
@@ -310,12 +311,13 @@ fn an_agent_killed_and_restarted_keeps_the_limits_and_stats_and_a_drain_leaves_n
     let own = std::fs::read_to_string(format!("/proc/{pid}/cgroup")).expect("the task's cgroups");
     let id = agent.status("kept").expect("a status").id;
     assert!(
-        own.contains(&format!("/{}/{id}/main", dirs.cgroup_parent)),
+        own.contains(&format!("/{}/{id}.main.", dirs.cgroup_parent)),
         "{own}"
     );
 
+    assert!(!left(&dirs).is_empty());
     assert!(agent.terminate().success());
-    assert!(subdirs(&root).is_empty(), "left: {:?}", subdirs(&root));
+    assert!(left(&dirs).is_empty(), "left: {:?}", left(&dirs));
 }
 
 #[test]
@@ -396,7 +398,49 @@ fn an_exec_check_runs_in_its_tasks_cgroup_and_counts_against_its_limits() {
         .find(|line| line.contains(":pids:") || line.starts_with("0::"))
         .unwrap_or_else(|| panic!("no pids or v2 line in {output}"));
     assert!(
-        pids_line.contains(&format!("/{}/{id}/main-", dirs.cgroup_parent)),
+        pids_line.contains(&format!("/{}/{id}.main.", dirs.cgroup_parent)),
         "{output}"
     );
+}
+
+#[test]
+fn a_group_oom_kill_is_enforced_on_cgroup_v2_and_reported_as_not_enforced_elsewhere() {
+    if !can_limit() {
+        return;
+    }
+    let dirs = AgentDirs::new("");
+    dirs.write_spec(
+        "grouped",
+        &limited(
+            "grouped",
+            "{memoryMB: 64, oomKillGroup: true}",
+            "/bin/sleep",
+            &["300"],
+        ),
+    );
+    let agent = dirs.start();
+    let version = node(&agent).drivers["exec"].attributes["cgroup.version"].clone();
+    let grouped = task(&agent, "grouped", "the task runs", |t| t.state == "running");
+    let warned = grouped
+        .events
+        .iter()
+        .find(|e| e.event_type == "Limits Not Enforced");
+    if version == "v2" {
+        assert!(warned.is_none(), "{grouped:#?}");
+        let id = agent.status("grouped").expect("a status").id;
+        let group = left(&dirs)
+            .into_iter()
+            .find(|dir| dir.to_string_lossy().contains(&format!("{id}.main.")))
+            .expect("the run's cgroup");
+        assert_eq!(
+            std::fs::read_to_string(group.join("memory.oom.group")).expect("read"),
+            "1\n"
+        );
+    } else {
+        let warned = warned.unwrap_or_else(|| panic!("no warning on {version}: {grouped:#?}"));
+        assert_eq!(
+            warned.message,
+            "Task started without its resource limits: oomKillGroup needs cgroup v2 (memory.oom.group)"
+        );
+    }
 }

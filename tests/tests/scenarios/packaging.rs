@@ -671,6 +671,12 @@ fn systemd_unit_delegates_its_cgroup_to_the_agent_and_kills_only_the_agent() {
     let unit = read(&deploy("systemd/stead.service"));
     // Without delegation systemd may rewrite the cgroups the agent made for its tasks.
     assert_eq!(unit_directive(&unit, "Delegate").as_deref(), Some("yes"));
+    // A restarted agent starts in its leaf: the service's cgroup hands controllers down
+    // and may hold no process (cgroup v2).
+    assert_eq!(
+        unit_directive(&unit, "DelegateSubgroup").as_deref(),
+        Some(stead_schemas::config::AGENT_CGROUP_LEAF)
+    );
     // Tasks in their own cgroups below the service outlive an agent restart.
     assert_eq!(
         unit_directive(&unit, "KillMode").as_deref(),

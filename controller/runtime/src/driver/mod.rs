@@ -74,11 +74,6 @@ impl TaskResources {
             oom_kill_group: r.oom_kill_group.unwrap_or(false),
         }
     }
-
-    /// Whether the spec sets any limit.
-    pub fn any(&self) -> bool {
-        *self != TaskResources::default()
-    }
 }
 
 /// What a task's devices need besides env: paths their plugins' reserve returned.

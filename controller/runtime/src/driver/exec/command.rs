@@ -197,15 +197,7 @@ fn prepare_child(
     // parent could have held at the fork) on data moved in before the fork.
     unsafe {
         builder.pre_exec(move || {
-            for procs in &cgroups {
-                let fd = rustix::fs::open(
-                    procs.as_c_str(),
-                    rustix::fs::OFlags::WRONLY | rustix::fs::OFlags::CLOEXEC,
-                    rustix::fs::Mode::empty(),
-                )?;
-                // `0`: the writing process.
-                rustix::io::write(&fd, b"0")?;
-            }
+            stead_supervisor::cgroup::join(&cgroups)?;
             rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
             if let Some((groups, gid, uid)) = &switch {
                 rustix::thread::set_thread_groups(groups)?;

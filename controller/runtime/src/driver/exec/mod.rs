@@ -481,6 +481,7 @@ impl Inner {
         }
         let _ = std::fs::remove_file(protocol::run_record_path(&task_dir.control, run));
         let _ = std::fs::remove_file(protocol::exit_record_path(&task_dir.control, run));
+        let _ = std::fs::remove_file(oom_marker_path(&task_dir.control, run));
         false
     }
 
@@ -545,9 +546,9 @@ impl Inner {
         self.remove_unrecorded_cgroups(recorded);
     }
 
-    /// Empties and removes the cgroups of allocs no record names (an agent died between a
-    /// task's start and its record, or while removing them), except those of allocs
-    /// whose records could not be read.
+    /// Empties and removes the cgroups of runs no record names (an agent died between a
+    /// task's start and its record, or while removing them), except in allocs whose
+    /// records could not be read.
     fn remove_unrecorded_cgroups(&self, recorded: &RecordedRuns) {
         let (Ok(cgroups), Ok(runtime)) = (&self.cgroups, tokio::runtime::Handle::try_current())
         else {
@@ -557,31 +558,27 @@ impl Inner {
             .handles
             .iter()
             .filter(|handle| handle.driver == DriverKind::Exec)
-            .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.alloc_id))
+            .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.run))
             .collect();
-        for alloc_id in cgroups.alloc_ids() {
+        for (alloc_id, task, run) in cgroups.runs() {
             let name = alloc_id
                 .rsplit_once('-')
                 .map_or(alloc_id.as_str(), |(name, _)| name);
-            if known.contains(&alloc_id)
+            let valid = self.dirs.alloc_by_id(&alloc_id).is_ok()
+                && task.parse::<Name>().is_ok()
+                && stead_supervisor::args::is_run_id(&run);
+            if !valid
+                || known.contains(&run)
+                || self.watches(&run)
                 || recorded
                     .unreadable
                     .iter()
                     .any(|unreadable| unreadable == name)
-                || self.dirs.alloc_by_id(&alloc_id).is_err()
             {
                 continue;
             }
-            for name in cgroups.runs(&alloc_id) {
-                let Some((task, run)) = name.rsplit_once('-') else {
-                    continue;
-                };
-                if task.parse::<Name>().is_err() || !stead_supervisor::args::is_run_id(run) {
-                    continue;
-                }
-                tracing::info!(alloc = %alloc_id, task, run, "removing the cgroup of a task no record names");
-                runtime.spawn(release(cgroups.task(&alloc_id, task, run)));
-            }
+            tracing::info!(alloc = %alloc_id, task, run, "removing the cgroup of a run no record names");
+            runtime.spawn(release(cgroups.task(&alloc_id, &task, &run)));
         }
     }
 
@@ -623,20 +620,25 @@ impl Inner {
             return Err(ExecError::LimitsUnenforced { reason });
         }
         let run = format!("{:016x}", fastrand::u64(..));
-        // From here on, a start that fails or is dropped removes the cgroup it made.
-        let mut cgroup = CgroupGuard(None);
+        // From here on, a start that fails or is dropped removes the cgroup it made, and
+        // stops what it launched first.
+        let mut pending = Pending {
+            reports: None,
+            cgroup: None,
+        };
         if let Ok(cgroups) = &self.cgroups {
-            let task_cgroup = cgroups.task(request.alloc_id.as_str(), request.task.as_str(), &run);
-            let enforceable = cgroups.enforceable(&limits);
-            task_cgroup
-                .create(&enforceable)
+            let cgroup = pending.cgroup.insert(cgroups.task(
+                request.alloc_id.as_str(),
+                request.task.as_str(),
+                &run,
+            ));
+            cgroup
+                .create(&cgroups.enforceable(&limits))
                 .map_err(|source| ExecError::Cgroup {
-                    cgroup: task_cgroup.to_string(),
+                    cgroup: cgroup.to_string(),
                     source,
                 })?;
-            cgroup.0 = Some(task_cgroup);
         }
-
         let path_bytes = |path: &Path| path.as_os_str().as_bytes().to_vec();
         let supervisor_args = SupervisorArgs {
             task_dir: path_bytes(&task_dir.dir),
@@ -649,8 +651,8 @@ impl Inner {
             uid: account.as_ref().map(|a| a.uid),
             gid: account.as_ref().map(|a| a.gid),
             groups: account.map(|a| a.groups).unwrap_or_default(),
-            cgroups: cgroup
-                .0
+            cgroups: pending
+                .cgroup
                 .iter()
                 .flat_map(TaskCgroup::procs_files)
                 .map(|path| path_bytes(&path))
@@ -670,12 +672,7 @@ impl Inner {
                 path: self.config.supervisor.clone(),
                 source,
             })?;
-        // From here on, a start that is dropped stops what it launched, then removes its
-        // cgroup.
-        let mut pending = Pending {
-            reports: Some(BufReader::new(reports)),
-            cgroup: cgroup.0.take(),
-        };
+        pending.reports = Some(BufReader::new(reports));
         let mut line = String::new();
         let read = match pending.reports.as_mut() {
             Some(reports) => tokio::time::timeout(HANDSHAKE_TIMEOUT, reports.read_line(&mut line))
@@ -796,10 +793,10 @@ impl Inner {
             tokio::spawn(watch_pid(id.supervisor, state, task_dir.control, id.run));
             return Ok(());
         }
-        if let Ok(Some(status)) = protocol::read_exit_record(&task_dir.control, &id.run) {
-            let mut result = exit_result(status);
+        if let Ok(Some(_)) = protocol::read_exit_record(&task_dir.control, &id.run) {
+            let mut result = recorded_exit(&task_dir.control, &id.run);
             if let Some(cgroup) = &cgroup {
-                result.oom_killed = cgroup.oom_kills().unwrap_or(0) > 0;
+                result.oom_killed |= cgroup.oom_kills().unwrap_or(0) > 0;
                 tokio::spawn(release(cgroup.clone()));
             }
             state.exit.send_replace(Some(result));
@@ -963,10 +960,21 @@ fn exit_result(status: ExitStatus) -> ExitResult {
     }
 }
 
-/// The exit a supervisor recorded for `run`, or an error result when it left none.
+/// Where the driver notes that the OOM killer killed a process of `run`, before it
+/// removes the run's cgroup (and its counter): an agent that dies before it stored the
+/// exit finds it there.
+fn oom_marker_path(control: &Path, run: &str) -> PathBuf {
+    control.join(format!("{run}.oom"))
+}
+
+/// The exit a supervisor recorded for `run` (with the OOM marker the driver left), or an
+/// error result when it left none.
 fn recorded_exit(control: &Path, run: &str) -> ExitResult {
     match protocol::read_exit_record(control, run) {
-        Ok(Some(status)) => exit_result(status),
+        Ok(Some(status)) => ExitResult {
+            oom_killed: oom_marker_path(control, run).exists(),
+            ..exit_result(status)
+        },
         Ok(None) => ExitResult {
             error: Some("the task's supervisor exited without recording its exit".to_owned()),
             ..ExitResult::default()
@@ -1006,21 +1014,26 @@ async fn watch_run(
             recorded_exit(&control, &run)
         }
     };
-    publish_exit(&state, result).await;
+    publish_exit(&state, result, &control, &run).await;
 }
 
 /// Watches a supervisor an earlier agent started, until it exits.
 async fn watch_pid(supervisor: ProcessId, state: Arc<RunState>, control: PathBuf, run: String) {
     wait_for_exit(supervisor).await;
-    publish_exit(&state, recorded_exit(&control, &run)).await;
+    publish_exit(&state, recorded_exit(&control, &run), &control, &run).await;
 }
 
 /// Tells the run's waiters how it ended, with whether the OOM killer killed a process of
 /// it (its cgroup's counter, read before anything else), once its cgroup is emptied and
 /// removed: an alloc that is over leaves no cgroup behind.
-async fn publish_exit(state: &RunState, mut result: ExitResult) {
+async fn publish_exit(state: &RunState, mut result: ExitResult, control: &Path, run: &str) {
     if let Some(cgroup) = &state.cgroup {
-        result.oom_killed = cgroup.oom_kills().unwrap_or(0) > 0;
+        result.oom_killed |= cgroup.oom_kills().unwrap_or(0) > 0;
+        if result.oom_killed
+            && let Err(error) = std::fs::write(oom_marker_path(control, run), "")
+        {
+            tracing::warn!(%error, run, "cannot note an OOM kill beside the run's exit record");
+        }
         release(cgroup.clone()).await;
     }
     state.exit.send_replace(Some(result));
@@ -1031,20 +1044,6 @@ async fn release(cgroup: TaskCgroup) {
     cgroup.kill();
     if let Err(error) = cgroup.remove().await {
         tracing::warn!(cgroup = %cgroup, %error, "cannot remove a task's cgroup");
-    }
-}
-
-/// The cgroup a start made, removed if the start does not hand it to a run.
-struct CgroupGuard(Option<TaskCgroup>);
-
-impl Drop for CgroupGuard {
-    fn drop(&mut self) {
-        let Some(cgroup) = self.0.take() else {
-            return;
-        };
-        if let Ok(runtime) = tokio::runtime::Handle::try_current() {
-            runtime.spawn(release(cgroup));
-        }
     }
 }
 

@@ -1,9 +1,11 @@
 //! One cgroup per task run: found (v1, v2 or the hybrid of both), made, limited, killed,
 //! measured and removed by writing the kernel's few control files directly.
 //!
-//! Each task run gets `<agent's cgroup>/<parent>/<alloc-id>/<task>-<run>` in every
-//! hierarchy it needs (the run in the name: removing a run's cgroup never touches its
-//! successor's): on cgroup v2 the one unified tree; on v1 the `memory`, `cpu`, `cpuacct` and
+//! Each task run gets `<agent's cgroup>/<parent>/<alloc-id>.<task>.<run>` in every
+//! hierarchy it needs. Flat, as Nomad's `<alloc>.<task>.scope`: every task is a sibling
+//! of every other, so its CPU weight weighs against the whole node's tasks, and no alloc
+//! level is made and removed between runs; the run in the name means removing a run's
+//! cgroup never touches its successor's: on cgroup v2 the one unified tree; on v1 the `memory`, `cpu`, `cpuacct` and
 //! `pids` hierarchies, plus, on a hybrid host, the v2 tree for its `cgroup.kill`. The
 //! supervisor writes the task into them before it `exec`s (`--cgroup`). On v2 the agent
 //! first moves itself (and whatever else runs in its cgroup) into a leaf of its own,
@@ -119,8 +121,11 @@ pub(crate) struct V1Dirs {
 }
 
 impl V1Dirs {
-    fn each(&self) -> impl Iterator<Item = &PathBuf> {
-        [
+    /// Each dir once: controllers mounted together (`cpu,cpuacct` on most hosts) share
+    /// one.
+    fn each(&self) -> Vec<&PathBuf> {
+        let mut dirs: Vec<&PathBuf> = Vec::with_capacity(5);
+        for dir in [
             &self.memory,
             &self.cpu,
             &self.cpuacct,
@@ -129,6 +134,12 @@ impl V1Dirs {
         ]
         .into_iter()
         .flatten()
+        {
+            if !dirs.contains(&dir) {
+                dirs.push(dir);
+            }
+        }
+        dirs
     }
 
     fn join(&self, name: &str) -> V1Dirs {
@@ -365,12 +376,14 @@ impl Cgroups {
                 make_dir(&dir)?;
                 Ok(Some(dir))
             };
+            // Without memory nothing is worth enforcing; a hierarchy missing beside it
+            // leaves out only its limits (reported by `unsupported`), or, the v2 tree,
+            // `cgroup.kill`.
             let dirs = V1Dirs {
                 memory: dir(Some(memory))?,
-                cpu: dir(v1("cpu"))?,
-                cpuacct: dir(v1("cpuacct"))?,
-                pids: dir(v1("pids"))?,
-                // Without it only `cgroup.kill` is missing: not worth failing for.
+                cpu: dir(v1("cpu")).ok().flatten(),
+                cpuacct: dir(v1("cpuacct")).ok().flatten(),
+                pids: dir(v1("pids")).ok().flatten(),
                 unified: dir(unified).ok().flatten(),
             };
             return Ok(Cgroups {
@@ -381,7 +394,9 @@ impl Cgroups {
             return Err(Unavailable::NotMounted);
         };
         let mut base = own_dir(unified, self_cgroup)?;
-        let at_root = base == unified.point;
+        // The real root cgroup has no `cgroup.type`; a cgroup namespace's root (in a
+        // container) has one, and the rule of no internal processes holds there.
+        let at_root = !base.join("cgroup.type").exists();
         if base
             .file_name()
             .is_some_and(|name| name == AGENT_CGROUP_LEAF)
@@ -438,32 +453,29 @@ impl Cgroups {
         }
     }
 
+    /// Whether tasks' cgroups get `controller` (`memory`, `cpu` or `pids`).
+    fn has(&self, controller: &str) -> bool {
+        match &self.layout {
+            Layout::V2 { controllers, .. } => controllers.iter().any(|c| c == controller),
+            Layout::V1(dirs) => match controller {
+                "memory" => dirs.memory.is_some(),
+                "cpu" => dirs.cpu.is_some(),
+                _ => dirs.pids.is_some(),
+            },
+        }
+    }
+
     /// Why some of `limits` cannot be enforced here; `None` when all can.
     pub(crate) fn unsupported(&self, limits: &Limits) -> Option<String> {
-        let needs = [
-            (
-                limits.memory_max.is_some() || limits.memory_low.is_some(),
-                "memory",
-            ),
-            (
-                limits.cpu_shares.is_some() || limits.cpu_quota_us.is_some(),
-                "cpu",
-            ),
+        let missing: Vec<&str> = [
+            (limits.memory_max.or(limits.memory_low).is_some(), "memory"),
+            (limits.cpu_shares.or(limits.cpu_quota_us).is_some(), "cpu"),
             (limits.pids.is_some(), "pids"),
-        ];
-        let missing: Vec<&str> = needs
-            .iter()
-            .filter(|(needed, _)| *needed)
-            .map(|(_, controller)| *controller)
-            .filter(|controller| match &self.layout {
-                Layout::V2 { controllers, .. } => !controllers.iter().any(|c| c == controller),
-                Layout::V1(dirs) => match *controller {
-                    "memory" => dirs.memory.is_none(),
-                    "cpu" => dirs.cpu.is_none(),
-                    _ => dirs.pids.is_none(),
-                },
-            })
-            .collect();
+        ]
+        .into_iter()
+        .filter(|(needed, controller)| *needed && !self.has(controller))
+        .map(|(_, controller)| controller)
+        .collect();
         if !missing.is_empty() {
             return Some(format!(
                 "the {} controller is not available to the agent's cgroup",
@@ -479,64 +491,51 @@ impl Cgroups {
     /// `limits` without what this node cannot enforce (reported by
     /// [`Cgroups::unsupported`]): a best-effort start writes the rest.
     pub(crate) fn enforceable(&self, limits: &Limits) -> Limits {
-        let has = |controller: &str| match &self.layout {
-            Layout::V2 { controllers, .. } => controllers.iter().any(|c| c == controller),
-            Layout::V1(dirs) => match controller {
-                "memory" => dirs.memory.is_some(),
-                "cpu" => dirs.cpu.is_some(),
-                _ => dirs.pids.is_some(),
-            },
-        };
         let mut enforceable = *limits;
-        if !has("memory") {
+        if !self.has("memory") {
             enforceable.memory_max = None;
             enforceable.memory_low = None;
+        }
+        if !self.has("memory") || matches!(self.layout, Layout::V1(_)) {
             enforceable.oom_group = false;
         }
-        if !has("cpu") {
+        if !self.has("cpu") {
             enforceable.cpu_shares = None;
             enforceable.cpu_quota_us = None;
         }
-        if !has("pids") {
+        if !self.has("pids") {
             enforceable.pids = None;
-        }
-        if matches!(self.layout, Layout::V1(_)) {
-            enforceable.oom_group = false;
         }
         enforceable
     }
 
     /// The cgroup of run `run` of `task` of `alloc_id` (names validated by the caller).
     pub(crate) fn task(&self, alloc_id: &str, task: &str, run: &str) -> TaskCgroup {
-        let name = format!("{task}-{run}");
+        let name = format!("{alloc_id}.{task}.{run}");
         match &self.layout {
-            Layout::V2 { root, controllers } => TaskCgroup::V2 {
-                dir: root.join(alloc_id).join(name),
-                controllers: controllers.clone(),
+            Layout::V2 { root, .. } => TaskCgroup::V2 {
+                dir: root.join(name),
             },
-            Layout::V1(dirs) => TaskCgroup::V1(dirs.join(alloc_id).join(&name)),
+            Layout::V1(dirs) => TaskCgroup::V1(dirs.join(&name)),
         }
     }
 
-    /// The alloc ids that have a cgroup here.
-    pub(crate) fn alloc_ids(&self) -> Vec<String> {
+    /// The runs that have a cgroup here, as `(alloc-id, task, run)`.
+    pub(crate) fn runs(&self) -> Vec<(String, String, String)> {
         std::fs::read_dir(self.root())
             .into_iter()
             .flatten()
             .filter_map(Result::ok)
             .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
-            .filter_map(|entry| entry.file_name().into_string().ok())
-            .collect()
-    }
-
-    /// The `<task>-<run>` names of the task cgroups below `alloc_id`.
-    pub(crate) fn runs(&self, alloc_id: &str) -> Vec<String> {
-        std::fs::read_dir(self.root().join(alloc_id))
-            .into_iter()
-            .flatten()
-            .filter_map(Result::ok)
-            .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
-            .filter_map(|entry| entry.file_name().into_string().ok())
+            .filter_map(|entry| {
+                let name = entry.file_name().into_string().ok()?;
+                let mut parts = name.split('.');
+                let run = (parts.next()?, parts.next()?, parts.next()?);
+                parts
+                    .next()
+                    .is_none()
+                    .then(|| (run.0.to_owned(), run.1.to_owned(), run.2.to_owned()))
+            })
             .collect()
     }
 }
@@ -544,19 +543,15 @@ impl Cgroups {
 /// One task's cgroups.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) enum TaskCgroup {
-    V2 {
-        dir: PathBuf,
-        /// What the alloc's cgroup hands to it.
-        controllers: Vec<String>,
-    },
+    V2 { dir: PathBuf },
     V1(V1Dirs),
 }
 
 impl TaskCgroup {
     fn dirs(&self) -> Vec<&PathBuf> {
         match self {
-            TaskCgroup::V2 { dir, .. } => vec![dir],
-            TaskCgroup::V1(dirs) => dirs.each().collect(),
+            TaskCgroup::V2 { dir } => vec![dir],
+            TaskCgroup::V1(dirs) => dirs.each(),
         }
     }
 
@@ -573,25 +568,31 @@ impl TaskCgroup {
         self.dirs().first().is_some_and(|dir| dir.is_dir())
     }
 
-    /// Makes the cgroup (its run's alone: the run id is in its name) with `limits`.
+    /// Makes the cgroup (its run's alone: the run id is in its name) with `limits`. On an
+    /// error what it made is left for the caller to remove.
     pub(crate) fn create(&self, limits: &Limits) -> io::Result<()> {
         for dir in self.dirs() {
-            if let Some(alloc) = dir.parent() {
-                match std::fs::create_dir(alloc) {
-                    Ok(()) => {}
-                    Err(error) if error.kind() == io::ErrorKind::AlreadyExists => {}
-                    Err(error) => return Err(error),
-                }
-                // Whoever made it: a sibling's start may not have got this far yet.
-                if let TaskCgroup::V2 { controllers, .. } = self {
-                    v2::enable(alloc, controllers)?;
-                }
-            }
             std::fs::create_dir(dir)?;
         }
         match self {
-            TaskCgroup::V2 { dir, .. } => v2::write_limits(dir, limits),
+            TaskCgroup::V2 { dir } => {
+                v2::write_limits(dir, limits)?;
+                if limits.memory_low.is_some() {
+                    self.protect_parent();
+                }
+                Ok(())
+            }
             TaskCgroup::V1(dirs) => v1::write_limits(dirs, limits),
+        }
+    }
+
+    /// v2: the tasks' parent protects what its children reserve.
+    fn protect_parent(&self) {
+        if let TaskCgroup::V2 { dir } = self
+            && let Some(root) = dir.parent()
+            && let Err(error) = v2::protect(root)
+        {
+            tracing::warn!(root = %root.display(), %error, "cannot protect the tasks' reserved memory");
         }
     }
 
@@ -599,7 +600,7 @@ impl TaskCgroup {
     /// each process listed. True when `cgroup.kill` was used.
     pub(crate) fn kill(&self) -> bool {
         let kill_file = match self {
-            TaskCgroup::V2 { dir, .. } => Some(dir.join("cgroup.kill")),
+            TaskCgroup::V2 { dir } => Some(dir.join("cgroup.kill")),
             TaskCgroup::V1(dirs) => dirs.unified.as_ref().map(|dir| dir.join("cgroup.kill")),
         };
         if let Some(file) = kill_file
@@ -608,22 +609,22 @@ impl TaskCgroup {
             return true;
         }
         for procs in self.procs_files() {
-            for pid in std::fs::read_to_string(procs).unwrap_or_default().lines() {
-                if let Some(pid) = pid
-                    .parse::<i32>()
-                    .ok()
-                    .and_then(rustix::process::Pid::from_raw)
-                {
-                    let _ = rustix::process::kill_process(pid, rustix::process::Signal::KILL);
-                }
-            }
+            let listed = std::fs::read_to_string(procs).unwrap_or_default();
+            super::process::kill_all(listed.lines().filter_map(|pid| pid.parse().ok()));
         }
         false
     }
 
-    /// Removes it, and its alloc's cgroup once that is empty; waits a little for killed
-    /// processes to leave. One that is gone already is fine.
+    /// Removes it; waits a little for killed processes to leave. One that is gone
+    /// already is fine; every hierarchy is tried, and the first error returned.
     pub(crate) async fn remove(&self) -> io::Result<()> {
+        let reserved = match self {
+            TaskCgroup::V2 { dir } => {
+                read_number(&dir.join("memory.low")).is_some_and(|low| low > 0)
+            }
+            TaskCgroup::V1(_) => false,
+        };
+        let mut first_error = None;
         for dir in self.dirs() {
             let mut attempts = 0;
             loop {
@@ -637,21 +638,23 @@ impl TaskCgroup {
                         attempts += 1;
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
-                    Err(error) => return Err(error),
+                    Err(error) => {
+                        first_error.get_or_insert(error);
+                        break;
+                    }
                 }
             }
-            // Busy while another task of the alloc has its cgroup: that one removes it.
-            if let Some(alloc) = dir.parent() {
-                let _ = std::fs::remove_dir(alloc);
-            }
         }
-        Ok(())
+        if reserved {
+            self.protect_parent();
+        }
+        first_error.map_or(Ok(()), Err)
     }
 
     /// How many of its processes the OOM killer killed; `None` without a memory cgroup.
     pub(crate) fn oom_kills(&self) -> Option<u64> {
         match self {
-            TaskCgroup::V2 { dir, .. } => v2::oom_kills(dir),
+            TaskCgroup::V2 { dir } => v2::oom_kills(dir),
             TaskCgroup::V1(dirs) => v1::oom_kills(dirs.memory.as_deref()?),
         }
     }
@@ -659,7 +662,7 @@ impl TaskCgroup {
     /// What the kernel counts for it; `None` when it is gone.
     pub(crate) fn usage(&self) -> Option<Usage> {
         match self {
-            TaskCgroup::V2 { dir, .. } => v2::usage(dir),
+            TaskCgroup::V2 { dir } => v2::usage(dir),
             TaskCgroup::V1(dirs) => v1::usage(dirs),
         }
     }
@@ -677,33 +680,13 @@ impl fmt::Display for TaskCgroup {
 /// Writes `text` to the control file `path` in one `write`, as the kernel wants.
 pub(crate) fn write_file(path: &Path, text: &str) -> io::Result<()> {
     use std::io::Write;
-    let mut file = std::fs::OpenOptions::new()
-        .write(true)
-        .open(path)
-        .or_else(|error| {
-            // On a plain directory (the tests' stand-in for a cgroup) the file is created.
-            if error.kind() == io::ErrorKind::NotFound && !is_cgroup_fs(path) {
-                std::fs::OpenOptions::new()
-                    .write(true)
-                    .create(true)
-                    .truncate(true)
-                    .open(path)
-            } else {
-                Err(error)
-            }
-        })?;
-    file.write_all(text.as_bytes())
-}
-
-/// Whether `path`'s directory is on a cgroup file system.
-fn is_cgroup_fs(path: &Path) -> bool {
-    let Some(dir) = path.parent() else {
-        return false;
-    };
-    rustix::fs::statfs(dir).is_ok_and(|fs| {
-        // CGROUP_SUPER_MAGIC and CGROUP2_SUPER_MAGIC.
-        matches!(fs.f_type as u64, 0x0027_e0eb | 0x6367_7270)
-    })
+    let mut options = std::fs::OpenOptions::new();
+    options.write(true);
+    // The tests' cgroup trees are plain directories, where a control file is created;
+    // on a cgroup file system a missing one is an error.
+    #[cfg(test)]
+    options.create(true).truncate(true);
+    options.open(path)?.write_all(text.as_bytes())
 }
 
 /// The first number in file `path`; `None` when it is missing or reads `max`.
@@ -850,7 +833,7 @@ mod tests {
         );
         let task = cgroups.task("web-1234abcd", "main", "00ff");
         task.create(&limits).expect("created");
-        let run = "web-1234abcd/main-00ff";
+        let run = "web-1234abcd.main.00ff";
         let memory = root.join("memory/process_api/abc/stead").join(run);
         assert_eq!(
             read(&memory.join("memory.limit_in_bytes")),
@@ -877,6 +860,14 @@ mod tests {
             .iter()
             .map(|h| root.join(h).join("stead").join(run).join("cgroup.procs"))
             .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            cgroups.runs(),
+            [(
+                "web-1234abcd".to_owned(),
+                "main".to_owned(),
+                "00ff".to_owned()
+            )]
         );
         assert!(task.kill(), "through cgroup.kill");
         assert_eq!(
@@ -924,6 +915,49 @@ mod tests {
     }
 
     #[test]
+    fn controllers_mounted_together_share_one_dir_that_a_task_makes_and_joins_once() {
+        let (_dir, root) = tree();
+        for hierarchy in ["cpu,cpuacct", "memory"] {
+            std::fs::create_dir_all(root.join(hierarchy)).expect("a hierarchy");
+        }
+        let mountinfo = format!(
+            "32 31 0:29 / {0}/cpu,cpuacct rw - cgroup cgroup rw,cpu,cpuacct\n35 31 0:32 / {0}/memory rw - cgroup cgroup rw,memory\n",
+            root.display()
+        );
+        let cgroups = Cgroups::set_up_from(&mountinfo, "4:memory:/\n2:cpu,cpuacct:/\n", "stead", 1)
+            .expect("set up");
+        assert_eq!(cgroups.version(), "v1");
+        assert_eq!(
+            cgroups
+                .unsupported(&Limits {
+                    pids: Some(3),
+                    ..Limits::default()
+                })
+                .as_deref(),
+            Some("the pids controller is not available to the agent's cgroup")
+        );
+        let task = cgroups.task("web-1234abcd", "main", "00ff");
+        task.create(&Limits {
+            cpu_shares: Some(100),
+            ..Limits::default()
+        })
+        .expect("created once, though two controllers share it");
+        assert_eq!(
+            task.procs_files(),
+            ["memory", "cpu,cpuacct"]
+                .iter()
+                .map(|h| root
+                    .join(h)
+                    .join("stead/web-1234abcd.main.00ff/cgroup.procs"))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
+            read(&root.join("cpu,cpuacct/stead/web-1234abcd.main.00ff/cpu.shares")),
+            "100"
+        );
+    }
+
+    #[test]
     fn on_cgroup_v2_the_agent_moves_into_its_leaf_hands_controllers_down_and_a_task_gets_its_limits()
      {
         let (_dir, root) = tree();
@@ -935,6 +969,8 @@ mod tests {
         )
         .expect("written");
         std::fs::write(service.join("cgroup.procs"), "4242\n").expect("written");
+        // Not the root cgroup, which has no type.
+        std::fs::write(service.join("cgroup.type"), "domain\n").expect("written");
         let mountinfo = format!(
             "30 23 0:26 / {} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n",
             root.display()
@@ -973,12 +1009,7 @@ mod tests {
         assert_eq!(cgroups.unsupported(&limits), None);
         let task = cgroups.task("web-1234abcd", "main", "00ff");
         task.create(&limits).expect("created");
-        let alloc = service.join("stead/web-1234abcd");
-        let dir = alloc.join("main-00ff");
-        assert_eq!(
-            read(&alloc.join("cgroup.subtree_control")),
-            "+cpu +memory +pids"
-        );
+        let dir = service.join("stead/web-1234abcd.main.00ff");
         for (file, value) in [
             ("memory.max", (256 * MIB).to_string()),
             ("memory.low", (64 * MIB).to_string()),
@@ -990,6 +1021,11 @@ mod tests {
             assert_eq!(read(&dir.join(file)), value, "{file}");
         }
         assert_eq!(task.procs_files(), [dir.join("cgroup.procs")]);
+        assert_eq!(
+            read(&service.join("stead/memory.low")),
+            (64 * MIB).to_string(),
+            "the parent protects what its children reserve"
+        );
 
         for (file, text) in [
             ("memory.current", "1048576\n"),

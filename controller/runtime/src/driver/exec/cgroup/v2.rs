@@ -93,3 +93,15 @@ pub(super) fn usage(dir: &Path) -> Option<Usage> {
         oom_kills: oom_kills(dir).unwrap_or(0),
     })
 }
+
+/// Sets the tasks' parent's `memory.low` to the sum of its children's: a child's
+/// protection reaches no further than its parent's. Above the parent it is the
+/// operator's (systemd's `MemoryLow=` on the agent's unit).
+pub(super) fn protect(root: &Path) -> io::Result<()> {
+    let total: u64 = std::fs::read_dir(root)?
+        .filter_map(Result::ok)
+        .filter(|entry| entry.file_type().is_ok_and(|t| t.is_dir()))
+        .filter_map(|entry| read_number(&entry.path().join("memory.low")))
+        .sum();
+    write_file(&root.join("memory.low"), &total.to_string())
+}
