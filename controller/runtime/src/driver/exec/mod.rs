@@ -627,13 +627,14 @@ impl Inner {
             cgroup: None,
         };
         if let Ok(cgroups) = &self.cgroups {
-            let cgroup = pending.cgroup.insert(cgroups.task(
-                request.alloc_id.as_str(),
-                request.task.as_str(),
-                &run,
-            ));
+            let enforceable = cgroups.enforceable(&limits);
+            let cgroup = pending.cgroup.insert(
+                cgroups
+                    .task(request.alloc_id.as_str(), request.task.as_str(), &run)
+                    .for_limits(&enforceable),
+            );
             cgroup
-                .create(&cgroups.enforceable(&limits))
+                .create(&enforceable)
                 .map_err(|source| ExecError::Cgroup {
                     cgroup: cgroup.to_string(),
                     source,
@@ -786,7 +787,10 @@ impl Inner {
         let task_dir = self.task_dir(&id).ok_or_else(|| Self::unknown(handle))?;
         // Re-derived from the run's alloc and task; a run of an agent without cgroups
         // has none.
-        let cgroup = self.cgroup_of(&id).filter(TaskCgroup::exists);
+        let cgroup = self
+            .cgroup_of(&id)
+            .filter(TaskCgroup::exists)
+            .map(TaskCgroup::existing);
         let state = RunState::new(id.clone(), cgroup.clone());
         if self.supervisor_alive(&id) {
             self.runs().insert(handle.id.clone(), state.clone());
