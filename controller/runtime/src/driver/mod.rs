@@ -298,6 +298,15 @@ pub struct RecordedRuns {
     pub unreadable: Vec<String>,
 }
 
+impl RecordedRuns {
+    /// Whether the alloc of id `alloc_id` (`<name>-<revision>`) is one whose record could
+    /// not be read: what runs of it is left alone.
+    pub fn unreadable_alloc(&self, alloc_id: &str) -> bool {
+        let name = alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name);
+        self.unreadable.iter().any(|unreadable| unreadable == name)
+    }
+}
+
 /// Runs tasks. One value per driver kind, shared by every alloc's worker.
 ///
 /// Methods borrow `self` only while they run; callers race every call with their own

@@ -58,8 +58,8 @@ use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
 use super::{
-    BoxFuture, CgroupUsage, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health,
-    RecordedRuns, StartRequest, TaskHandle, TaskResources, TaskStats, signal_number,
+    BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health, RecordedRuns,
+    StartRequest, TaskHandle, TaskResources, TaskStats, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -485,8 +485,9 @@ impl Inner {
         false
     }
 
-    /// Stops every run in the alloc dirs that no record names, except in the allocs
-    /// whose records could not be read (see [`Driver::stop_unrecorded`]).
+    /// Stops every run in the alloc dirs that no record names, and removes the cgroups
+    /// of such runs, except in the allocs whose records could not be read (see
+    /// [`Driver::stop_unrecorded`]).
     fn stop_unrecorded(&self, recorded: &RecordedRuns) {
         let known: HashSet<String> = recorded
             .handles
@@ -494,6 +495,12 @@ impl Inner {
             .filter(|handle| handle.driver == DriverKind::Exec)
             .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.run))
             .collect();
+        self.stop_unrecorded_runs(&known, recorded);
+        self.remove_unrecorded_cgroups(&known, recorded);
+    }
+
+    /// The runs in the alloc dirs that `known` does not name are stopped.
+    fn stop_unrecorded_runs(&self, known: &HashSet<String>, recorded: &RecordedRuns) {
         let allocs = match std::fs::read_dir(self.dirs.root()) {
             Ok(allocs) => allocs,
             Err(error) if error.kind() == io::ErrorKind::NotFound => return, // a new node
@@ -507,13 +514,7 @@ impl Inner {
             let Some(alloc_id) = file_name.to_str() else {
                 continue;
             };
-            // `<name>-<revision>`: the dir of an alloc whose record is unreadable is kept.
-            let name = alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name);
-            if recorded
-                .unreadable
-                .iter()
-                .any(|unreadable| unreadable == name)
-            {
+            if recorded.unreadable_alloc(alloc_id) {
                 continue;
             }
             let Ok(alloc) = self.dirs.alloc_by_id(alloc_id) else {
@@ -543,37 +544,24 @@ impl Inner {
                 }
             }
         }
-        self.remove_unrecorded_cgroups(recorded);
     }
 
     /// Empties and removes the cgroups of runs no record names (an agent died between a
     /// task's start and its record, or while removing them), except in allocs whose
     /// records could not be read.
-    fn remove_unrecorded_cgroups(&self, recorded: &RecordedRuns) {
+    fn remove_unrecorded_cgroups(&self, known: &HashSet<String>, recorded: &RecordedRuns) {
         let (Ok(cgroups), Ok(runtime)) = (&self.cgroups, tokio::runtime::Handle::try_current())
         else {
             return;
         };
-        let known: HashSet<String> = recorded
-            .handles
-            .iter()
-            .filter(|handle| handle.driver == DriverKind::Exec)
-            .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.run))
-            .collect();
         for (alloc_id, task, run) in cgroups.runs() {
-            let name = alloc_id
-                .rsplit_once('-')
-                .map_or(alloc_id.as_str(), |(name, _)| name);
             let valid = self.dirs.alloc_by_id(&alloc_id).is_ok()
                 && task.parse::<Name>().is_ok()
                 && stead_supervisor::args::is_run_id(&run);
             if !valid
                 || known.contains(&run)
                 || self.watches(&run)
-                || recorded
-                    .unreadable
-                    .iter()
-                    .any(|unreadable| unreadable == name)
+                || recorded.unreadable_alloc(&alloc_id)
             {
                 continue;
             }
@@ -876,17 +864,7 @@ impl Inner {
         let usage = process::usage(pids);
         let cgroup = self
             .run_state(handle)
-            .and_then(|state| state.cgroup.as_ref().and_then(TaskCgroup::usage))
-            .map(|u| CgroupUsage {
-                memory_bytes: u.memory_bytes,
-                memory_peak_bytes: u.memory_peak_bytes,
-                memory_limit_bytes: u.memory_limit_bytes,
-                cpu_usec: u.cpu_usec,
-                throttled_usec: u.throttled_usec,
-                pids: u.pids,
-                pids_limit: u.pids_limit,
-                oom_kills: u.oom_kills,
-            });
+            .and_then(|state| state.cgroup.as_ref().and_then(TaskCgroup::usage));
         let ticks_per_second = process::ticks_per_second().max(1);
         let now = self.clock.instant();
         let previous = self.run_state(handle).and_then(|state| {

@@ -23,6 +23,8 @@ use std::time::Duration;
 
 use stead_schemas::config::AGENT_CGROUP_LEAF;
 
+use crate::driver::CgroupUsage as Usage;
+
 /// The CPU quota's period, in microseconds (the kernel's default).
 pub(crate) const CPU_PERIOD_US: u64 = 100_000;
 /// The smallest quota the kernel takes, in microseconds.
@@ -75,19 +77,6 @@ impl Limits {
     pub(crate) fn is_empty(&self) -> bool {
         *self == Limits::default()
     }
-}
-
-/// What the kernel counts for one task's cgroup.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
-pub(crate) struct Usage {
-    pub memory_bytes: Option<u64>,
-    pub memory_peak_bytes: Option<u64>,
-    pub memory_limit_bytes: Option<u64>,
-    pub cpu_usec: u64,
-    pub throttled_usec: Option<u64>,
-    pub pids: Option<u64>,
-    pub pids_limit: Option<u64>,
-    pub oom_kills: u64,
 }
 
 /// Why tasks' limits cannot be enforced on this node.
