@@ -223,7 +223,8 @@ async fn reattach_refuses_a_reused_pid_and_leaves_that_process_alone() {
         .start(shell("reuse", "exec sleep 1000"))
         .await
         .expect("started");
-    // An unrelated process, as if the task's and supervisor's pids had been reused by it.
+    // An unrelated process, as if the pids of an earlier run of the task (its record
+    // stale) had been reused by it.
     let mut stranger = std::process::Command::new("sleep")
         .arg("1000")
         .spawn()
@@ -231,6 +232,8 @@ async fn reattach_refuses_a_reused_pid_and_leaves_that_process_alone() {
     let stranger_pid = stranger.id();
     let mut parts: Vec<String> = handle.id.split('.').map(str::to_owned).collect();
     assert_eq!(parts.len(), 5, "{}", handle.id);
+    let (task, _run) = parts[0].rsplit_once('/').expect("alloc/task/run");
+    parts[0] = format!("{task}/{:016x}", 1);
     parts[1] = stranger_pid.to_string();
     parts[3] = stranger_pid.to_string();
     let forged = TaskHandle {
@@ -427,19 +430,17 @@ async fn an_oom_kill_is_still_reported_by_an_agent_that_finds_the_run_over_after
     let data = DataDir::new();
     let driver = exec_driver(data.path(), true);
     let hog = hog();
-    let request = StartRequest {
+    let greedy = |alloc: &str, script: &str| StartRequest {
         resources: TaskResources {
             memory_mb: Some(32),
             ..TaskResources::default()
         },
-        ..request(
-            "greedy",
-            hog.to_str().expect("a UTF-8 path"),
-            &["256"],
-            None,
-        )
+        ..request(alloc, "/bin/sh", &["-c", script], None)
     };
-    let handle = driver.start(request).await.expect("started");
+    let handle = driver
+        .start(greedy("greedy", &format!("exec {} 256", hog.display())))
+        .await
+        .expect("started");
     let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
         .await
         .expect("the task ends");
@@ -454,6 +455,32 @@ async fn an_oom_kill_is_still_reported_by_an_agent_that_finds_the_run_over_after
         .expect("the run's record is found");
     let again = restarted.wait(handle.clone()).await;
     assert_eq!(again, exit);
+    restarted.destroy(&handle).await;
+
+    // A run reattached by a restarted agent is read from its cgroup, re-derived: it
+    // waits for a file, then overruns its limit.
+    let handle = driver
+        .start(greedy(
+            "later",
+            &format!(
+                "while [ ! -e go ]; do sleep 0.05; done; exec {} 256",
+                hog.display()
+            ),
+        ))
+        .await
+        .expect("started");
+    let restarted = exec_driver(data.path(), true);
+    restarted.recover(&handle).await.expect("reattached");
+    let task_dir = driver
+        .alloc_dirs()
+        .alloc(&alloc_id("later"))
+        .path()
+        .join("t");
+    std::fs::write(task_dir.join("go"), "").expect("go written");
+    let exit = tokio::time::timeout(Duration::from_secs(10), restarted.wait(handle.clone()))
+        .await
+        .expect("the task ends");
+    assert!(exit.oom_killed, "{exit:?}");
     restarted.destroy(&handle).await;
 }
 

@@ -444,3 +444,40 @@ fn a_group_oom_kill_is_enforced_on_cgroup_v2_and_reported_as_not_enforced_elsewh
         );
     }
 }
+
+#[test]
+fn a_setsid_grandchild_dies_with_its_run_even_when_its_supervisor_was_killed_first() {
+    if !can_limit() {
+        return;
+    }
+    let dirs = AgentDirs::new("");
+    let nap = format!("303.{}", fastrand::u32(1_000_000..10_000_000));
+    // The grandchild leaves the task's process group and session; once the supervisor
+    // (the subreaper that would kill it) is gone, only the run's cgroup still holds it.
+    let script =
+        format!("setsid sh -c 'trap \"\" TERM; sleep {nap}; :' & while :; do sleep 0.2; done");
+    dirs.write_spec(
+        "orphan",
+        &limited("orphan", "{memoryMB: 64}", "/bin/sh", &["-c", &script]),
+    );
+    let agent = dirs.start();
+    let running = task(&agent, "orphan", "the task runs", |t| {
+        t.state == "running" && t.pid.is_some()
+    });
+    wait_for("the grandchild runs", Duration::from_secs(10), || {
+        (!processes_with(&nap).is_empty())
+            .then_some(())
+            .ok_or_else(|| "not yet".to_owned())
+    });
+    let supervisor =
+        agent_support::parent_of(running.pid.expect("a pid")).expect("the task's supervisor");
+    let pid = rustix::process::Pid::from_raw(supervisor as i32).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("killed");
+    task(&agent, "orphan", "the run ended", |t| t.state == "dead");
+    wait_for("nothing of the run is left", Duration::from_secs(5), || {
+        let (grandchild, left) = (processes_with(&nap), left(&dirs));
+        (grandchild.is_empty() && left.is_empty())
+            .then_some(())
+            .ok_or_else(|| format!("{grandchild:?} {left:?}"))
+    });
+}

@@ -246,6 +246,8 @@ struct RunState {
     reported: AtomicBool,
     /// The run's cgroup, when it has one.
     cgroup: Option<TaskCgroup>,
+    /// The run is over and its cgroup being removed: no exec check joins it.
+    releasing: AtomicBool,
 }
 
 impl RunState {
@@ -256,6 +258,7 @@ impl RunState {
             cpu: Mutex::new(None),
             reported: AtomicBool::new(false),
             cgroup,
+            releasing: AtomicBool::new(false),
         })
     }
 }
@@ -796,8 +799,11 @@ impl Inner {
             return Ok(());
         }
         // Its supervisor is gone and left no record: nothing can tell how the run
-        // ended, and whatever is left of it goes.
+        // ended, and whatever is left of it goes, its cgroup too.
         self.kill_run(&id);
+        if let Some(cgroup) = cgroup {
+            tokio::spawn(release(cgroup));
+        }
         process::kill_all(process::session_members(id.process));
         Err(Self::unknown(handle))
     }
@@ -1009,6 +1015,7 @@ async fn watch_pid(supervisor: ProcessId, state: Arc<RunState>, control: PathBuf
 /// it (its cgroup's counter, read before anything else), once its cgroup is emptied and
 /// removed: an alloc that is over leaves no cgroup behind.
 async fn publish_exit(state: &RunState, mut result: ExitResult, control: &Path, run: &str) {
+    state.releasing.store(true, Ordering::Release);
     if let Some(cgroup) = &state.cgroup {
         result.oom_killed |= cgroup.oom_kills().unwrap_or(0) > 0;
         if result.oom_killed
@@ -1241,6 +1248,7 @@ impl Driver for ExecDriver {
                     state.id.alloc_id == request.alloc_id.as_str()
                         && state.id.task == request.task
                         && state.exit.borrow().is_none()
+                        && !state.releasing.load(Ordering::Acquire)
                 })
                 .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::procs_files))
                 .unwrap_or_default();

@@ -27,6 +27,9 @@ use crate::driver::CgroupUsage as Usage;
 
 /// The CPU quota's period, in microseconds (the kernel's default).
 pub(crate) const CPU_PERIOD_US: u64 = 100_000;
+/// The CPU weight, in MHz, of a task whose spec sets no `cpu` (Nomad's default): every
+/// task of the node weighs against the others by its MHz, declared or not.
+pub(crate) const DEFAULT_CPU_MHZ: u64 = 100;
 /// The smallest quota the kernel takes, in microseconds.
 const MIN_CPU_QUOTA_US: u64 = 1_000;
 /// How often a removal looks again, 10 ms apart, for the killed processes of a cgroup to
@@ -159,6 +162,10 @@ enum Layout {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub(crate) struct Cgroups {
     layout: Layout,
+    /// The kernel has CFS bandwidth control (`cpu.cfs_quota_us`, `cpu.max`).
+    quota: bool,
+    /// The kernel has `memory.oom.group` (cgroup v2, Linux 4.19).
+    oom_group: bool,
 }
 
 /// One mount of a cgroup file system, from `/proc/self/mountinfo`.
@@ -375,8 +382,14 @@ impl Cgroups {
                 pids: dir(v1("pids")).ok().flatten(),
                 unified: dir(unified).ok().flatten(),
             };
+            let quota = dirs
+                .cpu
+                .as_ref()
+                .is_some_and(|cpu| cpu.join("cpu.cfs_quota_us").exists());
             return Ok(Cgroups {
                 layout: Layout::V1(dirs),
+                quota,
+                oom_group: false,
             });
         }
         let Some(unified) = unified else {
@@ -410,7 +423,10 @@ impl Cgroups {
         let root = base.join(parent);
         make_dir(&root)?;
         v2::enable(&root, &controllers).map_err(setup_error(&root))?;
+        // Files of the parent probe what the kernel has: a task's would be the same.
         Ok(Cgroups {
+            quota: root.join("cpu.max").exists(),
+            oom_group: root.join("memory.oom.group").exists(),
             layout: Layout::V2 { root, controllers },
         })
     }
@@ -474,6 +490,15 @@ impl Cgroups {
         if limits.oom_group && matches!(self.layout, Layout::V1(_)) {
             return Some("oomKillGroup needs cgroup v2 (memory.oom.group)".to_owned());
         }
+        if limits.oom_group && !self.oom_group {
+            return Some("oomKillGroup needs memory.oom.group (Linux 4.19)".to_owned());
+        }
+        if limits.cpu_quota_us.is_some() && !self.quota {
+            return Some(
+                "cpuHardLimit needs the kernel's CFS bandwidth control (cpu.max, cpu.cfs_quota_us)"
+                    .to_owned(),
+            );
+        }
         None
     }
 
@@ -485,8 +510,11 @@ impl Cgroups {
             enforceable.memory_max = None;
             enforceable.memory_low = None;
         }
-        if !self.has("memory") || matches!(self.layout, Layout::V1(_)) {
+        if !self.oom_group {
             enforceable.oom_group = false;
+        }
+        if !self.quota {
+            enforceable.cpu_quota_us = None;
         }
         if !self.has("cpu") {
             enforceable.cpu_shares = None;
@@ -540,16 +568,14 @@ impl TaskCgroup {
     /// Only the hierarchies a run with `limits` joins. Each join is a migration the
     /// kernel makes expensive (about 0.4 ms each on this project's machines; five of
     /// them doubled the start of 500 tasks): v2 has one tree; on v1 a run joins memory
-    /// (its OOM kills and memory are counted there, limit or not), the v2 tree of the
-    /// hybrid (`cgroup.kill`, CPU time), `cpuacct` only without that tree, and `cpu` and
-    /// `pids` only for their limits.
+    /// (its OOM kills and memory are counted there, limit or not), cpu (every task
+    /// weighs by its MHz: one left in the agent's cgroup would weigh as much as all
+    /// tasks together), the v2 tree of the hybrid (`cgroup.kill`, CPU time), `cpuacct`
+    /// only without that tree, and `pids` only for its limit.
     pub(crate) fn for_limits(self, limits: &Limits) -> TaskCgroup {
         match self {
             TaskCgroup::V2 { .. } => self,
             TaskCgroup::V1(mut dirs) => {
-                if limits.cpu_shares.is_none() && limits.cpu_quota_us.is_none() {
-                    dirs.cpu = None;
-                }
                 if dirs.unified.is_some() {
                     dirs.cpuacct = None;
                 }
@@ -659,7 +685,9 @@ impl TaskCgroup {
             TaskCgroup::V1(_) => false,
         };
         let mut first_error = None;
-        for dir in self.dirs() {
+        // The first dir last: it is the one `exists` and `Cgroups::runs` look at, so an
+        // agent that dies midway still finds what is left.
+        for dir in self.dirs().into_iter().rev() {
             let mut attempts = 0;
             loop {
                 match std::fs::remove_dir(dir) {
@@ -670,6 +698,11 @@ impl TaskCgroup {
                             && attempts < REMOVE_ATTEMPTS =>
                     {
                         attempts += 1;
+                        // Again: without `cgroup.kill` a process forked during the
+                        // last scan is still there.
+                        if attempts % 10 == 0 {
+                            self.kill();
+                        }
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                     Err(error) => {
@@ -842,6 +875,9 @@ mod tests {
         ] {
             std::fs::create_dir_all(root.join(hierarchy)).expect("a hierarchy");
         }
+        // The kernel has CFS bandwidth control: the parent shows its quota file.
+        std::fs::create_dir_all(root.join("cpu/stead")).expect("the parent");
+        std::fs::write(root.join("cpu/stead/cpu.cfs_quota_us"), "-1\n").expect("written");
         let mountinfo = HYBRID_MOUNTINFO.replace("{root}", &root.display().to_string());
         let cgroups =
             Cgroups::set_up_from(&mountinfo, HYBRID_CGROUP, "stead", 4242).expect("set up");
@@ -903,8 +939,8 @@ mod tests {
                 "00ff".to_owned()
             )]
         );
-        // A run joins only what it needs: memory always, the v2 tree for kills and CPU
-        // time (so not cpuacct), cpu and pids for their limits.
+        // A run joins only what it needs: memory and cpu always, the v2 tree for kills
+        // and CPU time (so not cpuacct), pids for its limit.
         let joins = |limits: &Limits| -> Vec<PathBuf> {
             cgroups
                 .task("web-1234abcd", "other", "01")
@@ -922,14 +958,37 @@ mod tests {
         };
         assert_eq!(
             joins(&Limits::default()),
-            at(&["memory/process_api/abc", "unified"])
+            at(&["memory/process_api/abc", "cpu", "unified"])
         );
         assert_eq!(
             joins(&limits),
             at(&["memory/process_api/abc", "cpu", "pids", "unified"])
         );
-        // After a restart a run's cgroup is what exists of it.
-        assert_eq!(task.clone().existing(), task);
+        // A run without limits weighs by the default MHz, and after a restart its cgroup
+        // is what exists of it; its CPU time comes from the v2 tree.
+        let other = cgroups
+            .task("web-1234abcd", "other", "01")
+            .for_limits(&Limits::default());
+        other.create(&Limits::default()).expect("created");
+        let other_dir = |h: &str| root.join(h).join("stead/web-1234abcd.other.01");
+        assert_eq!(read(&other_dir("cpu").join("cpu.shares")), "100");
+        assert_eq!(
+            cgroups.task("web-1234abcd", "other", "01").existing(),
+            other
+        );
+        std::fs::write(
+            other_dir("memory/process_api/abc").join("memory.usage_in_bytes"),
+            "4096\n",
+        )
+        .expect("written");
+        std::fs::write(
+            other_dir("unified").join("cpu.stat"),
+            "usage_usec 7000\nuser_usec 5000\nsystem_usec 2000\n",
+        )
+        .expect("written");
+        let usage = other.usage().expect("usage");
+        assert_eq!((usage.memory_bytes, usage.cpu_usec), (Some(4096), 7_000));
+        assert_eq!((usage.pids, usage.throttled_usec), (None, None));
         assert!(task.kill(), "through cgroup.kill");
         assert_eq!(
             read(&root.join("unified/stead").join(run).join("cgroup.kill")),
@@ -1032,6 +1091,11 @@ mod tests {
         std::fs::write(service.join("cgroup.procs"), "4242\n").expect("written");
         // Not the root cgroup, which has no type.
         std::fs::write(service.join("cgroup.type"), "domain\n").expect("written");
+        // The parent shows what the kernel has: CFS bandwidth and group OOM kills.
+        std::fs::create_dir_all(service.join("stead")).expect("the parent");
+        for file in ["cpu.max", "memory.oom.group"] {
+            std::fs::write(service.join("stead").join(file), "").expect("written");
+        }
         let mountinfo = format!(
             "30 23 0:26 / {} rw,nosuid - cgroup2 cgroup2 rw,nsdelegate\n",
             root.display()
@@ -1135,6 +1199,19 @@ mod tests {
         assert_eq!(
             cgroups.unsupported(&limits).as_deref(),
             Some("the pids controller is not available to the agent's cgroup")
+        );
+        assert_eq!(
+            cgroups
+                .unsupported(&Limits {
+                    cpu_shares: Some(500),
+                    cpu_quota_us: Some(50_000),
+                    ..Limits::default()
+                })
+                .as_deref(),
+            Some(
+                "cpuHardLimit needs the kernel's CFS bandwidth control (cpu.max, cpu.cfs_quota_us)"
+            ),
+            "the parent shows no cpu.max"
         );
         assert_eq!(
             cgroups.enforceable(&limits),

@@ -27,9 +27,9 @@ pub(super) fn write_limits(dirs: &V1Dirs, limits: &Limits) -> io::Result<()> {
         }
     }
     if let Some(cpu) = &dirs.cpu {
-        if let Some(shares) = limits.cpu_shares {
-            write_file(&cpu.join("cpu.shares"), &shares.max(2).to_string())?;
-        }
+        // Every task weighs by its MHz, the default for one that declares none.
+        let shares = limits.cpu_shares.unwrap_or(super::DEFAULT_CPU_MHZ);
+        write_file(&cpu.join("cpu.shares"), &shares.max(2).to_string())?;
         if let Some(quota) = limits.cpu_quota_us {
             write_file(
                 &cpu.join("cpu.cfs_period_us"),

@@ -52,8 +52,15 @@ pub(super) fn write_limits(dir: &Path, limits: &Limits) -> io::Result<()> {
     if limits.oom_group {
         write_file(&dir.join("memory.oom.group"), "1")?;
     }
-    if let Some(shares) = limits.cpu_shares {
-        write_file(&dir.join("cpu.weight"), &weight(shares).to_string())?;
+    // Every task weighs by its MHz, the default for one that declares none, where the
+    // cpu controller reaches it.
+    match limits.cpu_shares {
+        Some(shares) => write_file(&dir.join("cpu.weight"), &weight(shares).to_string())?,
+        None if dir.join("cpu.weight").exists() => write_file(
+            &dir.join("cpu.weight"),
+            &weight(super::DEFAULT_CPU_MHZ).to_string(),
+        )?,
+        None => {}
     }
     if let Some(quota) = limits.cpu_quota_us {
         write_file(
