@@ -67,19 +67,16 @@ pub fn check_snapshot(path: &Path, actual: &str) -> Result<(), String> {
     }
 }
 
-/// A name for the tasks' parent cgroup that no other agent of the tests shares: agents
-/// of one test process sit in one cgroup, and their allocs' ids repeat.
-pub fn unique_cgroup_parent() -> String {
-    static NEXT: std::sync::atomic::AtomicU32 = std::sync::atomic::AtomicU32::new(0);
-    let n = NEXT.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!(
-        "stead-test-{}-{n}-{:08x}",
-        std::process::id(),
-        fastrand::u32(..)
-    )
+/// The tasks' parent cgroup of the agents whose files are in `dir`, a temporary dir:
+/// agents of one test process sit in one cgroup and their allocs' ids repeat, so each
+/// test's agents get their own, named for the dir (unique), the same across restarts.
+pub fn cgroup_parent(dir: &std::path::Path) -> String {
+    let name = dir.file_name().unwrap_or_default().to_string_lossy();
+    let name: String = name.chars().filter(char::is_ascii_alphanumeric).collect();
+    format!("stead-test-{name}")
 }
 
-/// The cgroups named `parent` (made by [`unique_cgroup_parent`]'s agents), in every
+/// The cgroups named `parent` (made by [`cgroup_parent`]'s agents), in every
 /// hierarchy below `/sys/fs/cgroup`.
 pub fn test_cgroups(parent: &str) -> Vec<std::path::PathBuf> {
     let mut found = Vec::new();

@@ -7,7 +7,7 @@ use crate::agent_support;
 use std::path::Path;
 use std::time::Duration;
 
-use agent_support::{Agent, AgentDirs, free_port, processes_with, service_spec, wait_for};
+use agent_support::{AgentDirs, free_port, processes_with, service_spec, unique_nap, wait_for};
 use stead_schemas::status::{TaskCheckStatus, TaskStatus};
 
 /// The test service: 200 on every request, 500 while its flag file exists.
@@ -24,30 +24,6 @@ fn served(name: &str, port: u16, flag: &Path, interval: &str, limit: u32, restar
         health_binary(),
         flag.display(),
     )
-}
-
-/// Task `main` of alloc `name`, once `condition` holds of it.
-fn wait_for_task(
-    agent: &Agent,
-    name: &str,
-    what: &str,
-    within: Duration,
-    condition: impl Fn(&TaskStatus) -> bool,
-) -> TaskStatus {
-    wait_for(what, within, || {
-        let status = agent.status(name);
-        status
-            .as_ref()
-            .and_then(|s| s.tasks.get("main"))
-            .filter(|task| condition(task))
-            .cloned()
-            .ok_or_else(|| format!("{status:#?}"))
-    })
-}
-
-/// A duration no other process sleeps (`300.NNNNNNN`), to find a check's processes by.
-fn unique_nap() -> String {
-    format!("300.{}", fastrand::u32(1_000_000..10_000_000))
 }
 
 /// The exec alloc `name` of [`service_spec`] (its task runs until stopped and carries
@@ -103,8 +79,7 @@ fn an_http_check_that_starts_failing_restarts_its_task_with_the_healthcheck_even
     let signaled = agent.wait_for_event("web", "main", "Restart Signaled", Duration::from_secs(30));
     assert_eq!(signaled.message, "healthcheck: check \"alive\" unhealthy");
     std::fs::remove_file(&flag).expect("flag removed");
-    let task = wait_for_task(
-        &agent,
+    let task = agent.wait_for_task(
         "web",
         "the task restarted and runs again",
         Duration::from_secs(30),
@@ -129,8 +104,7 @@ fn an_http_check_that_starts_failing_restarts_its_task_with_the_healthcheck_even
         "{task:#?}"
     );
     assert!(!task.failed);
-    wait_for_task(
-        &agent,
+    agent.wait_for_task(
         "web",
         "the check passes again",
         Duration::from_secs(30),
@@ -162,8 +136,7 @@ fn a_hung_exec_check_is_killed_at_its_timeout_and_a_closed_port_fails_a_tcp_chec
         ),
     );
     let agent = dirs.start();
-    let task = wait_for_task(
-        &agent,
+    let task = agent.wait_for_task(
         "hung",
         "both checks are critical",
         Duration::from_secs(30),
@@ -232,13 +205,9 @@ fn a_task_that_keeps_failing_its_check_under_attempts_1_mode_fail_ends_failed() 
         ),
     );
     let agent = dirs.start();
-    let task = wait_for_task(
-        &agent,
-        "doomed",
-        "the task failed",
-        Duration::from_secs(60),
-        |t| t.state == "dead",
-    );
+    let task = agent.wait_for_task("doomed", "the task failed", Duration::from_secs(60), |t| {
+        t.state == "dead"
+    });
     assert!(task.failed, "{task:#?}");
     assert_eq!(task.restarts, 1, "{task:#?}");
     let last = task.events.last().expect("events");
@@ -267,21 +236,13 @@ fn an_agent_killed_while_a_check_fails_restarts_the_task_at_the_same_deadline() 
         ),
     );
     let agent = dirs.start();
-    wait_for_task(
-        &agent,
-        "web",
-        "the check passes",
-        Duration::from_secs(30),
-        |t| check(t, "alive").status == "passing",
-    );
+    agent.wait_for_task("web", "the check passes", Duration::from_secs(30), |t| {
+        check(t, "alive").status == "passing"
+    });
     std::fs::write(&flag, "").expect("flag written");
-    let task = wait_for_task(
-        &agent,
-        "web",
-        "the check fails",
-        Duration::from_secs(30),
-        |t| check(t, "alive").status == "critical",
-    );
+    let task = agent.wait_for_task("web", "the check fails", Duration::from_secs(30), |t| {
+        check(t, "alive").status == "critical"
+    });
     let unhealthy_since = check(&task, "alive").since.expect("a since");
     // Two more failing results, then the agent dies: 4s of the 8s are behind it.
     wait_for("4s of failure", Duration::from_secs(30), || {
@@ -360,8 +321,7 @@ fn an_exec_check_runs_as_its_task_in_its_dir_and_env_and_only_while_the_task_run
         ),
     );
     let agent = dirs.start();
-    let task = wait_for_task(
-        &agent,
+    let task = agent.wait_for_task(
         "once",
         "the task ran and completed",
         Duration::from_secs(30),

@@ -740,7 +740,7 @@ async fn a_start_the_fork_server_has_no_process_to_fork_for_fails_recoverably() 
             data_dir: data.path().to_owned(),
             allow_root: true,
             supervisor: wrapper,
-            cgroup_parent: stead_tests::unique_cgroup_parent(),
+            cgroup_parent: stead_tests::cgroup_parent(data.path()),
             ..stead_controller::driver::exec::ExecDriverConfig::new(data.path())
         },
         stead_controller::clock::Clock::system(),

@@ -43,15 +43,7 @@ fn can_limit() -> bool {
 }
 
 fn task(agent: &Agent, name: &str, what: &str, check: impl Fn(&TaskStatus) -> bool) -> TaskStatus {
-    wait_for(what, Duration::from_secs(30), || {
-        let status = agent.status(name);
-        status
-            .as_ref()
-            .and_then(|s| s.tasks.get("main"))
-            .filter(|t| check(t))
-            .cloned()
-            .ok_or_else(|| format!("{status:#?}"))
-    })
+    agent.wait_for_task(name, what, Duration::from_secs(30), check)
 }
 
 fn node(agent: &Agent) -> NodeStatus {
@@ -240,7 +232,7 @@ fn a_grandchild_that_called_setsid_and_ignores_sigterm_is_gone_after_the_kill_ti
         return;
     }
     let dirs = AgentDirs::new("");
-    let nap = format!("302.{}", fastrand::u32(1_000_000..10_000_000));
+    let nap = agent_support::unique_nap();
     let script = format!(
         "setsid sh -c 'trap \"\" TERM; sleep {nap}; :' & trap 'exit 0' TERM; while :; do sleep 0.2; done"
     );
@@ -460,7 +452,7 @@ fn a_setsid_grandchild_dies_with_its_run_even_when_its_supervisor_was_killed_fir
         return;
     }
     let dirs = AgentDirs::new("");
-    let nap = format!("303.{}", fastrand::u32(1_000_000..10_000_000));
+    let nap = agent_support::unique_nap();
     // The grandchild leaves the task's process group and session; once the supervisor
     // (the subreaper that would kill it) is gone, only the run's cgroup still holds it.
     let script =

@@ -64,7 +64,7 @@ impl AgentDirs {
         let data = root.path().join("data");
         std::fs::create_dir_all(&specs).expect("specs dir");
         let port = free_port();
-        let cgroup_parent = stead_tests::unique_cgroup_parent();
+        let cgroup_parent = stead_tests::cgroup_parent(root.path());
         let config = root.path().join("agent.yaml");
         let text = format!(
             "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\nallowRoot: {}\nlogFormat: text\ncgroupParent: {}\n{lines}",
@@ -183,6 +183,12 @@ impl AgentDirs {
     }
 }
 
+/// A duration no other process sleeps (`300.NNNNNNN`), to find a task's or a check's
+/// processes by.
+pub fn unique_nap() -> String {
+    format!("300.{}", fastrand::u32(1_000_000..10_000_000))
+}
+
 /// A running agent process.
 pub struct Agent {
     pub child: Child,
@@ -245,6 +251,25 @@ impl Agent {
             body.to_owned()
         };
         Some((code, body))
+    }
+
+    /// Task `main` of alloc `name`, once `condition` holds of it, within `within`.
+    pub fn wait_for_task(
+        &self,
+        name: &str,
+        what: &str,
+        within: Duration,
+        condition: impl Fn(&stead_schemas::status::TaskStatus) -> bool,
+    ) -> stead_schemas::status::TaskStatus {
+        wait_for(what, within, || {
+            let status = self.status(name);
+            status
+                .as_ref()
+                .and_then(|s| s.tasks.get("main"))
+                .filter(|task| condition(task))
+                .cloned()
+                .ok_or_else(|| format!("{status:#?}"))
+        })
     }
 
     /// The alloc's status, when the agent knows it.

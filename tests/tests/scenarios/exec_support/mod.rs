@@ -34,20 +34,12 @@ pub fn hog() -> PathBuf {
 #[allow(unused_imports)]
 pub use stead_tests::running_as_root;
 
-/// The tasks' parent cgroup of the drivers over `data_dir`: its own (its name is a
-/// temporary dir's, unique), and the same for a driver that stands for a restarted agent.
-pub fn cgroup_parent(data_dir: &Path) -> String {
-    let name = data_dir.file_name().unwrap_or_default().to_string_lossy();
-    let name: String = name.chars().filter(char::is_ascii_alphanumeric).collect();
-    format!("stead-test-{name}")
-}
-
 /// An exec driver over `data_dir` with the tests' supervisor.
 pub fn exec_driver(data_dir: &Path, allow_root: bool) -> ExecDriver {
     let config = ExecDriverConfig {
         allow_root,
         supervisor: supervisor(),
-        cgroup_parent: cgroup_parent(data_dir),
+        cgroup_parent: stead_tests::cgroup_parent(data_dir),
         ..ExecDriverConfig::new(data_dir)
     };
     ExecDriver::new(config, Clock::system())
@@ -326,7 +318,7 @@ impl DataDir {
 
 impl Drop for DataDir {
     fn drop(&mut self) {
-        stead_tests::remove_test_cgroups(&cgroup_parent(self.dir.path()));
+        stead_tests::remove_test_cgroups(&stead_tests::cgroup_parent(self.dir.path()));
         for _ in 0..3 {
             let left = processes_under(self.dir.path());
             if left.is_empty() {

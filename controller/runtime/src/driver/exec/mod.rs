@@ -788,14 +788,13 @@ impl Inner {
             tokio::spawn(watch_pid(id.supervisor, state, task_dir.control, id.run));
             return Ok(());
         }
-        if let Ok(Some(_)) = protocol::read_exit_record(&task_dir.control, &id.run) {
-            let mut result = recorded_exit(&task_dir.control, &id.run);
-            if let Some(cgroup) = &cgroup {
-                result.oom_killed |= cgroup.oom_kills().unwrap_or(0) > 0;
-                tokio::spawn(release(cgroup.clone()));
-            }
-            state.exit.send_replace(Some(result));
-            self.runs().insert(handle.id.clone(), state);
+        if let Ok(Some(status)) = protocol::read_exit_record(&task_dir.control, &id.run) {
+            // Ended while no agent watched: published as a watched run's end is.
+            let result = recorded(&task_dir.control, &id.run, status);
+            self.runs().insert(handle.id.clone(), state.clone());
+            tokio::spawn(async move {
+                publish_exit(&state, result, &task_dir.control, &id.run).await;
+            });
             return Ok(());
         }
         // Its supervisor is gone and left no record: nothing can tell how the run
@@ -955,14 +954,19 @@ fn oom_marker_path(control: &Path, run: &str) -> PathBuf {
     control.join(format!("{run}.oom"))
 }
 
+/// The exit `status` a supervisor recorded for `run`, with the OOM marker the driver left.
+fn recorded(control: &Path, run: &str, status: ExitStatus) -> ExitResult {
+    ExitResult {
+        oom_killed: oom_marker_path(control, run).exists(),
+        ..exit_result(status)
+    }
+}
+
 /// The exit a supervisor recorded for `run` (with the OOM marker the driver left), or an
 /// error result when it left none.
 fn recorded_exit(control: &Path, run: &str) -> ExitResult {
     match protocol::read_exit_record(control, run) {
-        Ok(Some(status)) => ExitResult {
-            oom_killed: oom_marker_path(control, run).exists(),
-            ..exit_result(status)
-        },
+        Ok(Some(status)) => recorded(control, run, status),
         Ok(None) => ExitResult {
             error: Some("the task's supervisor exited without recording its exit".to_owned()),
             ..ExitResult::default()
