@@ -525,22 +525,80 @@ struct SpecsSource {
     dir: PathBuf,
     clock: Clock,
     syncer: Syncer,
+    /// Taken by the pass that runs; lost with a pass that never ends.
     cache: ListingCache,
+    /// A pass that overran [`LISTING_DEADLINE`]: waited for again before another starts.
+    overdue: Option<tokio::sync::oneshot::Receiver<(Listing, ListingCache)>>,
+    /// The diagnostics of the last listing, logged once when they appeared.
+    logged: std::collections::BTreeSet<String>,
 }
 
+/// How long the loop waits for one listing of the specs dir (on a thread of its own)
+/// before it reports the source degraded and goes on; a pass that overruns is waited
+/// for again at the next trigger instead of starting another.
+const LISTING_DEADLINE: Duration = Duration::from_secs(30);
+
 impl SpecsSource {
-    /// Lists the specs dir once and tells `node` what changed.
-    async fn list(&mut self, node: &Node, trigger: Trigger) {
-        let dir = self.dir.clone();
-        let now = self.clock.now();
-        let taken = std::mem::take(&mut self.cache);
-        let pass = tokio::task::spawn_blocking(move || list_pass(&dir, taken, now)).await;
-        // A panicked pass loses the cache: the next pass reads everything again.
-        let Ok((listing, kept)) = pass else { return };
-        self.cache = kept;
-        for diagnostic in &listing.diagnostics {
-            tracing::warn!("{diagnostic}");
+    fn new(dir: PathBuf, clock: Clock, syncer: Syncer) -> Self {
+        SpecsSource {
+            dir,
+            clock,
+            syncer,
+            cache: ListingCache::default(),
+            overdue: None,
+            logged: std::collections::BTreeSet::new(),
         }
+    }
+
+    /// Lists the specs dir once and tells `node` what changed. The listing runs on a
+    /// thread of its own, never on the runtime: a read that never returns (a hung
+    /// network mount) costs that thread, not the agent, and the caller may drop this
+    /// future (at a signal) at any point.
+    async fn list(&mut self, node: &Node, trigger: Trigger) {
+        let mut pass = match self.overdue.take() {
+            Some(pass) => pass,
+            None => {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                let dir = self.dir.clone();
+                let now = self.clock.now();
+                let taken = std::mem::take(&mut self.cache);
+                let spawned = std::thread::Builder::new()
+                    .name("stead-specs".to_owned())
+                    .spawn(move || {
+                        let _ = tx.send(list_pass(&dir, taken, now));
+                    });
+                if let Err(error) = spawned {
+                    tracing::warn!(%error, "cannot start a listing of the specs dir");
+                    return;
+                }
+                rx
+            }
+        };
+        let (listing, kept) = match tokio::time::timeout(LISTING_DEADLINE, &mut pass).await {
+            Ok(Ok(done)) => done,
+            // A panicked pass loses the cache: the next pass reads everything again.
+            Ok(Err(_)) => return,
+            Err(_) => {
+                let entry = format!(
+                    "{}: a listing has not finished after {}s",
+                    self.dir.display(),
+                    LISTING_DEADLINE.as_secs()
+                );
+                tracing::warn!("{entry}; applying nothing until it does");
+                node.set_source_unreadable(vec![entry]);
+                self.overdue = Some(pass);
+                return;
+            }
+        };
+        self.cache = kept;
+        node.set_source_unreadable(
+            listing
+                .unreadable
+                .iter()
+                .map(|(path, why)| format!("{}: {why}", path.display()))
+                .collect(),
+        );
+        self.log_diagnostics(&listing);
         let report = self.syncer.sync(node, &listing);
         let trigger = trigger.as_str();
         for name in &report.applied {
@@ -549,6 +607,26 @@ impl SpecsSource {
         for name in &report.removed {
             tracing::info!(alloc = %name, trigger, "removed");
         }
+    }
+
+    /// Logs each problem of `listing` once, when it appears (not at every pass), and
+    /// says when one is gone.
+    fn log_diagnostics(&mut self, listing: &Listing) {
+        let now: std::collections::BTreeSet<String> = listing
+            .diagnostics
+            .iter()
+            .map(ToString::to_string)
+            .collect();
+        for diagnostic in &listing.diagnostics {
+            let text = diagnostic.to_string();
+            if !self.logged.contains(&text) {
+                tracing::warn!("{text}");
+            }
+        }
+        for gone in self.logged.difference(&now) {
+            tracing::info!(diagnostic = %gone, "spec problem gone");
+        }
+        self.logged = now;
     }
 }
 
@@ -601,12 +679,11 @@ impl Agent {
         for corrupt in &restored.corrupt {
             tracing::error!(alloc = %corrupt.name, error = %crate::errors::error_chain(corrupt), "cannot restore alloc");
         }
-        let mut source = SpecsSource {
-            dir: settings.specs_dir.clone(),
+        let mut source = SpecsSource::new(
+            settings.specs_dir.clone(),
             clock,
-            syncer: Syncer::new(restored.allocs),
-            cache: ListingCache::default(),
-        };
+            Syncer::new(restored.allocs),
+        );
         // Nothing is removed before this first full listing.
         source.list(&node, Trigger::Start).await;
         let state = ApiState::new(node.clone(), drivers, data_dir.clone())
@@ -697,7 +774,11 @@ impl Agent {
                 tokio::time::sleep(crate::watch::DEBOUNCE).await;
                 let _ = tokio::time::timeout(Duration::ZERO, changed.notified()).await;
             }
-            self.source.list(&self.node, trigger).await;
+            // A listing never holds up SIGTERM or SIGINT.
+            tokio::select! {
+                () = self.source.list(&self.node, trigger) => {}
+                () = self.signals.stop() => break,
+            }
         }
         gc.abort();
     }

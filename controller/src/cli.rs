@@ -151,7 +151,7 @@ fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Re
         }
     }
     let mut parsed: Vec<SpecFile> = Vec::new();
-    for path in &files {
+    for path in files.iter().map(|found| &found.path) {
         match read_spec_file(path) {
             Ok(bytes) => parsed.push(parse_spec_bytes(path, &bytes)),
             Err(error) => diagnostics.push(Diagnostic::new(

@@ -67,13 +67,25 @@ pub struct StoreHealthReport {
     pub failures: u64,
     /// Allocs whose latest state is not yet stored (their writes are being retried).
     pub behind: Vec<String>,
+    /// What the store was found to have lost since the agent started (a damaged
+    /// write-ahead log, runs of tasks no record names), in words.
+    pub lost: Vec<String>,
 }
 
 impl StoreHealthReport {
-    /// Whether every alloc's latest state is stored.
+    /// Whether every alloc's latest state is stored and nothing was found lost.
     pub fn is_healthy(&self) -> bool {
-        self.behind.is_empty()
+        self.behind.is_empty() && self.lost.is_empty()
     }
+}
+
+/// What the node was told of its surroundings' trouble, for the health report.
+#[derive(Debug, Default)]
+struct Conditions {
+    /// The specs dir's entries that cannot be read, each with why.
+    source: Vec<String>,
+    /// What the store lost (see [`StoreHealthReport::lost`]).
+    store_lost: Vec<String>,
 }
 
 /// What the node's methods and its background loops share.
@@ -83,6 +95,8 @@ struct Shared {
     context: Arc<WorkerContext>,
     /// The allocs' slots (also the workers' publisher, in `context`).
     registry: Arc<Registry>,
+    /// Trouble outside the allocs, reported by the agent.
+    conditions: Mutex<Conditions>,
 }
 
 /// The level re-check: wakes every worker once per tick, until the node is gone. One
@@ -240,6 +254,7 @@ impl Node {
                 config,
                 context: Arc::new(context),
                 registry,
+                conditions: Mutex::default(),
             }),
         };
         tokio::spawn(tick(Arc::downgrade(&node.shared)));
@@ -605,7 +620,31 @@ impl Node {
         StoreHealthReport {
             failures: self.store_errors(),
             behind,
+            lost: self.conditions().store_lost.clone(),
         }
+    }
+
+    fn conditions(&self) -> std::sync::MutexGuard<'_, Conditions> {
+        self.shared
+            .conditions
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner)
+    }
+
+    /// Says what the store was found to have lost; the store reports degraded from then on.
+    pub fn report_store_loss(&self, what: impl Into<String>) {
+        self.conditions().store_lost.push(what.into());
+    }
+
+    /// Sets the specs dir's entries that cannot be read now (each `<path>: <why>`); the
+    /// source reports degraded while there is one.
+    pub fn set_source_unreadable(&self, entries: Vec<String>) {
+        self.conditions().source = entries;
+    }
+
+    /// The specs dir's entries that could not be read at the last listing.
+    pub fn source_unreadable(&self) -> Vec<String> {
+        self.conditions().source.clone()
     }
 
     /// Waits until `condition` holds for the node, re-checking whenever a status is

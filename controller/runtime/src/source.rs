@@ -8,8 +8,13 @@
 //!   alloc's status shows the diagnostics (`specError`) until the file is fixed or gone;
 //! - two files declaring one alloc name: both are reported, the one whose path sorts
 //!   first wins (a stable rule that does not depend on listing order);
-//! - when any file could not be read, nothing is removed in that pass, since its allocs
-//!   are unknown rather than gone;
+//! - an entry that cannot be read (a FIFO, a device, a dangling link, a link loop, a file
+//!   or directory without permission, a tree too deep) holds only the allocs it declared
+//!   when it was last read: they are unknown rather than gone, and every other removal
+//!   goes ahead. An alloc restored from the store whose file no listing has named yet is
+//!   held while any entry cannot be read;
+//! - the diagnostics of a file reached through a link to outside the specs dir are
+//!   withheld (location only): what such a file holds is not the specs dir's to show;
 //! - a file that cannot be split into named documents (not YAML, empty, not UTF-8, too
 //!   large, or a document whose name cannot be read) keeps running the allocs it declared
 //!   before, with its diagnostics as their `specError`: they too are unknown rather than
@@ -37,7 +42,7 @@ use stead_schemas::{
 };
 
 use crate::node::Node;
-use crate::spec_files::{collect_spec_files, read_spec_file};
+use crate::spec_files::{FoundSpec, collect_spec_files, read_spec_file};
 
 /// One full reading of the specs directory.
 #[derive(Debug, Default)]
@@ -52,8 +57,8 @@ pub struct Listing {
     pub conflicts: BTreeMap<Name, Vec<Diagnostic>>,
     /// Every problem found, in file order.
     pub diagnostics: Vec<Diagnostic>,
-    /// Whether some file or directory could not be read.
-    pub incomplete: bool,
+    /// The entries that could not be read (files, links, directories), with why.
+    pub unreadable: BTreeMap<PathBuf, String>,
     /// Files with a declaration that names no alloc (the file is not YAML, is empty, is
     /// not UTF-8 or too large, or a document's name cannot be read), with their
     /// diagnostics.
@@ -130,15 +135,10 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
     let mut seen: HashMap<PathBuf, CachedFile> = HashMap::new();
     let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
     for error in unreadable {
-        listing.incomplete = true;
-        listing.diagnostics.push(Diagnostic::new(
-            &error.path,
-            Location::START,
-            "",
-            format!("cannot read: {}", error.source),
-        ));
+        listing.unread(&error.path, &error.source);
     }
-    for path in files {
+    for found in files {
+        let path = found.path.clone();
         let stamp = std::fs::metadata(&path).map(|m| FileStamp::of(&m));
         let (file, content) = match (&stamp, cache.files.remove(&path)) {
             (Ok(stamp), Some(old)) if old.stamp == *stamp && old.content.is_none() => {
@@ -148,18 +148,12 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
                 Ok(bytes) => {
                     let file = match old {
                         Some(old) if old.content.as_deref() == Some(bytes.as_slice()) => old.file,
-                        _ => Arc::new(parse_spec_bytes(&path, &bytes)),
+                        _ => Arc::new(parse_found(dir, &found, &bytes)),
                     };
                     (file, Some(bytes))
                 }
                 Err(error) => {
-                    listing.incomplete = true;
-                    listing.diagnostics.push(Diagnostic::new(
-                        &path,
-                        Location::START,
-                        "",
-                        format!("cannot read: {error}"),
-                    ));
+                    listing.unread(&path, &error);
                     continue;
                 }
             },
@@ -230,6 +224,55 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
     listing
 }
 
+impl Listing {
+    /// Records that the entry at `path` could not be read.
+    fn unread(&mut self, path: &Path, error: &std::io::Error) {
+        let why = error.to_string();
+        self.diagnostics.push(Diagnostic::new(
+            path,
+            Location::START,
+            "",
+            format!("cannot read: {why}"),
+        ));
+        self.unreadable.insert(path.to_owned(), why);
+    }
+
+    /// Whether some entry could not be read.
+    pub fn incomplete(&self) -> bool {
+        !self.unreadable.is_empty()
+    }
+
+    /// Whether `path` (a spec file an alloc was last declared in) is, or is below, an
+    /// entry that could not be read.
+    fn unreadable_at(&self, path: &Path) -> bool {
+        self.unreadable
+            .keys()
+            .any(|entry| path == entry || path.starts_with(entry))
+    }
+}
+
+/// Parses what was read of `found`; a file reached through a link to outside `root`
+/// keeps its documents and the location of each problem, but not the messages, which
+/// may quote what the file holds.
+fn parse_found(root: &Path, found: &FoundSpec, bytes: &[u8]) -> SpecFile {
+    let mut file = parse_spec_bytes(&found.path, bytes);
+    if found.outside(root) {
+        let target = found.target.as_deref().unwrap_or(&found.path);
+        let withhold = |diagnostic: &mut Diagnostic| {
+            diagnostic.path.clear();
+            diagnostic.message = format!(
+                "not a valid spec; details withheld: the link leads outside the specs dir, to {}",
+                target.display()
+            );
+        };
+        file.diagnostics.iter_mut().for_each(withhold);
+        for document in &mut file.documents {
+            document.diagnostics.iter_mut().for_each(withhold);
+        }
+    }
+    file
+}
+
 /// What the node was last told about each alloc, so that passes apply only changes.
 #[derive(Debug, Default)]
 pub struct Syncer {
@@ -277,26 +320,34 @@ impl Syncer {
             }
         }
         let held = self.held(listing);
-        if !listing.incomplete {
-            let gone: BTreeSet<Name> = self
-                .applied
-                .keys()
-                .filter(|n| {
-                    !listing.specs.contains_key(*n)
-                        && !listing.broken.contains_key(*n)
-                        && !held.contains_key(*n)
-                })
-                .cloned()
-                .collect();
-            for name in gone {
-                node.remove(&name);
-                self.applied.remove(&name);
-                self.sources.remove(&name);
-                report.removed.push(name);
-            }
+        let gone: BTreeSet<Name> = self
+            .applied
+            .keys()
+            .filter(|n| {
+                !listing.specs.contains_key(*n)
+                    && !listing.broken.contains_key(*n)
+                    && !held.contains_key(*n)
+                    && !self.unknown(n, listing)
+            })
+            .cloned()
+            .collect();
+        for name in gone {
+            node.remove(&name);
+            self.applied.remove(&name);
+            self.sources.remove(&name);
+            report.removed.push(name);
         }
         self.sync_errors(node, listing, &held);
         report
+    }
+
+    /// Whether what declares `name` may be an entry `listing` could not read: the one it
+    /// was last declared in, or any, for an alloc no listing has named yet.
+    fn unknown(&self, name: &Name, listing: &Listing) -> bool {
+        match self.sources.get(name) {
+            Some(path) => listing.unreadable_at(path),
+            None => listing.incomplete(),
+        }
     }
 
     /// The applied allocs that no declaration of `listing` names but a file that names no

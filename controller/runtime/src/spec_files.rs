@@ -1,10 +1,19 @@
 //! Finding spec files: which paths in a specs directory are specs, and which are
 //! editor leftovers, hidden files or other noise to ignore.
+//!
+//! Only regular files are specs. A link is followed only to a regular file; a FIFO, a
+//! device or a socket (named `*.yaml`, or linked to) is reported and never opened, so a
+//! listing never blocks in `open()`. Files are opened non-blocking and checked again
+//! once open, so an entry swapped for a FIFO between the two is refused too.
 
 use std::io;
+use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
 use std::path::{Path, PathBuf};
 
 use thiserror::Error;
+
+/// How deep below a specs directory a listing goes; deeper directories are reported.
+pub const MAX_DEPTH: usize = 16;
 
 /// A path that could not be listed or read.
 #[derive(Debug, Error)]
@@ -17,17 +26,73 @@ pub struct SpecFileError {
     pub source: io::Error,
 }
 
+/// A spec file found by a listing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FoundSpec {
+    /// The path in the listing (a link's own path, not its target's).
+    pub path: PathBuf,
+    /// Where a link leads, when the entry is a link.
+    pub target: Option<PathBuf>,
+}
+
+impl FoundSpec {
+    /// Whether the file read is outside `root` (a link to a file elsewhere): what it holds
+    /// is not the specs dir's to show, so its diagnostics are withheld.
+    pub fn outside(&self, root: &Path) -> bool {
+        let Some(target) = &self.target else {
+            return false;
+        };
+        let root = std::fs::canonicalize(root).unwrap_or_else(|_| root.to_owned());
+        !target.starts_with(root)
+    }
+}
+
 /// Reads the spec file at `path`: at most one byte more than a spec may have, so a huge
 /// file is refused cheaply, into a buffer sized by the file's length, so a small spec
-/// takes one read and the end-of-file check.
+/// takes one read and the end-of-file check. Opened non-blocking, and refused unless it
+/// is a regular file once open: a FIFO or a device is never waited on.
 pub fn read_spec_file(path: &Path) -> io::Result<Vec<u8>> {
     use std::io::Read;
     let limit = stead_schemas::MAX_SPEC_FILE_BYTES as u64 + 1;
-    let file = std::fs::File::open(path)?;
-    let length = file.metadata().map_or(0, |meta| meta.len()).min(limit);
+    let file = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc_flags())
+        .open(path)?;
+    let meta = file.metadata()?;
+    if !meta.file_type().is_file() {
+        return Err(not_regular(meta.file_type()));
+    }
+    let length = meta.len().min(limit);
     let mut bytes = Vec::with_capacity(usize::try_from(length).unwrap_or(0) + 1);
     file.take(limit).read_to_end(&mut bytes)?;
     Ok(bytes)
+}
+
+/// `O_NONBLOCK | O_NOCTTY`: opening never waits (a FIFO with no writer) and never makes
+/// a terminal the agent's.
+fn libc_flags() -> i32 {
+    (rustix::fs::OFlags::NONBLOCK | rustix::fs::OFlags::NOCTTY).bits() as i32
+}
+
+/// Why a file of `kind` is not read as a spec.
+fn not_regular(kind: std::fs::FileType) -> io::Error {
+    let what = if kind.is_fifo() {
+        "a FIFO"
+    } else if kind.is_char_device() {
+        "a character device"
+    } else if kind.is_block_device() {
+        "a block device"
+    } else if kind.is_socket() {
+        "a socket"
+    } else if kind.is_dir() {
+        "a directory"
+    } else {
+        "not a regular file"
+    };
+    io::Error::new(
+        io::ErrorKind::InvalidInput,
+        format!("{what}, not a regular file: skipped"),
+    )
 }
 
 /// Whether a file name belongs to no spec: hidden files and editor temporaries
@@ -48,32 +113,53 @@ pub fn is_spec_file_name(name: &str) -> bool {
 }
 
 /// The spec files named by `paths`: files as given, directories walked recursively
-/// (skipping hidden directories), in a stable order. Unreadable paths are returned as errors
-/// next to the files that could be listed, so one bad path hides no other.
-pub fn collect_spec_files(paths: &[PathBuf]) -> (Vec<PathBuf>, Vec<SpecFileError>) {
-    let mut files = Vec::new();
-    let mut errors = Vec::new();
+/// (skipping hidden directories, not following links to directories, at most
+/// [`MAX_DEPTH`] deep), in a stable order. Entries that cannot be read, and entries that
+/// are not regular files (a FIFO, a device, a socket, a dangling link, a link loop), are
+/// returned as errors next to the files that could be listed, so one bad entry hides no
+/// other. Nothing is opened here.
+pub fn collect_spec_files(paths: &[PathBuf]) -> (Vec<FoundSpec>, Vec<SpecFileError>) {
+    let mut found = Found::default();
     for path in paths {
         match std::fs::metadata(path) {
-            Ok(meta) if meta.is_dir() => walk(path, &mut files, &mut errors),
-            Ok(_) => files.push(path.clone()),
-            Err(source) => errors.push(SpecFileError {
+            Ok(meta) if meta.is_dir() => walk(path, 0, &mut found),
+            Ok(meta) if meta.is_file() => found.files.push(FoundSpec {
                 path: path.clone(),
-                source,
+                target: None,
             }),
+            Ok(meta) => found.error(path.clone(), not_regular(meta.file_type())),
+            Err(source) => found.error(path.clone(), source),
         }
     }
-    (files, errors)
+    (found.files, found.errors)
 }
 
-fn walk(dir: &Path, files: &mut Vec<PathBuf>, errors: &mut Vec<SpecFileError>) {
+#[derive(Default)]
+struct Found {
+    files: Vec<FoundSpec>,
+    errors: Vec<SpecFileError>,
+}
+
+impl Found {
+    fn error(&mut self, path: PathBuf, source: io::Error) {
+        self.errors.push(SpecFileError { path, source });
+    }
+}
+
+fn walk(dir: &Path, depth: usize, found: &mut Found) {
+    if depth > MAX_DEPTH {
+        found.error(
+            dir.to_owned(),
+            io::Error::other(format!(
+                "more than {MAX_DEPTH} directories deep: not listed"
+            )),
+        );
+        return;
+    }
     let entries = match std::fs::read_dir(dir) {
         Ok(entries) => entries,
         Err(source) => {
-            errors.push(SpecFileError {
-                path: dir.to_owned(),
-                source,
-            });
+            found.error(dir.to_owned(), source);
             return;
         }
     };
@@ -83,15 +169,40 @@ fn walk(dir: &Path, files: &mut Vec<PathBuf>, errors: &mut Vec<SpecFileError>) {
         let name = entry.file_name();
         let Some(name) = name.to_str() else { continue };
         let path = entry.path();
-        match entry.file_type() {
-            Ok(kind) if kind.is_dir() => {
-                if !name.starts_with('.') {
-                    walk(&path, files, errors);
-                }
+        let kind = match entry.file_type() {
+            Ok(kind) => kind,
+            Err(source) => {
+                found.error(path, source);
+                continue;
             }
-            Ok(_) if is_spec_file_name(name) => files.push(path),
-            Ok(_) => {}
-            Err(source) => errors.push(SpecFileError { path, source }),
+        };
+        if kind.is_dir() {
+            if !name.starts_with('.') {
+                walk(&path, depth + 1, found);
+            }
+            continue;
+        }
+        if !is_spec_file_name(name) {
+            continue;
+        }
+        if kind.is_file() {
+            found.files.push(FoundSpec { path, target: None });
+        } else if kind.is_symlink() {
+            // Followed only to a regular file: a dangling link or a loop is an error, a
+            // link to a device or a FIFO is never opened.
+            match std::fs::metadata(&path) {
+                Ok(meta) if meta.is_file() => match std::fs::canonicalize(&path) {
+                    Ok(target) => found.files.push(FoundSpec {
+                        path,
+                        target: Some(target),
+                    }),
+                    Err(source) => found.error(path, source),
+                },
+                Ok(meta) => found.error(path, not_regular(meta.file_type())),
+                Err(source) => found.error(path, source),
+            }
+        } else {
+            found.error(path, not_regular(kind));
         }
     }
 }
@@ -133,5 +244,90 @@ mod tests {
             stead_schemas::MAX_SPEC_FILE_BYTES + 1
         );
         assert!(read_spec_file(&dir.path().join("gone.yaml")).is_err());
+    }
+
+    fn names(errors: &[SpecFileError]) -> Vec<String> {
+        errors
+            .iter()
+            .map(|e| {
+                let name = e.path.file_name().expect("name").to_string_lossy();
+                format!("{name}: {}", e.source)
+            })
+            .collect()
+    }
+
+    #[test]
+    fn fifos_devices_sockets_dangling_links_and_loops_are_reported_and_never_opened() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let root = dir.path();
+        std::fs::write(root.join("web.yaml"), "kind: Alloc\n").expect("write");
+        rustix::fs::mknodat(
+            rustix::fs::CWD,
+            root.join("fifo.yaml"),
+            rustix::fs::FileType::Fifo,
+            rustix::fs::Mode::from_raw_mode(0o644),
+            0,
+        )
+        .expect("mkfifo");
+        let _socket =
+            std::os::unix::net::UnixListener::bind(root.join("sock.yaml")).expect("socket");
+        std::os::unix::fs::symlink("/dev/zero", root.join("device.yaml")).expect("link");
+        std::os::unix::fs::symlink(root.join("gone"), root.join("dangling.yaml")).expect("link");
+        std::os::unix::fs::symlink(root.join("loop.yaml"), root.join("loop.yaml")).expect("link");
+        std::os::unix::fs::symlink(root.join("web.yaml"), root.join("linked.yaml")).expect("link");
+        // Not spec names: not looked at.
+        std::os::unix::fs::symlink(root.join("gone"), root.join("notes.txt")).expect("link");
+
+        let (files, errors) = collect_spec_files(&[root.to_owned()]);
+        let paths: Vec<_> = files.iter().map(|f| f.path.clone()).collect();
+        assert_eq!(paths, [root.join("linked.yaml"), root.join("web.yaml")]);
+        assert_eq!(
+            files[0].target.as_deref(),
+            Some(
+                std::fs::canonicalize(root.join("web.yaml"))
+                    .expect("real")
+                    .as_path()
+            )
+        );
+        assert!(
+            !files[0].outside(root),
+            "a link within the dir is not outside"
+        );
+        let errors = names(&errors);
+        assert_eq!(errors.len(), 5, "{errors:?}");
+        for (error, expected) in errors.iter().zip([
+            "dangling.yaml: No such file or directory",
+            "device.yaml: a character device, not a regular file",
+            "fifo.yaml: a FIFO, not a regular file",
+            "loop.yaml: Too many levels of symbolic links",
+            "sock.yaml: a socket, not a regular file",
+        ]) {
+            assert!(error.starts_with(expected), "{error} vs {expected}");
+        }
+        // Opening a FIFO directly does not wait for a writer, and is refused.
+        let error = read_spec_file(&root.join("fifo.yaml")).expect_err("refused");
+        assert!(error.to_string().contains("a FIFO"), "{error}");
+    }
+
+    #[test]
+    fn a_link_to_a_file_outside_the_dir_is_outside_and_a_deep_tree_is_reported() {
+        let dir = tempfile::tempdir().expect("tempdir");
+        let elsewhere = tempfile::tempdir().expect("tempdir");
+        std::fs::write(elsewhere.path().join("secret"), "root:x\n").expect("write");
+        let specs = dir.path().join("specs");
+        let mut deep = specs.clone();
+        for level in 0..=MAX_DEPTH {
+            deep.push(format!("d{level}"));
+        }
+        std::fs::create_dir_all(&deep).expect("dirs");
+        std::fs::write(deep.join("lost.yaml"), "kind: Alloc\n").expect("write");
+        std::os::unix::fs::symlink(elsewhere.path().join("secret"), specs.join("s.yaml"))
+            .expect("link");
+        let (files, errors) = collect_spec_files(&[specs.clone()]);
+        assert_eq!(files.len(), 1);
+        assert!(files[0].outside(&specs));
+        let errors = names(&errors);
+        assert_eq!(errors.len(), 1, "{errors:?}");
+        assert!(errors[0].contains("directories deep"), "{errors:?}");
     }
 }

@@ -347,6 +347,7 @@ pub(super) async fn health(State(state): State<ApiState>) -> Response {
     let mut components = BTreeMap::new();
     let store = state.node().store_health();
     let message = match (store.behind.len(), store.failures) {
+        _ if !store.lost.is_empty() => format!("degraded: {}", store.lost.join("; ")),
         (0, 0) => "every write succeeded".to_owned(),
         (0, failures) => {
             format!("writes succeed; {failures} failed since the agent started and were retried")
@@ -361,6 +362,17 @@ pub(super) async fn health(State(state): State<ApiState>) -> Response {
         ComponentHealth {
             healthy: store.is_healthy(),
             message,
+        },
+    );
+    let unreadable = state.node().source_unreadable();
+    components.insert(
+        "source".to_owned(),
+        ComponentHealth {
+            healthy: unreadable.is_empty(),
+            message: match unreadable.is_empty() {
+                true => "every entry of the specs dir is read".to_owned(),
+                false => format!("degraded: cannot read {}", unreadable.join("; ")),
+            },
         },
     );
     for (name, fingerprint) in fingerprints(&state).await {

@@ -18,6 +18,7 @@ mod device_scenarios;
 mod exec_agent;
 mod exec_driver;
 mod exec_scenarios;
+mod hardening_agent;
 mod limits_agent;
 mod packaging;
 mod spec_fixtures;
