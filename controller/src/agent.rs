@@ -667,6 +667,7 @@ impl Agent {
         let state_dir = data_dir.join("state");
         make_private_dir(&state_dir);
         let store = RocksDbStore::open(&state_dir, settings.store)?;
+        let recovered = store.recovered().map(str::to_owned);
         tracing::info!(dir = %state_dir.display(), "state store opened");
         let node = Arc::new(Node::with_alloc_dirs(
             settings.node.clone(),
@@ -675,6 +676,9 @@ impl Agent {
             clock,
             AllocDirs::new(&data_dir),
         ));
+        if let Some(lost) = recovered {
+            node.report_store_loss(lost);
+        }
         let restored = node.restore().map_err(AgentError::Restore)?;
         for corrupt in &restored.corrupt {
             tracing::error!(alloc = %corrupt.name, error = %crate::errors::error_chain(corrupt), "cannot restore alloc");

@@ -30,8 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use rocksdb::{
-    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, Direction, InfoLogger,
-    IteratorMode, LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
+    BlockBasedOptions, Cache, ColumnFamily, ColumnFamilyDescriptor, DB, DBRecoveryMode, Direction,
+    InfoLogger, IteratorMode, LogLevel, Options, WriteBatch, WriteBufferManager, WriteOptions,
 };
 use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRecord};
 use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStateRecord};
@@ -104,6 +104,30 @@ pub enum OpenError {
         /// [`LAYOUT_VERSION`].
         supported: u32,
     },
+    /// The directory holds database files but no `CURRENT` (which names the live
+    /// manifest): creating a new database there would forget every task and record.
+    #[error(
+        "the state database at {} has database files ({}) but no CURRENT file; refusing to create a new database over them, which would forget every running task. Restore CURRENT from a backup, or write the newest MANIFEST file's name into it (`ls {}/MANIFEST-*`, then `echo MANIFEST-NNNNNN > {}/CURRENT`); to start this node afresh instead, move the directory away",
+        path.display(),
+        found.join(", "),
+        path.display(),
+        path.display()
+    )]
+    LostCurrent {
+        /// The database directory.
+        path: PathBuf,
+        /// A few of the files found.
+        found: Vec<String>,
+    },
+    /// The directory could not be read before opening.
+    #[error("cannot read the state database directory {}", path.display())]
+    ReadDir {
+        /// The database directory.
+        path: PathBuf,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
     /// The layout marker is unreadable.
     #[error("the state database at {path} has an unreadable layout marker {found:?}")]
     BadLayout {
@@ -136,6 +160,41 @@ pub struct RocksDbStore {
     skipped_writes: AtomicU64,
     deletes: AtomicU64,
     bytes_written: AtomicU64,
+    /// What was lost at open (see [`RocksDbStore::recovered`]).
+    recovered: Option<String>,
+}
+
+/// Whether `path` may take a new database: it is missing or empty. One that holds
+/// database files without a `CURRENT` is refused, one with `CURRENT` is opened.
+fn new_database_dir(path: &Path) -> Result<bool, OpenError> {
+    let entries = match std::fs::read_dir(path) {
+        Ok(entries) => entries,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Ok(true),
+        Err(source) => {
+            return Err(OpenError::ReadDir {
+                path: path.to_owned(),
+                source,
+            });
+        }
+    };
+    let mut names: Vec<String> = entries
+        .filter_map(Result::ok)
+        .map(|entry| entry.file_name().to_string_lossy().into_owned())
+        // RocksDB's lock and info log are made before anything is written.
+        .filter(|name| name != "LOCK" && !name.starts_with("LOG"))
+        .collect();
+    if names.is_empty() {
+        return Ok(true);
+    }
+    if names.iter().any(|name| name == "CURRENT") {
+        return Ok(false);
+    }
+    names.sort();
+    names.truncate(5);
+    Err(OpenError::LostCurrent {
+        path: path.to_owned(),
+        found: names,
+    })
 }
 
 impl std::fmt::Debug for RocksDbStore {
@@ -158,8 +217,47 @@ fn rocksdb_message(level: LogLevel, message: &str) {
 }
 
 impl RocksDbStore {
-    /// Opens (creating when missing) the database in `path`.
+    /// Opens the database in `path`, creating it only in an empty (or missing)
+    /// directory: files without a `CURRENT` are refused ([`OpenError::LostCurrent`]).
+    ///
+    /// The write-ahead log is replayed strictly (only a torn last record, which a crash
+    /// leaves, is tolerated). A log damaged anywhere else is replayed up to the damage,
+    /// as RocksDB's point-in-time recovery does, and [`RocksDbStore::recovered`] says so:
+    /// the records written after it are lost, and the agent reports the store degraded
+    /// rather than carrying on as if nothing happened.
     pub fn open(path: &Path, options: RocksDbOptions) -> Result<Self, OpenError> {
+        let create = new_database_dir(path)?;
+        match Self::open_with(
+            path,
+            options,
+            create,
+            DBRecoveryMode::TolerateCorruptedTailRecords,
+        ) {
+            Err(OpenError::Open { source, .. })
+                if source.kind() == rocksdb::ErrorKind::Corruption =>
+            {
+                tracing::error!(dir = %path.display(), error = %source, "the state database's write-ahead log is damaged; recovering up to the damage");
+                let mut store = Self::open_with(path, options, false, DBRecoveryMode::PointInTime)?;
+                store.recovered = Some(format!(
+                    "the write-ahead log was damaged ({source}); state written after the damage was lost and is rebuilt from the specs and the running tasks"
+                ));
+                Ok(store)
+            }
+            opened => opened,
+        }
+    }
+
+    /// What was lost when the database was opened, when its write-ahead log was damaged.
+    pub fn recovered(&self) -> Option<&str> {
+        self.recovered.as_deref()
+    }
+
+    fn open_with(
+        path: &Path,
+        options: RocksDbOptions,
+        create: bool,
+        recovery: DBRecoveryMode,
+    ) -> Result<Self, OpenError> {
         let open_error = |source| OpenError::Open {
             path: path.to_owned(),
             source,
@@ -183,8 +281,9 @@ impl RocksDbStore {
         family_options.set_max_write_buffer_number(2);
 
         let mut db_options = family_options.clone();
-        db_options.create_if_missing(true);
+        db_options.create_if_missing(create);
         db_options.create_missing_column_families(true);
+        db_options.set_wal_recovery_mode(recovery);
         db_options.set_write_buffer_manager(&buffers);
         // A node agent's state is small: bound the WAL, files and threads.
         db_options.set_max_total_wal_size(4 << 20);
@@ -229,6 +328,7 @@ impl RocksDbStore {
             skipped_writes: AtomicU64::new(0),
             deletes: AtomicU64::new(0),
             bytes_written: AtomicU64::new(0),
+            recovered: None,
         };
         store.check_layout()?;
         Ok(store)
@@ -670,6 +770,83 @@ mod tests {
             lines.iter().all(|line| line.contains("source=\"rocksdb\"")),
             "{text}"
         );
+    }
+
+    #[test]
+    fn a_state_dir_whose_current_is_gone_is_refused_untouched_and_opens_once_it_is_back() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        store.put_alloc(&sample_record("web", 1)).expect("put");
+        drop(store);
+        let current = std::fs::read(dir.path().join("CURRENT")).expect("CURRENT");
+        std::fs::remove_file(dir.path().join("CURRENT")).expect("removed");
+        let mut before = file_names(dir.path());
+        before.sort();
+
+        let error = RocksDbStore::open(dir.path(), RocksDbOptions::default()).expect_err("refused");
+        let text = error.to_string();
+        assert!(matches!(error, OpenError::LostCurrent { .. }), "{text}");
+        assert!(text.contains(&dir.path().display().to_string()), "{text}");
+        assert!(text.contains("no CURRENT file"), "{text}");
+        assert!(text.contains("MANIFEST-"), "{text}");
+        let mut after = file_names(dir.path());
+        after.sort();
+        assert_eq!(before, after, "nothing created or removed");
+
+        std::fs::write(dir.path().join("CURRENT"), current).expect("restored");
+        let store = open(dir.path());
+        assert!(store.recovered().is_none());
+        let loaded = store.load_allocs().expect("loads");
+        assert_eq!(loaded.len(), 1);
+    }
+
+    #[test]
+    fn a_new_database_is_made_in_a_missing_or_empty_dir_only() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        drop(open(&dir.path().join("missing")));
+        let empty = tempfile::tempdir().expect("temp dir");
+        drop(open(empty.path()));
+        let other = tempfile::tempdir().expect("temp dir");
+        std::fs::write(other.path().join("000004.log"), b"").expect("a stray log");
+        let error =
+            RocksDbStore::open(other.path(), RocksDbOptions::default()).expect_err("refused");
+        assert!(matches!(error, OpenError::LostCurrent { .. }), "{error}");
+    }
+
+    #[test]
+    fn garbage_in_the_middle_of_the_write_ahead_log_is_recovered_up_to_it_and_said() {
+        let dir = tempfile::tempdir().expect("temp dir");
+        let store = open(dir.path());
+        for n in 0..40 {
+            store
+                .put_alloc(&sample_record(&format!("web-{n:02}"), 1))
+                .expect("put");
+        }
+        drop(store);
+        let log = file_names(dir.path())
+            .into_iter()
+            .filter(|name| name.ends_with(".log"))
+            .max()
+            .map(|name| dir.path().join(name))
+            .expect("a write-ahead log");
+        let mut bytes = std::fs::read(&log).expect("read");
+        assert!(bytes.len() > 4096, "{} bytes", bytes.len());
+        let middle = bytes.len() / 2;
+        bytes[middle..middle + 64].fill(0xa5);
+        std::fs::write(&log, bytes).expect("damaged");
+
+        let store = open(dir.path());
+        let recovered = store.recovered().expect("the damage is said");
+        assert!(recovered.contains("write-ahead log"), "{recovered}");
+        let loaded = store.load_allocs().expect("loads");
+        assert!(
+            !loaded.is_empty() && loaded.len() < 40,
+            "recovered up to the damage: {}",
+            loaded.len()
+        );
+        drop(store);
+        // Recovered once: the next open is clean.
+        assert!(open(dir.path()).recovered().is_none());
     }
 
     #[test]
