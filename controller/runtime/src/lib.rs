@@ -19,4 +19,5 @@ pub mod registry;
 pub mod source;
 pub mod spec_files;
 pub mod store;
+mod unrecorded;
 pub mod watch;

@@ -203,6 +203,9 @@ pub struct RestoreReport {
     pub corrupt: Vec<store::CorruptRecord>,
     /// Records with no task state, deleted.
     pub dropped: usize,
+    /// Runs of tasks that no record names, left running for their tasks' starts to
+    /// reattach.
+    pub unrecorded: usize,
 }
 
 /// The node: its allocs, their workers and their published statuses.
@@ -266,7 +269,8 @@ impl Node {
 
     /// Resumes every alloc in the store: running tasks are reattached, not restarted.
     /// Tasks that no record names (an earlier agent started them and stopped before it
-    /// wrote their record) are stopped first, whether or not a spec still declares them.
+    /// wrote their record, or the store lost it) are left running: the start of the same
+    /// task of the same revision reattaches them.
     pub fn restore(&self) -> Result<RestoreReport, StoreError> {
         let mut report = RestoreReport::default();
         let mut resumed = Vec::new();
@@ -324,10 +328,12 @@ impl Node {
                 }
             }
         }
-        // Before any worker runs, so that no start of this agent can be taken for one the
-        // last agent made and never recorded.
+        // Before any worker runs: what runs without a record is reattached by the start
+        // of its task, never started twice and never killed for want of a record.
         for (_, driver) in self.shared.context.drivers.iter() {
-            driver.stop_unrecorded(&recorded);
+            let runs = driver.unrecorded_runs(&recorded);
+            report.unrecorded += runs.len();
+            self.shared.context.unrecorded.add(runs);
         }
         for (name, restored) in resumed {
             self.spawn(
@@ -620,7 +626,26 @@ impl Node {
         StoreHealthReport {
             failures: self.store_errors(),
             behind,
-            lost: self.conditions().store_lost.clone(),
+            lost: self
+                .conditions()
+                .store_lost
+                .iter()
+                .cloned()
+                .chain(
+                    self.shared
+                        .context
+                        .unrecorded
+                        .left(|handle| {
+                            handle.pid.is_some_and(|pid| {
+                                std::path::Path::new(&format!("/proc/{pid}")).exists()
+                            })
+                        })
+                        .into_iter()
+                        .map(|run| {
+                            format!("a task no record names is left running, as no spec claims its alloc revision: {run}")
+                        }),
+                )
+                .collect(),
         }
     }
 

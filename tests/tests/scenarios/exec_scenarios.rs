@@ -267,49 +267,91 @@ async fn a_restarted_agent_reattaches_to_the_same_pids_without_new_started_event
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_task_started_but_never_recorded_is_stopped_at_the_next_restore_though_its_spec_is_gone()
+async fn a_task_no_record_names_is_left_running_and_reattached_when_its_revision_is_applied_again()
 {
     let h = ExecNode::new();
-    for name in ["kept", "unrecorded", "unreadable"] {
+    let names = ["kept", "unrecorded", "edited", "unreadable"];
+    for name in names {
         h.node.apply(shell_alloc(name, "exec sleep 1000", ""));
     }
-    h.until("all run", |h| {
-        ["kept", "unrecorded", "unreadable"]
-            .iter()
-            .all(|n| h.pid(n, "t").is_some())
-    })
-    .await;
+    h.until("all run", |h| names.iter().all(|n| h.pid(n, "t").is_some()))
+        .await;
     let pid = |name: &str| h.pid(name, "t").expect("a pid");
-    let (kept, unrecorded, unreadable) = (pid("kept"), pid("unrecorded"), pid("unreadable"));
+    let (kept, unrecorded, edited, unreadable) = (
+        pid("kept"),
+        pid("unrecorded"),
+        pid("edited"),
+        pid("unreadable"),
+    );
     let unrecorded_id = h.alloc_id("unrecorded");
+    let edited_id = h.alloc_id("edited");
     let unreadable_id = h.alloc_id("unreadable");
 
-    // The agent stops after the start and before the record of "unrecorded" (as if it
-    // died in between), whose spec is then deleted while no agent runs; the record of
-    // "unreadable" is damaged meanwhile.
+    // The records of "unrecorded" and "edited" are lost while no agent runs (as if the
+    // agent died between their starts and their records, or the store lost them); the
+    // record of "unreadable" is damaged.
     let down = h.detach().await;
     let name = |n: &str| n.parse().expect("a name");
-    down.store
-        .delete_alloc(&name("unrecorded"))
-        .expect("deleted");
+    for lost in ["unrecorded", "edited"] {
+        down.store.delete_alloc(&name(lost)).expect("deleted");
+    }
     down.store.corrupt("unreadable", b"not a record".to_vec());
     let (h, report) = down.restore();
     assert_eq!(report.corrupt.len(), 1, "{:?}", report.corrupt);
+    assert_eq!(report.unrecorded, 2, "{report:?}");
 
-    eventually("the task no record names is stopped", || !alive(unrecorded)).await;
-    eventually("nothing of it remains", || {
-        processes_of_alloc(&unrecorded_id).is_empty()
-    })
-    .await;
-    assert!(alive(kept), "a recorded task is reattached, not stopped");
-    assert!(
-        alive(unreadable),
-        "what runs for an alloc whose record cannot be read is left alone"
-    );
     h.until("the recorded task is reattached", |h| {
         h.pid("kept", "t") == Some(kept) && h.task_state("kept", "t").as_deref() == Some("running")
     })
     .await;
+    for (what, pid) in [
+        ("unrecorded", unrecorded),
+        ("edited", edited),
+        ("unreadable", unreadable),
+    ] {
+        assert!(
+            alive(pid),
+            "{what}: a task without a usable record is never killed for it"
+        );
+    }
+    let lost = h.node.store_health().lost;
+    assert_eq!(lost.len(), 2, "{lost:?}");
+    assert!(lost.iter().any(|l| l.contains(&unrecorded_id)), "{lost:?}");
+    assert!(!h.node.store_health().is_healthy());
+
+    // Its spec, applied again at the same revision, reattaches the run: no second start.
+    h.node
+        .apply(shell_alloc("unrecorded", "exec sleep 1000", ""));
+    h.until("the unrecorded run is reattached", |h| {
+        h.pid("unrecorded", "t") == Some(unrecorded)
+            && h.task_state("unrecorded", "t").as_deref() == Some("running")
+    })
+    .await;
+    assert_eq!(processes_of_alloc(&unrecorded_id), [unrecorded]);
+    assert_eq!(h.count("unrecorded", "t", "Started"), 1);
+
+    // An edited spec (the spec moved on while no agent ran) stops the old revision's run
+    // before its own starts.
+    h.node.apply(shell_alloc("edited", "exec sleep 1001", ""));
+    h.until("the new revision runs", |h| {
+        h.pid("edited", "t").is_some_and(|pid| pid != edited)
+            && h.task_state("edited", "t").as_deref() == Some("running")
+    })
+    .await;
+    eventually("the old revision's run is stopped", || !alive(edited)).await;
+    eventually("nothing of the old revision remains", || {
+        processes_of_alloc(&edited_id).is_empty()
+    })
+    .await;
+    assert!(
+        h.node.store_health().lost.is_empty(),
+        "{:?}",
+        h.node.store_health()
+    );
+    assert!(
+        alive(unreadable),
+        "what runs for an alloc whose record cannot be read is left alone"
+    );
     h.drain().await;
     // No agent knows it any more: the test kills it.
     for pid in processes_of_alloc(&unreadable_id) {
@@ -320,7 +362,7 @@ async fn a_task_started_but_never_recorded_is_stopped_at_the_next_restore_though
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_start_in_flight_at_a_crash_is_run_once_again_with_the_earlier_run_stopped_first() {
+async fn a_start_in_flight_at_a_crash_is_reattached_not_run_again() {
     let h = ExecNode::new();
     let spec = shell_alloc("inflight", "exec sleep 1000", "");
     h.node.apply(spec.clone());
@@ -344,17 +386,16 @@ async fn a_start_in_flight_at_a_crash_is_run_once_again_with_the_earlier_run_sto
     down.store.put_alloc(&record).expect("written");
 
     let h = down.start_agent();
-    eventually("the earlier run is stopped", || !alive(old)).await;
     h.node.apply(spec);
-    h.until("it runs once again", |h| {
-        h.pid("inflight", "t").is_some_and(|pid| pid != old)
+    h.until("the run is reattached", |h| {
+        h.pid("inflight", "t") == Some(old)
             && h.task_state("inflight", "t").as_deref() == Some("running")
     })
     .await;
-    let new = h.pid("inflight", "t").expect("a pid");
-    // A process on its way out may still be listed for a moment; two runs never settle.
-    eventually("exactly one run", || processes_of_alloc(&alloc_id) == [new]).await;
+    assert!(alive(old));
+    assert_eq!(processes_of_alloc(&alloc_id), [old], "exactly one run");
     h.drain().await;
+    eventually("drained", || !alive(old)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -76,6 +76,8 @@ pub(crate) struct WorkerContext {
     /// Where alloc dirs live, when the node has them (sticky disks move between them,
     /// and destroying an alloc removes its own).
     pub(crate) alloc_dirs: Option<AllocDirs>,
+    /// Runs no record names, which the starts of their tasks reattach.
+    pub(crate) unrecorded: crate::unrecorded::Unrecorded,
     registry: Arc<Registry>,
 }
 
@@ -104,6 +106,7 @@ impl WorkerContext {
             writer: StoreWriter::new(store),
             clock,
             alloc_dirs,
+            unrecorded: crate::unrecorded::Unrecorded::default(),
             registry,
         }
     }

@@ -81,6 +81,23 @@ pub(super) fn task_env(
 
 /// Waits for the task to exit and reports it, unless cancelled first: a driver is never
 /// trusted to end its wait after a kill.
+/// How long a run of a superseded revision that no record named may take to die once
+/// killed, before the new revision starts anyway.
+const SUPERSEDED_KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Stops a run of another revision of the alloc that no record named (the spec moved on
+/// while no agent ran): killed, waited for, released.
+async fn stop_superseded(driver: Arc<dyn Driver>, handle: TaskHandle) {
+    if driver.recover(&handle).await.is_err() {
+        return; // gone already
+    }
+    tracing::warn!(id = %handle.id, pid = handle.pid, "stopping a run of another revision of this alloc that no record named");
+    if driver.kill(&handle).await.is_ok() {
+        let _ = tokio::time::timeout(SUPERSEDED_KILL_WAIT, driver.wait(handle.clone())).await;
+    }
+    driver.destroy(&handle).await;
+}
+
 pub(super) async fn watch_exit(
     driver: Arc<dyn Driver>,
     handle: TaskHandle,
@@ -222,7 +239,35 @@ impl Worker {
         }
         let span = tracing::info_span!("task", task = %task, run);
         let devices = self.shared.config.devices.clone();
+        let alloc_id = request.alloc_id.to_string();
+        let adopted = self.shared.unrecorded.take(&alloc_id, &task);
+        let superseded: Vec<_> = self
+            .shared
+            .unrecorded
+            .take_other_revisions(&alloc_id)
+            .into_iter()
+            .filter_map(|handle| Some((self.shared.drivers.get(handle.driver)?, handle)))
+            .collect();
         let operation = async move {
+            for (driver, handle) in superseded {
+                stop_superseded(driver, handle).await;
+            }
+            if let Some(handle) = adopted {
+                match driver.recover(&handle).await {
+                    Ok(()) => {
+                        tracing::warn!(
+                            pid = handle.pid,
+                            "reattached a run of this task that no record named, instead of starting another"
+                        );
+                        tx.send(task.clone(), run, OpReport::Started(handle.clone()));
+                        watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
+                        return;
+                    }
+                    Err(error) => {
+                        tracing::info!(error = %error_chain(&error), "the run of this task that no record named is gone; starting anew");
+                    }
+                }
+            }
             if !held.is_empty() {
                 match devices.reservation(&held).await {
                     Ok(reservation) => {

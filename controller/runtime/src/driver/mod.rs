@@ -288,7 +288,7 @@ impl DriverError {
 }
 
 /// What the stored records say about the tasks earlier agents started, for
-/// [`Driver::stop_unrecorded`].
+/// [`Driver::unrecorded_runs`].
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct RecordedRuns {
     /// Every driver handle a readable record names, whatever its driver.
@@ -305,6 +305,17 @@ impl RecordedRuns {
         let name = alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name);
         self.unreadable.iter().any(|unreadable| unreadable == name)
     }
+}
+
+/// A run of a task that no record names, found by [`Driver::unrecorded_runs`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct UnrecordedRun {
+    /// The id of the alloc revision it belongs to (`<name>-<revision>`).
+    pub alloc_id: String,
+    /// The task.
+    pub task: Name,
+    /// The handle that reattaches it.
+    pub handle: TaskHandle,
 }
 
 /// Runs tasks. One value per driver kind, shared by every alloc's worker.
@@ -342,13 +353,15 @@ pub trait Driver: Send + Sync + 'static {
     /// Releases everything held for the task; the task is dead.
     fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()>;
 
-    /// Called once by the restore, before any alloc's worker runs: stops every task an
-    /// earlier agent started that no record names (it died between the start and the
-    /// write of the record), except in allocs whose records could not be read. A driver
-    /// whose tasks die with the agent has nothing to do (the default). Blocking: it may
+    /// Called once by the restore, before any alloc's worker runs: the tasks an earlier
+    /// agent started that no record names (it died between the start and the write of
+    /// the record, or the store lost the record), except in allocs whose records could
+    /// not be read. They are left running: the start of their task reattaches them. A
+    /// driver whose tasks die with the agent finds none (the default). Blocking: it may
     /// read the data dir.
-    fn stop_unrecorded(&self, recorded: &RecordedRuns) {
+    fn unrecorded_runs(&self, recorded: &RecordedRuns) -> Vec<UnrecordedRun> {
         let _ = recorded;
+        Vec::new()
     }
 
     /// Runs a command in a running task's context (its dir, environment and user) and

@@ -59,7 +59,7 @@ use self::run::RunId;
 use self::user::Account;
 use super::{
     BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health, RecordedRuns,
-    StartRequest, TaskHandle, TaskResources, TaskStats, signal_number,
+    StartRequest, TaskHandle, TaskResources, TaskStats, UnrecordedRun, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -482,34 +482,52 @@ impl Inner {
             process::kill_all(process::descendants(supervisor.pid));
             return true;
         }
-        let _ = std::fs::remove_file(protocol::run_record_path(&task_dir.control, run));
-        let _ = std::fs::remove_file(protocol::exit_record_path(&task_dir.control, run));
-        let _ = std::fs::remove_file(oom_marker_path(&task_dir.control, run));
+        Self::remove_run_records(task_dir, run);
         false
     }
 
-    /// Stops every run in the alloc dirs that no record names, and removes the cgroups
-    /// of such runs, except in the allocs whose records could not be read (see
-    /// [`Driver::stop_unrecorded`]).
-    fn stop_unrecorded(&self, recorded: &RecordedRuns) {
-        let known: HashSet<String> = recorded
+    /// Removes the records of `run`, which no supervisor works on any more.
+    fn remove_run_records(task_dir: &TaskDir, run: &str) {
+        let _ = std::fs::remove_file(protocol::run_record_path(&task_dir.control, run));
+        let _ = std::fs::remove_file(protocol::exit_record_path(&task_dir.control, run));
+        let _ = std::fs::remove_file(oom_marker_path(&task_dir.control, run));
+    }
+
+    /// The runs in the alloc dirs that no record names and whose supervisor still works,
+    /// as handles a start of their task reattaches (see [`Driver::unrecorded_runs`]);
+    /// the records of runs no one works on any more are removed, and so are the cgroups
+    /// of runs no record names that are gone. Allocs whose records could not be read are
+    /// left alone.
+    fn unrecorded_runs(&self, recorded: &RecordedRuns) -> Vec<UnrecordedRun> {
+        let mut known: HashSet<String> = recorded
             .handles
             .iter()
             .filter(|handle| handle.driver == DriverKind::Exec)
             .filter_map(|handle| RunId::parse(&handle.id).map(|id| id.run))
             .collect();
-        self.stop_unrecorded_runs(&known, recorded);
+        let live = self.find_unrecorded_runs(&known, recorded);
+        known.extend(
+            live.iter()
+                .filter_map(|run| RunId::parse(&run.handle.id).map(|id| id.run)),
+        );
         self.remove_unrecorded_cgroups(&known, recorded);
+        live
     }
 
-    /// The runs in the alloc dirs that `known` does not name are stopped.
-    fn stop_unrecorded_runs(&self, known: &HashSet<String>, recorded: &RecordedRuns) {
+    /// The runs in the alloc dirs that `known` does not name and whose supervisor still
+    /// works; the records of such runs whose supervisor is gone are removed.
+    fn find_unrecorded_runs(
+        &self,
+        known: &HashSet<String>,
+        recorded: &RecordedRuns,
+    ) -> Vec<UnrecordedRun> {
+        let mut live = Vec::new();
         let allocs = match std::fs::read_dir(self.dirs.root()) {
             Ok(allocs) => allocs,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => return, // a new node
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return live, // a new node
             Err(error) => {
                 tracing::warn!(dir = %self.dirs.root().display(), %error, "cannot search the alloc dirs for tasks no record names");
-                return;
+                return live;
             }
         };
         for entry in allocs.filter_map(Result::ok) {
@@ -541,12 +559,41 @@ impl Inner {
                     if known.contains(&run) || self.watches(&run) {
                         continue;
                     }
-                    if Self::stop_unwatched(&task_dir, &run, &record) {
-                        tracing::warn!(alloc = %alloc_id, task = %name, run = %run, "stopped a task that no record names: an earlier agent started it and stopped before recording it");
+                    let supervisor = ProcessId {
+                        pid: record.supervisor_pid,
+                        start: record.supervisor_start,
+                    };
+                    if !supervisor.exists_in(&task_dir.dir) {
+                        Self::remove_run_records(&task_dir, &run);
+                        continue;
                     }
+                    let process = ProcessId {
+                        pid: record.task_pid,
+                        start: record.task_start,
+                    };
+                    let id = RunId {
+                        alloc_id: alloc_id.to_owned(),
+                        task: name.clone(),
+                        run: run.clone(),
+                        supervisor,
+                        process,
+                    };
+                    tracing::warn!(alloc = %alloc_id, task = %name, run = %run, pid = record.task_pid, "found a task no record names; it is left running for its alloc to reattach");
+                    live.push(UnrecordedRun {
+                        alloc_id: alloc_id.to_owned(),
+                        task: name.clone(),
+                        handle: TaskHandle {
+                            driver: DriverKind::Exec,
+                            id: id.to_id(),
+                            pid: Some(record.task_pid),
+                            started_at: process::started_at(process.start)
+                                .unwrap_or_else(|| self.clock.now()),
+                        },
+                    });
                 }
             }
         }
+        live
     }
 
     /// Empties and removes the cgroups of runs no record names (an agent died between a
@@ -1213,8 +1260,8 @@ impl Driver for ExecDriver {
             .unenforced(&Limits::of(resources, self.inner.mhz_per_core))
     }
 
-    fn stop_unrecorded(&self, recorded: &RecordedRuns) {
-        self.inner.stop_unrecorded(recorded);
+    fn unrecorded_runs(&self, recorded: &RecordedRuns) -> Vec<UnrecordedRun> {
+        self.inner.unrecorded_runs(recorded)
     }
 
     fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {

@@ -96,6 +96,19 @@ pub(crate) fn session_members(leader: ProcessId) -> Vec<u32> {
         .collect()
 }
 
+/// When a process that started `ticks` clock ticks after boot started.
+pub(crate) fn started_at(ticks: u64) -> Option<stead_schemas::Timestamp> {
+    let boot = procfs::boot_time_secs().ok()?;
+    let per_second = procfs::ticks_per_second();
+    if per_second == 0 {
+        return None;
+    }
+    let since_boot = std::time::Duration::from_millis(ticks.saturating_mul(1000) / per_second);
+    Some(stead_schemas::Timestamp::from_since_epoch(
+        std::time::Duration::from_secs(boot) + since_boot,
+    ))
+}
+
 fn start_time(pid: u32) -> Option<u64> {
     process(pid)?.stat().ok().map(|stat| stat.starttime)
 }
