@@ -123,6 +123,73 @@ pub async fn collect_once(node: &Arc<Node>, policy: &GcPolicy, data_dir: &Path) 
     }
 }
 
+/// The alloc dirs under `data_dir/allocs` that nothing claims: no alloc of their name is
+/// on the node (its record was lost, or it was destroyed while its dir could not be
+/// removed), no run of theirs waits to be reattached, and no process works in them.
+pub fn orphaned_alloc_dirs(node: &Node, data_dir: &Path) -> Vec<PathBuf> {
+    let root = data_dir.join("allocs");
+    let Ok(entries) = std::fs::read_dir(&root) else {
+        return Vec::new();
+    };
+    let candidates: Vec<PathBuf> = entries
+        .filter_map(Result::ok)
+        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
+        .filter(|entry| {
+            let name = entry.file_name();
+            let Some(id) = name.to_str() else {
+                return false;
+            };
+            let alloc = crate::unrecorded::name_of(id);
+            !node.claims_alloc_name(alloc)
+        })
+        .map(|entry| entry.path())
+        .collect();
+    if candidates.is_empty() {
+        return candidates;
+    }
+    let busy = working_dirs();
+    candidates
+        .into_iter()
+        .filter(|dir| !busy.iter().any(|cwd| cwd.starts_with(dir)))
+        .collect()
+}
+
+/// The working directories of every process (a task's supervisor works in its task dir).
+fn working_dirs() -> Vec<PathBuf> {
+    let Ok(entries) = std::fs::read_dir("/proc") else {
+        return Vec::new();
+    };
+    entries
+        .filter_map(Result::ok)
+        .filter(|entry| {
+            entry
+                .file_name()
+                .to_str()
+                .is_some_and(|n| n.bytes().all(|b| b.is_ascii_digit()))
+        })
+        .filter_map(|entry| std::fs::read_link(entry.path().join("cwd")).ok())
+        .collect()
+}
+
+/// Removes the alloc dirs nothing claims ([`orphaned_alloc_dirs`]); what it removed.
+pub async fn collect_orphaned_dirs(node: &Arc<Node>, data_dir: &Path) -> Vec<PathBuf> {
+    let node = node.clone();
+    let data_dir = data_dir.to_owned();
+    let removal = tokio::task::spawn_blocking(move || {
+        let mut removed = Vec::new();
+        for dir in orphaned_alloc_dirs(&node, &data_dir) {
+            match std::fs::remove_dir_all(&dir) {
+                Ok(()) => removed.push(dir),
+                Err(error) => {
+                    tracing::warn!(dir = %dir.display(), %error, "cannot remove an alloc dir nothing claims");
+                }
+            }
+        }
+        removed
+    });
+    removal.await.unwrap_or_default()
+}
+
 /// Runs a pass every `settings.interval`, forever (the agent aborts it on exit).
 pub async fn run(node: Arc<Node>, settings: GcSettings, data_dir: PathBuf) {
     let mut interval = tokio::time::interval(settings.interval);
@@ -131,6 +198,9 @@ pub async fn run(node: Arc<Node>, settings: GcSettings, data_dir: PathBuf) {
     loop {
         interval.tick().await;
         let report = collect_once(&node, &settings.policy, &data_dir).await;
+        for dir in collect_orphaned_dirs(&node, &data_dir).await {
+            tracing::info!(dir = %dir.display(), "removed an alloc dir no alloc claims");
+        }
         if !report.collected.is_empty() || !report.refused.is_empty() {
             tracing::info!(
                 collected = report.collected.len(),

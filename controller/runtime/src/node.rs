@@ -649,6 +649,15 @@ impl Node {
         }
     }
 
+    /// Whether the node holds an alloc named `name`, or a run of one that no record
+    /// names: its alloc dirs are the alloc's to remove, not garbage collection's.
+    pub fn claims_alloc_name(&self, name: &str) -> bool {
+        let held = name
+            .parse::<Name>()
+            .is_ok_and(|name| self.shared.registry.slots().contains_key(&name));
+        held || self.shared.context.unrecorded.holds_alloc(name)
+    }
+
     fn conditions(&self) -> std::sync::MutexGuard<'_, Conditions> {
         self.shared
             .conditions

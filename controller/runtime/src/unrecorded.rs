@@ -18,7 +18,7 @@ pub(crate) struct Unrecorded {
 }
 
 /// The alloc name of alloc id `<name>-<revision>`.
-fn name_of(alloc_id: &str) -> &str {
+pub(crate) fn name_of(alloc_id: &str) -> &str {
     alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name)
 }
 
@@ -51,6 +51,11 @@ impl Unrecorded {
             .partition(|run| run.alloc_id != alloc_id && name_of(&run.alloc_id) == name);
         *runs = kept;
         others.into_iter().map(|run| run.handle).collect()
+    }
+
+    /// Whether a run no start has taken belongs to an alloc named `name`.
+    pub(crate) fn holds_alloc(&self, name: &str) -> bool {
+        self.runs().iter().any(|run| name_of(&run.alloc_id) == name)
     }
 
     /// The runs no start has taken whose process `alive` says still runs, described

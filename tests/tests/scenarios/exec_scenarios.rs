@@ -520,3 +520,37 @@ async fn a_task_writing_50_mb_with_1_mb_files_leaves_exactly_3_files_of_whole_li
     }
     assert_eq!(expected_next, Some(524_289), "the last line is kept");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them() {
+    let h = ExecNode::new();
+    h.node.apply(shell_alloc("kept", "exec sleep 1000", ""));
+    h.until("running", |h| h.pid("kept", "t").is_some()).await;
+    let allocs = h.data.path().join("allocs");
+    // Left by records lost in a crash: no alloc of their name is on the node.
+    for orphan in ["ghost-0123abcd", "busy-0123abcd"] {
+        std::fs::create_dir_all(allocs.join(orphan).join("t")).expect("dir");
+    }
+    let mut worker = std::process::Command::new("sleep")
+        .arg("1000")
+        .current_dir(allocs.join("busy-0123abcd/t"))
+        .spawn()
+        .expect("spawned");
+
+    let orphans = stead_controller::gc::orphaned_alloc_dirs(&h.node, h.data.path());
+    assert_eq!(
+        orphans,
+        [allocs.join("ghost-0123abcd")],
+        "a dir a process works in is kept"
+    );
+    worker.kill().expect("killed");
+    worker.wait().expect("reaped");
+    let mut orphans = stead_controller::gc::orphaned_alloc_dirs(&h.node, h.data.path());
+    orphans.sort();
+    assert_eq!(
+        orphans,
+        [allocs.join("busy-0123abcd"), allocs.join("ghost-0123abcd")]
+    );
+    assert!(allocs.join(h.alloc_id("kept")).is_dir());
+    h.drain().await;
+}
