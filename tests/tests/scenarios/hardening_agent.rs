@@ -1,13 +1,14 @@
 //! The agent against hostile files and lost state, through the real `stead agent`
 //! binary: entries of the specs dir that cannot be read (a FIFO, a link to a device, a
-//! dangling link, a link loop) hold nothing up, and a link to a secret outside the specs
-//! dir shows nothing of it.
+//! dangling link, a link loop) hold nothing up, a link to a secret outside the specs dir
+//! shows nothing of it, and a store that lost its `CURRENT` or part of its write-ahead
+//! log kills no task.
 
 use crate::agent_support;
 
 use std::time::{Duration, Instant};
 
-use agent_support::{Agent, AgentDirs, service_spec, unique_nap, wait_for};
+use agent_support::{Agent, AgentDirs, processes_with, service_spec, unique_nap, wait_for};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 
@@ -131,5 +132,129 @@ fn a_link_to_a_secret_outside_the_specs_dir_shows_nothing_of_it() {
     assert!(
         log.contains("s.yaml:"),
         "the file and place are named: {log}"
+    );
+}
+
+/// The pid of task `main` of `name` once it runs.
+fn running_pid(agent: &Agent, name: &str) -> u32 {
+    agent
+        .wait_for_task(name, &format!("{name} running"), DEADLINE, |task| {
+            task.state == "running" && task.pid.is_some()
+        })
+        .pid
+        .expect("a pid")
+}
+
+#[test]
+fn a_lost_current_file_stops_the_next_agent_before_it_touches_a_task_and_once_back_all_is_reattached()
+ {
+    let dirs = AgentDirs::new("");
+    let marker = unique_nap();
+    dirs.write_spec("web", &service_spec("web", &marker));
+    let agent = dirs.start();
+    let first = running_pid(&agent, "web");
+    // One restart, so that the count has something to keep.
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(first as i32).expect("a pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("killed");
+    let task = agent.wait_for_task("web", "restarted", DEADLINE, |task| {
+        task.restarts == 1 && task.state == "running" && task.pid.is_some_and(|p| p != first)
+    });
+    let pid = task.pid.expect("a pid");
+    agent.kill9();
+
+    let current = dirs.data.join("state/CURRENT");
+    let saved = std::fs::read(&current).expect("CURRENT");
+    std::fs::remove_file(&current).expect("removed");
+    let mut refused = dirs.launch();
+    let status = wait_for("the agent exits", DEADLINE, || {
+        refused
+            .child
+            .try_wait()
+            .expect("waits")
+            .ok_or_else(|| "still running".to_owned())
+    });
+    assert!(!status.success(), "{status}");
+    let log = refused.log_text();
+    assert!(log.contains("no CURRENT file"), "{log}");
+    assert!(
+        log.contains(&dirs.data.join("state").display().to_string()),
+        "{log}"
+    );
+    assert!(!current.exists(), "no new database made");
+    assert_eq!(processes_with(&marker).len(), 1, "the task runs on");
+    assert!(
+        std::path::Path::new(&format!("/proc/{pid}")).exists(),
+        "the task is not killed"
+    );
+
+    std::fs::write(&current, saved).expect("restored");
+    let agent = dirs.start();
+    let task = agent.wait_for_task("web", "reattached", DEADLINE, |task| {
+        task.state == "running" && task.pid == Some(pid)
+    });
+    assert_eq!(task.restarts, 1, "counts intact");
+    let health = health(&agent);
+    assert_eq!(health["status"], "ok", "{health}");
+}
+
+#[test]
+fn garbage_in_the_write_ahead_log_degrades_the_store_and_kills_no_task() {
+    let dirs = AgentDirs::new("");
+    let marker = unique_nap();
+    let names: Vec<String> = (0..8).map(|n| format!("svc{n}")).collect();
+    let agent = dirs.start();
+    let mut pids = Vec::new();
+    // One at a time, so that their records follow each other through the log.
+    for name in &names {
+        dirs.write_spec(name, &service_spec(name, &marker));
+        pids.push(running_pid(&agent, name));
+    }
+    agent.kill9();
+
+    let state = dirs.data.join("state");
+    let log = std::fs::read_dir(&state)
+        .expect("state dir")
+        .filter_map(Result::ok)
+        .map(|entry| entry.path())
+        .filter(|path| path.extension().is_some_and(|e| e == "log"))
+        .max_by_key(|path| std::fs::metadata(path).map(|m| m.len()).unwrap_or(0))
+        .expect("a write-ahead log");
+    let mut bytes = std::fs::read(&log).expect("read");
+    assert!(bytes.len() > 8192, "{} bytes", bytes.len());
+    let middle = bytes.len() / 2;
+    bytes[middle..middle + 64].fill(0xa5);
+    std::fs::write(&log, bytes).expect("damaged");
+
+    let agent = dirs.start();
+    let health = health(&agent);
+    assert_eq!(health["status"], "degraded", "{health}");
+    let store = &health["components"]["store"];
+    assert_eq!(store["healthy"], false, "{health}");
+    assert!(
+        store["message"]
+            .as_str()
+            .is_some_and(|m| m.contains("write-ahead log")),
+        "{health}"
+    );
+    for (name, pid) in names.iter().zip(&pids) {
+        let task = agent.wait_for_task(name, "the same run", DEADLINE, |task| {
+            task.state == "running" && task.pid.is_some()
+        });
+        assert_eq!(task.pid, Some(*pid), "{name} was not restarted");
+    }
+    assert_eq!(
+        processes_with(&marker).len(),
+        names.len(),
+        "one run each, none started twice"
+    );
+    // The records lost with the damage named runs that are found and reattached.
+    let log = agent.log_text();
+    assert!(log.contains("found a task no record names"), "{log}");
+    assert!(
+        log.contains("reattached a run of this task that no record named"),
+        "{log}"
     );
 }
