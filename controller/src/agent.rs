@@ -206,7 +206,9 @@ pub enum AgentError {
         config: PathBuf,
     },
     /// `token: none` with a TCP listener that is not on loopback.
-    #[error("`token: none` serves the api to whoever can connect, so only on loopback or the unix socket, but `listen` is {listen} ({address}); set a loopback `listen` such as 127.0.0.1:4750, `listen: null` to serve only the `socket`, or remove `token: none` to require the token generated in <dataDir>/api-token")]
+    #[error(
+        "`token: none` serves the api to whoever can connect, so only on loopback or the unix socket, but `listen` is {listen} ({address}); set a loopback `listen` such as 127.0.0.1:4750, `listen: null` to serve only the `socket`, or remove `token: none` to require the token generated in <dataDir>/api-token"
+    )]
     OpenApiNotOnLoopback {
         /// The address as configured.
         listen: String,
@@ -516,7 +518,8 @@ fn read_generated_token(path: &Path) -> Result<Option<String>, AgentError> {
         problem,
         source,
     };
-    let flags = rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC;
+    let flags =
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC;
     let file = match rustix::fs::open(path, flags, rustix::fs::Mode::empty()) {
         Ok(fd) => std::fs::File::from(fd),
         Err(rustix::io::Errno::NOENT) => return Ok(None),

@@ -370,7 +370,10 @@ pub(super) async fn health(State(state): State<ApiState>, headers: HeaderMap) ->
             format!("driver.{name}"),
             ComponentHealth {
                 healthy: fingerprint.health == Health::Healthy,
-                message: Some(format!("{}: {}", fingerprint.health, fingerprint.description)),
+                message: Some(format!(
+                    "{}: {}",
+                    fingerprint.health, fingerprint.description
+                )),
             },
         );
     }

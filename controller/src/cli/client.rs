@@ -274,7 +274,11 @@ mod tests {
             ("[::]:4750", false),
         ];
         for (address, local) in cases {
-            assert_eq!(is_local_address(address).expect(address), local, "{address}");
+            assert_eq!(
+                is_local_address(address).expect(address),
+                local,
+                "{address}"
+            );
         }
     }
 

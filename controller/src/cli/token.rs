@@ -171,10 +171,7 @@ impl TokenSources {
             }
         }
         if notes.is_empty() {
-            let tried: Vec<String> = candidates
-                .iter()
-                .map(|p| p.display().to_string())
-                .collect();
+            let tried: Vec<String> = candidates.iter().map(|p| p.display().to_string()).collect();
             notes.push(format!("no token file at {}", tried.join(" or ")));
         }
         Ok(FoundToken {
@@ -217,8 +214,11 @@ mod tests {
         }
         std::fs::write(root.join("file"), " from-file \n").expect("write");
         let config = root.join("agent.yaml");
-        std::fs::write(&config, format!("dataDir: {}\n", root.join("config-data").display()))
-            .expect("write");
+        std::fs::write(
+            &config,
+            format!("dataDir: {}\n", root.join("config-data").display()),
+        )
+        .expect("write");
         let all = TokenSources {
             token: Some("flag".to_owned()),
             token_env: Some("env".to_owned()),

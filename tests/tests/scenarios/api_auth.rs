@@ -98,15 +98,18 @@ fn a_fresh_agent_without_a_token_generates_one_and_wants_it_everywhere_but_healt
     assert_eq!(code, 200, "{body}");
     let health: serde_json::Value = serde_json::from_str(&body).expect("health");
     assert_eq!(health["status"], "ok", "{body}");
-    assert_eq!(health["components"]["store"], serde_json::json!({"healthy": true}));
+    assert_eq!(
+        health["components"]["store"],
+        serde_json::json!({"healthy": true})
+    );
     assert!(!body.contains("message"), "{body}");
 
     // With it, everything, the task's output and health's messages included.
-    let logs = wait_for("the task's output", Duration::from_secs(10), || {
-        match agent.try_get("/v1/allocs/web/logs/main?type=stdout") {
-            Some((200, body)) if body.contains("hello-from-web") => Ok(body),
-            other => Err(format!("{other:?}")),
-        }
+    let logs = wait_for("the task's output", Duration::from_secs(10), || match agent
+        .try_get("/v1/allocs/web/logs/main?type=stdout")
+    {
+        Some((200, body)) if body.contains("hello-from-web") => Ok(body),
+        other => Err(format!("{other:?}")),
     });
     assert!(logs.contains("hello-from-web"));
     let (code, body) = agent.try_get("/v1/health").expect("the agent answers");
@@ -119,9 +122,15 @@ fn a_fresh_agent_without_a_token_generates_one_and_wants_it_everywhere_but_healt
         ("STEAD_ADDR", Path::new(&address)),
         ("STEAD_DATA_DIR", dirs.data.as_path()),
     ];
-    let list = cli(&["alloc", "list"], &env).output().expect("the cli runs");
+    let list = cli(&["alloc", "list"], &env)
+        .output()
+        .expect("the cli runs");
     assert!(list.status.success(), "{}", text(&list));
-    assert!(String::from_utf8_lossy(&list.stdout).contains("web"), "{}", text(&list));
+    assert!(
+        String::from_utf8_lossy(&list.stdout).contains("web"),
+        "{}",
+        text(&list)
+    );
     let logs = cli(&["alloc", "logs", "web", "main"], &env)
         .output()
         .expect("the cli runs");

@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-use stead_controller::agent::{AgentArgs, Settings};
+use stead_controller::agent::{API_TOKEN_FILE, AgentArgs, ApiAuth, Settings};
 use stead_schemas::config::AgentConfig;
 use stead_tests::workspace_dir;
 use tokio::net::UnixDatagram;
@@ -653,6 +653,39 @@ fn image_carries_python3_and_checks_health_without_a_token() {
     let test = strings(&compose["services"]["stead"]["healthcheck"]["test"]);
     assert_eq!(test.first().map(String::as_str), Some("CMD"));
     assert_eq!(test[1..], image[..], "compose checks as the image does");
+}
+
+#[test]
+fn every_shipped_config_guards_the_api_with_a_token_its_users_are_told_how_to_find() {
+    // Host and image: the token the agent generates, in the data dir the CLI looks in
+    // (the config's, at /etc/stead/agent.yaml, or /var/lib/stead).
+    let example = Settings::resolve(&args(&deploy("agent.yaml"))).expect("example config");
+    assert_eq!(example.token, ApiAuth::Generated);
+    assert_eq!(example.data_dir, Path::new("/var/lib/stead"));
+    let cmd: Vec<Value> = serde_json::from_str(
+        &dockerfile_instructions(&read(&deploy("Dockerfile")))
+            .iter()
+            .rfind(|(name, _)| name == "CMD")
+            .expect("a CMD")
+            .1,
+    )
+    .expect("CMD is JSON");
+    assert_eq!(flag(&cmd, "--config"), Some("/etc/stead/agent.yaml"));
+    // `make run`: the CLI's first fallback, from the repository root.
+    let dev = Settings::resolve(&args(&deploy("dev-agent.yaml"))).expect("dev config");
+    assert_eq!(dev.token, ApiAuth::Generated);
+    assert_eq!(dev.data_dir, Path::new("./stead-data"));
+    // Kubernetes: a token of the operator's, from a Secret.
+    let k8s = config_map_settings(&kubernetes_documents());
+    assert!(matches!(k8s.token, ApiAuth::Token(_)), "{:?}", k8s.token);
+    // Compose publishes the port, and says how to read the generated token.
+    for file in ["compose.yaml", "Dockerfile"] {
+        let text = read(&deploy(file));
+        assert!(
+            text.contains(&format!("/var/lib/stead/{API_TOKEN_FILE}")),
+            "{file} says where the token is"
+        );
+    }
 }
 
 #[test]

@@ -263,7 +263,8 @@ impl Agent {
             .set_read_timeout(Some(Duration::from_secs(10)))
             .ok()?;
         let body = if method == "POST" { "{}" } else { "" };
-        let authorization = token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
+        let authorization =
+            token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
         write!(
             stream,
             "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
