@@ -1,6 +1,7 @@
 //! The real `stead agent` for the benchmarks that measure it from outside: the release
 //! binary beside this one, on a specs directory of mock allocs in a temporary directory,
-//! with its API on a free loopback port; killed and its directory removed when dropped.
+//! with its API on a free loopback port and no token (`token: none`, which loopback
+//! allows); killed and its directory removed when dropped.
 
 use std::path::PathBuf;
 use std::process::{Child, Command, Stdio};
@@ -43,7 +44,7 @@ impl ReleaseAgent {
         std::fs::write(
             &config,
             format!(
-                "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ndrivers: {{exec: {{enabled: false}}, mock: {{enabled: true}}}}\n",
+                "specsDir: {}\ndataDir: {}\nlisten: 127.0.0.1:{port}\ntoken: none\ndrivers: {{exec: {{enabled: false}}, mock: {{enabled: true}}}}\n",
                 specs_dir.display(),
                 root.join("data").display()
             ),

@@ -7,7 +7,7 @@ use std::time::Duration;
 use clap::Args;
 use stead_reconcilers::alloc::Limits;
 use stead_schemas::Timestamp;
-use stead_schemas::config::{AgentConfig, ShutdownMode};
+use stead_schemas::config::{AgentConfig, ShutdownMode, TokenConfig};
 use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 
@@ -57,8 +57,8 @@ pub struct Settings {
     pub specs_dir: PathBuf,
     /// Where state and alloc directories live.
     pub data_dir: PathBuf,
-    /// The API's address.
-    pub listen: String,
+    /// The API's TCP address; `None` (`listen: null`) serves only the unix socket.
+    pub listen: Option<String>,
     /// The full re-listing period.
     pub resync: Duration,
     /// Whether file events trigger a listing (besides the resync).
@@ -81,13 +81,57 @@ pub struct Settings {
     pub cgroup_parent: String,
     /// Also serve the API on this unix socket.
     pub socket: Option<PathBuf>,
-    /// The bearer token the API requires.
-    pub token: Option<String>,
+    /// What the API requires of a request.
+    pub token: ApiAuth,
     /// Log format, when configured.
     pub log_format: Option<stead_schemas::config::LogFormat>,
     /// How the state store is sized and synced.
     pub store: RocksDbOptions,
 }
+
+/// What the API requires of a request: a bearer token unless `token: none` says
+/// otherwise.
+#[derive(Clone, PartialEq, Eq)]
+pub enum ApiAuth {
+    /// `token` or `tokenFile`: this token. Invariant: not blank.
+    Token(String),
+    /// Neither: the token in `<dataDir>/api-token`, generated at the first start and
+    /// read at every later one ([`API_TOKEN_FILE`]).
+    Generated,
+    /// `token: none`: nothing, and so only on loopback or the unix socket.
+    None,
+}
+
+impl ApiAuth {
+    /// Which it is, without the secret: `token`, `generated` or `none`.
+    pub fn as_str(&self) -> &'static str {
+        match self {
+            ApiAuth::Token(_) => "token",
+            ApiAuth::Generated => "generated",
+            ApiAuth::None => "none",
+        }
+    }
+}
+
+/// Never shows the secret.
+impl std::fmt::Debug for ApiAuth {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ApiAuth::Token(_) => f.write_str("Token(<secret>)"),
+            ApiAuth::Generated => f.write_str("Generated"),
+            ApiAuth::None => f.write_str("None"),
+        }
+    }
+}
+
+/// The file in the data dir that holds the generated token; the CLI reads it too.
+pub const API_TOKEN_FILE: &str = "api-token";
+
+/// The data dir when neither `dataDir` nor `--data-dir` names one.
+pub const DEFAULT_DATA_DIR: &str = "./stead-data";
+
+/// The API's address when neither `listen` nor `--listen` names one.
+pub const DEFAULT_LISTEN: &str = "127.0.0.1:4750";
 
 /// Why the agent could not start or run.
 #[derive(Debug, Error)]
@@ -149,6 +193,39 @@ pub enum AgentError {
         /// The file.
         path: PathBuf,
     },
+    /// `token: none` beside a `tokenFile`: which one is meant is unclear.
+    #[error("{}: `token: none` and `tokenFile` contradict each other; remove one", config.display())]
+    TokenNoneWithFile {
+        /// The config file.
+        config: PathBuf,
+    },
+    /// `listen: null` without a `socket`: the API would be served nowhere.
+    #[error("{}: `listen: null` turns the api's tcp listener off, but no `socket` is set, so the api would be served nowhere; set `socket` or a `listen` address", config.display())]
+    NoListener {
+        /// The config file.
+        config: PathBuf,
+    },
+    /// `token: none` with a TCP listener that is not on loopback.
+    #[error(
+        "`token: none` serves the api to whoever can connect, so only on loopback or the unix socket, but `listen` is {listen} ({address}); set a loopback `listen` such as 127.0.0.1:4750, `listen: null` to serve only the `socket`, or remove `token: none` to require the token generated in <dataDir>/api-token"
+    )]
+    OpenApiNotOnLoopback {
+        /// The address as configured.
+        listen: String,
+        /// The address bound.
+        address: std::net::SocketAddr,
+    },
+    /// The generated token's file cannot be created, read or trusted.
+    #[error("api token file {}: {problem}", path.display())]
+    GeneratedToken {
+        /// The file.
+        path: PathBuf,
+        /// What is wrong and what to do.
+        problem: String,
+        /// The error behind it, if any.
+        #[source]
+        source: Option<std::io::Error>,
+    },
 }
 
 impl Settings {
@@ -168,8 +245,15 @@ impl Settings {
                 .map_or(defaults.max_events, |n| n as usize),
         };
         let drain = args.drain || config.shutdown == Some(ShutdownMode::Drain);
+        let config_path = args.config.clone().unwrap_or_default();
         let token = match (&config.token, &config.token_file) {
-            (Some(token), _) => Some(token.clone()),
+            (Some(TokenConfig::None), Some(_)) => {
+                return Err(AgentError::TokenNoneWithFile {
+                    config: config_path,
+                });
+            }
+            (Some(TokenConfig::None), None) => ApiAuth::None,
+            (Some(TokenConfig::Bearer(token)), _) => ApiAuth::Token(token.clone()),
             (None, Some(path)) => {
                 let token =
                     std::fs::read_to_string(path).map_err(|source| AgentError::TokenFile {
@@ -180,10 +264,21 @@ impl Settings {
                 if token.is_empty() {
                     return Err(AgentError::EmptyTokenFile { path: path.clone() });
                 }
-                Some(token.to_owned())
+                ApiAuth::Token(token.to_owned())
             }
-            (None, None) => None,
+            (None, None) => ApiAuth::Generated,
         };
+        // A flag names an address; the key may also be `null`, for no TCP listener.
+        let listen = match (&args.listen, &config.listen) {
+            (Some(flag), _) => Some(flag.clone()),
+            (None, Some(listen)) => listen.clone(),
+            (None, None) => Some(DEFAULT_LISTEN.to_owned()),
+        };
+        if listen.is_none() && config.socket.is_none() {
+            return Err(AgentError::NoListener {
+                config: config_path,
+            });
+        }
         let enabled = |toggle: Option<&stead_schemas::config::DriverToggle>| {
             toggle.and_then(|t| t.enabled).unwrap_or(true)
         };
@@ -220,12 +315,8 @@ impl Settings {
                 .data_dir
                 .clone()
                 .or(config.data_dir)
-                .unwrap_or_else(|| PathBuf::from("./stead-data")),
-            listen: args
-                .listen
-                .clone()
-                .or(config.listen)
-                .unwrap_or_else(|| "127.0.0.1:4750".to_owned()),
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR)),
+            listen,
             resync: config.resync.map_or(Duration::from_secs(20), |d| d.get()),
             watch: config.watch.unwrap_or(true),
             gc: gc_settings(config.gc.as_ref()),
@@ -352,23 +443,188 @@ const CUT_SHORT_GRACE: Duration = Duration::from_secs(1);
 
 /// The API's listeners, bound before anything starts so that a taken port or a file in
 /// the socket's way fails the agent at once; they are served later ([`start_api`]).
+/// At least one is set.
 struct ApiListeners {
-    tcp: std::net::TcpListener,
+    tcp: Option<std::net::TcpListener>,
     unix: Option<std::os::unix::net::UnixListener>,
 }
 
-/// Binds the API's listeners (loopback TCP, and the unix socket when configured).
-async fn bind_api(listen: &str, socket: Option<&Path>) -> Result<ApiListeners, AgentError> {
-    let tcp = bind_tcp(listen).await?;
+/// Binds the API's listeners: TCP unless `listen` is `None`, and the unix socket when
+/// configured. With `token: none` ([`ApiAuth::None`]) a TCP address that is not
+/// loopback is refused: checked on the address bound, so a host name counts for what
+/// it resolved to.
+async fn bind_api(
+    listen: Option<&str>,
+    socket: Option<&Path>,
+    auth: &ApiAuth,
+) -> Result<ApiListeners, AgentError> {
+    let tcp = match listen {
+        Some(listen) => {
+            let tcp = bind_tcp(listen).await?;
+            let address = tcp.local_addr().map_err(AgentError::Runtime)?;
+            if *auth == ApiAuth::None && !address.ip().is_loopback() {
+                return Err(AgentError::OpenApiNotOnLoopback {
+                    listen: listen.to_owned(),
+                    address,
+                });
+            }
+            Some(tcp)
+        }
+        None => None,
+    };
     let unix = socket.map(bind_unix).transpose()?;
     // Handed to the API's own runtime, which registers them again.
     Ok(ApiListeners {
-        tcp: tcp.into_std().map_err(AgentError::Runtime)?,
+        tcp: tcp
+            .map(tokio::net::TcpListener::into_std)
+            .transpose()
+            .map_err(AgentError::Runtime)?,
         unix: unix
             .map(tokio::net::UnixListener::into_std)
             .transpose()
             .map_err(AgentError::Runtime)?,
     })
+}
+
+/// The token the API requires: the configured one, none, or the one generated into
+/// `<data_dir>/api-token` at the first start and read at every later one.
+fn api_token(auth: &ApiAuth, data_dir: &Path) -> Result<Option<String>, AgentError> {
+    match auth {
+        ApiAuth::Token(token) => Ok(Some(token.clone())),
+        ApiAuth::None => Ok(None),
+        ApiAuth::Generated => {
+            let path = data_dir.join(API_TOKEN_FILE);
+            match read_generated_token(&path)? {
+                Some(token) => Ok(Some(token)),
+                None => {
+                    let token = generate_token(&path)?;
+                    tracing::info!(path = %path.display(), "api token generated");
+                    Ok(Some(token))
+                }
+            }
+        }
+    }
+}
+
+/// The generated token at `path`, or `None` when there is no file. A file the agent
+/// cannot trust (not a regular file, another user's, readable by others) or that holds
+/// no token is refused with what to do, never replaced: a client may hold its token.
+fn read_generated_token(path: &Path) -> Result<Option<String>, AgentError> {
+    use std::io::Read;
+    use std::os::unix::fs::{MetadataExt, PermissionsExt};
+
+    let refuse = |problem: String, source: Option<std::io::Error>| AgentError::GeneratedToken {
+        path: path.to_owned(),
+        problem,
+        source,
+    };
+    let flags =
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::NOFOLLOW | rustix::fs::OFlags::CLOEXEC;
+    let file = match rustix::fs::open(path, flags, rustix::fs::Mode::empty()) {
+        Ok(fd) => std::fs::File::from(fd),
+        Err(rustix::io::Errno::NOENT) => return Ok(None),
+        Err(rustix::io::Errno::LOOP) => {
+            return Err(refuse(
+                "is a symbolic link; remove it, and the agent makes a new token".to_owned(),
+                None,
+            ));
+        }
+        Err(errno) => return Err(refuse("cannot be read".to_owned(), Some(errno.into()))),
+    };
+    let meta = file
+        .metadata()
+        .map_err(|source| refuse("cannot be read".to_owned(), Some(source)))?;
+    let uid = rustix::process::geteuid().as_raw();
+    let mode = meta.permissions().mode() & 0o7777;
+    if !meta.is_file() {
+        return Err(refuse(
+            "is not a regular file; remove it, and the agent makes a new token".to_owned(),
+            None,
+        ));
+    }
+    if meta.uid() != uid {
+        return Err(refuse(
+            format!(
+                "belongs to uid {}, not the agent's uid {uid}; remove it for a new token, or `chown` it to keep this one",
+                meta.uid()
+            ),
+            None,
+        ));
+    }
+    if mode & 0o077 != 0 {
+        return Err(refuse(
+            format!(
+                "has mode {mode:04o}, so users other than the agent's may have read the token; remove it for a new token, or `chmod 600` it to keep this one"
+            ),
+            None,
+        ));
+    }
+    let mut text = String::new();
+    file.take(MAX_TOKEN_BYTES)
+        .read_to_string(&mut text)
+        .map_err(|source| refuse("cannot be read".to_owned(), Some(source)))?;
+    let token = text.trim();
+    if token.is_empty() {
+        return Err(refuse(
+            "is empty, and an agent never runs without a token unless `token: none` says so; remove it, and the agent makes a new token".to_owned(),
+            None,
+        ));
+    }
+    Ok(Some(token.to_owned()))
+}
+
+/// The most of a token file read.
+const MAX_TOKEN_BYTES: u64 = 4096;
+
+/// Makes a new token at `path`: 32 bytes from the kernel's random source
+/// (`getrandom(2)`), hex-encoded. It is written under a temporary name, created with
+/// mode 0600 (the umask only takes bits away), synced, then renamed into place: no one
+/// but the agent's user can read it at any moment, and a crash leaves no half-written
+/// token. The data dir's lock keeps a second agent from doing the same at once.
+fn generate_token(path: &Path) -> Result<String, AgentError> {
+    use std::io::Write;
+    use std::os::unix::fs::OpenOptionsExt;
+
+    let fail = |source: std::io::Error| AgentError::GeneratedToken {
+        path: path.to_owned(),
+        problem: "cannot be created".to_owned(),
+        source: Some(source),
+    };
+    let mut bytes = [0u8; 32];
+    let mut filled = 0;
+    while filled < bytes.len() {
+        match rustix::rand::getrandom(&mut bytes[filled..], rustix::rand::GetRandomFlags::empty()) {
+            Ok(read) => filled += read,
+            Err(rustix::io::Errno::INTR) => {}
+            Err(errno) => return Err(fail(errno.into())),
+        }
+    }
+    let token: String = bytes.iter().map(|byte| format!("{byte:02x}")).collect();
+    let temporary = path.with_file_name(format!(".{API_TOKEN_FILE}.{}.tmp", std::process::id()));
+    // A leftover of a crashed earlier attempt with our pid; nothing else uses the name.
+    let _ = std::fs::remove_file(&temporary);
+    let written = std::fs::OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(0o600)
+        .custom_flags(rustix::fs::OFlags::NOFOLLOW.bits() as i32)
+        .open(&temporary)
+        .and_then(|mut file| {
+            file.write_all(format!("{token}\n").as_bytes())?;
+            file.sync_all()
+        })
+        .and_then(|()| std::fs::rename(&temporary, path));
+    if let Err(error) = written {
+        let _ = std::fs::remove_file(&temporary);
+        return Err(fail(error));
+    }
+    // The rename itself survives a power loss once the directory is synced.
+    if let Some(dir) = path.parent() {
+        std::fs::File::open(dir)
+            .and_then(|dir| dir.sync_all())
+            .map_err(fail)?;
+    }
+    Ok(token)
 }
 
 /// Serves the API on `listeners`, on a thread and runtime of its own, so requests never
@@ -385,7 +641,7 @@ fn start_api(
         .name("stead-api".to_owned())
         .spawn(move || {
             runtime.block_on(async move {
-                let registered = tokio::net::TcpListener::from_std(listeners.tcp).and_then(|tcp| {
+                let registered = listeners.tcp.map(tokio::net::TcpListener::from_std).transpose().and_then(|tcp| {
                     let unix = listeners.unix.map(tokio::net::UnixListener::from_std).transpose()?;
                     Ok((tcp, unix))
                 });
@@ -398,21 +654,22 @@ fn start_api(
                 };
                 let app = router(state.clone());
                 let stop = state.shutdown_token();
-                let tcp_server = serve_tcp(tcp, app.clone(), stop.clone().cancelled_owned());
-                match unix {
-                    Some(unix) => {
-                        let unix_server = serve_unix(unix, app, stop.cancelled_owned());
-                        let (a, b) = tokio::join!(tcp_server, unix_server);
-                        for result in [a, b] {
-                            if let Err(error) = result {
-                                tracing::error!(error = %crate::errors::error_chain(&error), "api stopped");
-                            }
-                        }
+                let tcp_server = async {
+                    match tcp {
+                        Some(tcp) => serve_tcp(tcp, app.clone(), stop.clone().cancelled_owned()).await,
+                        None => Ok(()),
                     }
-                    None => {
-                        if let Err(error) = tcp_server.await {
-                            tracing::error!(error = %crate::errors::error_chain(&error), "api stopped");
-                        }
+                };
+                let unix_server = async {
+                    match unix {
+                        Some(unix) => serve_unix(unix, app.clone(), stop.clone().cancelled_owned()).await,
+                        None => Ok(()),
+                    }
+                };
+                let (a, b) = tokio::join!(tcp_server, unix_server);
+                for result in [a, b] {
+                    if let Err(error) = result {
+                        tracing::error!(error = %crate::errors::error_chain(&error), "api stopped");
                     }
                 }
             });
@@ -646,7 +903,13 @@ impl Agent {
         // Before any task can start: from then on SIGTERM and SIGINT must reach the
         // shutdown, and a taken port must fail the agent before there is anything to stop.
         let signals = Signals::install()?;
-        let listeners = bind_api(&settings.listen, settings.socket.as_deref()).await?;
+        let listeners = bind_api(
+            settings.listen.as_deref(),
+            settings.socket.as_deref(),
+            &settings.token,
+        )
+        .await?;
+        let token = api_token(&settings.token, &data_dir)?;
         let mut drivers: Vec<Arc<dyn Driver>> = Vec::new();
         if settings.mock_driver {
             drivers.push(Arc::new(MockDriver::new(clock)));
@@ -691,7 +954,7 @@ impl Agent {
         // Nothing is removed before this first full listing.
         source.list(&node, Trigger::Start).await;
         let state = ApiState::new(node.clone(), drivers, data_dir.clone())
-            .with_token(settings.token.clone())
+            .with_token(token)
             .with_metrics(Metrics::new());
         let stop_api = state.shutdown_token();
         let api = match start_api(state, listeners) {
@@ -703,7 +966,12 @@ impl Agent {
                 return Err(error);
             }
         };
-        tracing::info!(listen = %settings.listen, "api listening");
+        tracing::info!(
+            listen = settings.listen.as_deref().unwrap_or("off"),
+            socket = settings.socket.as_ref().map(|s| s.display().to_string()),
+            token = settings.token.as_str(),
+            "api listening"
+        );
         tracing::info!(specs = %settings.specs_dir.display(), data = %settings.data_dir.display(), watch = settings.watch, "agent started");
         // Ready for systemd (`Type=notify`): state restored, the specs taken up, the API
         // serving.
@@ -898,10 +1166,11 @@ mod tests {
         )
         .expect("write");
         let defaults = Settings::resolve(&args(None)).expect("defaults");
-        assert_eq!(defaults.listen, "127.0.0.1:4750");
+        assert_eq!(defaults.listen.as_deref(), Some("127.0.0.1:4750"));
+        assert_eq!(defaults.token, ApiAuth::Generated);
         assert_eq!(defaults.shutdown, Shutdown::Detach);
         let from_file = Settings::resolve(&args(Some(config.clone()))).expect("config");
-        assert_eq!(from_file.listen, "127.0.0.1:9999");
+        assert_eq!(from_file.listen.as_deref(), Some("127.0.0.1:9999"));
         assert_eq!(from_file.resync, Duration::from_secs(3));
         assert_eq!(from_file.shutdown, Shutdown::Drain);
         assert_eq!(from_file.node.limits.max_events, 7);
@@ -910,7 +1179,7 @@ mod tests {
             ..args(Some(config))
         })
         .expect("flags");
-        assert_eq!(flagged.listen, "127.0.0.1:1");
+        assert_eq!(flagged.listen.as_deref(), Some("127.0.0.1:1"));
         std::fs::remove_dir_all(&dir).expect("cleanup");
     }
 
@@ -930,7 +1199,139 @@ mod tests {
         );
         std::fs::write(&token, "s3cret\n").expect("write");
         let settings = Settings::resolve(&args(Some(config))).expect("a token");
-        assert_eq!(settings.token.as_deref(), Some("s3cret"));
+        assert_eq!(settings.token, ApiAuth::Token("s3cret".to_owned()));
+    }
+
+    #[test]
+    fn listen_null_serves_only_the_socket_and_without_a_socket_refuses_to_start() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = dir.path().join("agent.yaml");
+        std::fs::write(&config, "listen: null\n").expect("write");
+        let error = Settings::resolve(&args(Some(config.clone()))).expect_err("refused");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "{}: `listen: null` turns the api's tcp listener off, but no `socket` is set, so the api would be served nowhere; set `socket` or a `listen` address",
+                config.display()
+            )
+        );
+        std::fs::write(&config, "listen: null\nsocket: /run/stead.sock\n").expect("write");
+        let settings = Settings::resolve(&args(Some(config.clone()))).expect("socket only");
+        assert_eq!(settings.listen, None);
+        // The flag still names an address.
+        let flagged = Settings::resolve(&AgentArgs {
+            listen: Some("127.0.0.1:1".to_owned()),
+            ..args(Some(config))
+        })
+        .expect("flag");
+        assert_eq!(flagged.listen.as_deref(), Some("127.0.0.1:1"));
+    }
+
+    #[test]
+    fn token_none_is_said_explicitly_and_never_beside_a_token_file() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = dir.path().join("agent.yaml");
+        std::fs::write(&config, "token: none\n").expect("write");
+        let settings = Settings::resolve(&args(Some(config.clone()))).expect("none");
+        assert_eq!(settings.token, ApiAuth::None);
+        std::fs::write(&config, "token: none\ntokenFile: /etc/stead/token\n").expect("write");
+        let error = Settings::resolve(&args(Some(config.clone()))).expect_err("refused");
+        assert_eq!(
+            error.to_string(),
+            format!(
+                "{}: `token: none` and `tokenFile` contradict each other; remove one",
+                config.display()
+            )
+        );
+    }
+
+    #[tokio::test]
+    async fn token_none_on_an_address_that_is_not_loopback_refuses_to_start_naming_the_keys() {
+        let error = bind_api(Some("0.0.0.0:0"), None, &ApiAuth::None)
+            .await
+            .err()
+            .expect("refused");
+        let text = error.to_string();
+        assert!(
+            text.starts_with("`token: none` serves the api to whoever can connect, so only on loopback or the unix socket, but `listen` is 0.0.0.0:0 (0.0.0.0:"),
+            "{text}"
+        );
+        assert!(text.contains("`listen: null`"), "{text}");
+        for auth in [ApiAuth::Generated, ApiAuth::Token("t".to_owned())] {
+            let listeners = bind_api(Some("0.0.0.0:0"), None, &auth)
+                .await
+                .expect("a token guards it");
+            assert!(listeners.tcp.is_some());
+        }
+        let loopback = bind_api(Some("127.0.0.1:0"), None, &ApiAuth::None)
+            .await
+            .expect("loopback needs no token");
+        assert!(loopback.tcp.is_some() && loopback.unix.is_none());
+    }
+
+    #[test]
+    fn a_generated_token_is_64_hex_digits_in_a_0600_file_made_once_and_read_again() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join(API_TOKEN_FILE);
+        let first = api_token(&ApiAuth::Generated, dir.path())
+            .expect("generated")
+            .expect("a token");
+        assert_eq!(first.len(), 64, "{first}");
+        assert!(first.bytes().all(|b| b.is_ascii_hexdigit()), "{first}");
+        let meta = std::fs::metadata(&path).expect("the file");
+        assert_eq!(meta.permissions().mode() & 0o7777, 0o600);
+        assert_eq!(
+            std::fs::read_dir(dir.path()).expect("dir").count(),
+            1,
+            "no temporary file left"
+        );
+        let again = api_token(&ApiAuth::Generated, dir.path()).expect("read");
+        assert_eq!(again.as_deref(), Some(first.as_str()));
+        let other = tempfile::tempdir().expect("dir");
+        let second = api_token(&ApiAuth::Generated, other.path()).expect("generated");
+        assert_ne!(second.as_deref(), Some(first.as_str()), "each is random");
+        // A configured token or none never touches the data dir.
+        let empty = tempfile::tempdir().expect("dir");
+        assert_eq!(api_token(&ApiAuth::None, empty.path()).expect("none"), None);
+        assert_eq!(
+            api_token(&ApiAuth::Token("t".to_owned()), empty.path()).expect("token"),
+            Some("t".to_owned())
+        );
+        assert_eq!(std::fs::read_dir(empty.path()).expect("dir").count(), 0);
+    }
+
+    #[test]
+    fn a_token_file_that_is_empty_readable_by_others_or_a_link_is_refused_and_kept() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("dir");
+        let path = dir.path().join(API_TOKEN_FILE);
+        let refused = |expected: &str| {
+            let error = api_token(&ApiAuth::Generated, dir.path()).expect_err(expected);
+            assert_eq!(
+                error.to_string(),
+                format!("api token file {}: {expected}", path.display())
+            );
+        };
+        std::fs::write(&path, "s3cret\n").expect("write");
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o644)).expect("chmod");
+        refused(
+            "has mode 0644, so users other than the agent's may have read the token; remove it for a new token, or `chmod 600` it to keep this one",
+        );
+        std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600)).expect("chmod");
+        assert_eq!(
+            api_token(&ApiAuth::Generated, dir.path()).expect("kept"),
+            Some("s3cret".to_owned())
+        );
+        std::fs::write(&path, " \n").expect("write");
+        refused(
+            "is empty, and an agent never runs without a token unless `token: none` says so; remove it, and the agent makes a new token",
+        );
+        std::fs::remove_file(&path).expect("remove");
+        let target = dir.path().join("elsewhere");
+        std::fs::write(&target, "s3cret\n").expect("write");
+        std::os::unix::fs::symlink(&target, &path).expect("link");
+        refused("is a symbolic link; remove it, and the agent makes a new token");
     }
 
     #[test]

@@ -19,6 +19,7 @@ use crate::spec_files::{collect_spec_files, read_spec_file};
 mod client;
 mod remote;
 mod render;
+mod token;
 
 /// Exit code: everything was valid.
 pub const EXIT_OK: u8 = 0;

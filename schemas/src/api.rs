@@ -175,8 +175,10 @@ pub struct HealthStatus {
 pub struct ComponentHealth {
     /// Whether it works.
     pub healthy: bool,
-    /// What is known about it.
-    pub message: String,
+    /// What is known about it; left out for a request without the API's token, since
+    /// it may name allocs and paths.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub message: Option<String>,
 }
 
 /// `GET /v1/allocs/{name}/stats`: what the alloc's running tasks use now.

@@ -15,13 +15,17 @@ pub struct AgentConfig {
     pub specs_dir: Option<PathBuf>,
     /// Where state and alloc directories live (default `./stead-data`).
     pub data_dir: Option<PathBuf>,
-    /// The API's TCP address (default `127.0.0.1:4750`).
-    pub listen: Option<String>,
+    /// The API's TCP address (default `127.0.0.1:4750`): `None` when the key is left
+    /// out, `Some(None)` for `listen: null`, which turns the TCP listener off (then
+    /// `socket` must be set).
+    #[serde(default, deserialize_with = "listen")]
+    pub listen: Option<Option<String>>,
     /// Also serve the API on this unix socket, created mode 0600.
     pub socket: Option<PathBuf>,
-    /// A bearer token the API requires (not empty: an empty one would require nothing).
-    #[serde(default, deserialize_with = "non_blank")]
-    pub token: Option<String>,
+    /// The bearer token the API requires, or `none` for none (only on loopback or the
+    /// unix socket); unset, with no `tokenFile`, the agent generates one into
+    /// `<dataDir>/api-token`.
+    pub token: Option<TokenConfig>,
     /// A file holding the bearer token (its surrounding whitespace is ignored).
     pub token_file: Option<PathBuf>,
     /// The level re-check period (default 1s).
@@ -58,6 +62,64 @@ pub struct AgentConfig {
     pub devices: Option<DevicesConfig>,
     /// Log output format (default text).
     pub log_format: Option<LogFormat>,
+}
+
+/// The `token` key: the API's bearer token, or `none`.
+///
+/// `none` is the one spelling of "no token", so a token that is literally `none` cannot
+/// be configured; `None`, `NONE` and the like are refused rather than taken for a token
+/// anyone would guess.
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub enum TokenConfig {
+    /// `token: none`: the API requires no token.
+    None,
+    /// Requests need `Authorization: Bearer <token>`. Invariant: not blank.
+    Bearer(String),
+}
+
+/// The word that says "no token" in `token`.
+pub const NO_TOKEN: &str = "none";
+
+impl TryFrom<String> for TokenConfig {
+    type Error = String;
+
+    /// Surrounding whitespace is dropped, as a client's is.
+    fn try_from(token: String) -> Result<Self, Self::Error> {
+        let token = token.trim();
+        if token == NO_TOKEN {
+            Ok(TokenConfig::None)
+        } else if token.eq_ignore_ascii_case(NO_TOKEN) {
+            Err(format!(
+                "token: {token:?} is not a token; write `token: {NO_TOKEN}` to serve without one"
+            ))
+        } else if token.is_empty() {
+            Err(format!(
+                "token: empty; remove the key for a generated token, or write `token: {NO_TOKEN}` to require none"
+            ))
+        } else {
+            Ok(TokenConfig::Bearer(token.to_owned()))
+        }
+    }
+}
+
+impl From<TokenConfig> for String {
+    fn from(token: TokenConfig) -> String {
+        match token {
+            TokenConfig::None => NO_TOKEN.to_owned(),
+            TokenConfig::Bearer(token) => token,
+        }
+    }
+}
+
+/// Never shows the secret.
+impl std::fmt::Debug for TokenConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            TokenConfig::None => f.write_str("None"),
+            TokenConfig::Bearer(_) => f.write_str("Bearer(<secret>)"),
+        }
+    }
 }
 
 /// What happens to tasks when the agent exits.
@@ -240,15 +302,9 @@ fn cgroup_parent<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<St
     Ok(name)
 }
 
-/// A secret that is not empty or blank.
-fn non_blank<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<String>, D::Error> {
-    let secret = Option::<String>::deserialize(deserializer)?;
-    if secret.as_deref().is_some_and(|s| s.trim().is_empty()) {
-        return Err(serde::de::Error::custom(
-            "token: empty; remove the key to require no token",
-        ));
-    }
-    Ok(secret)
+/// `listen`, present: an address, or `null` for no TCP listener.
+fn listen<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Option<String>>, D::Error> {
+    Option::<String>::deserialize(deserializer).map(Some)
 }
 
 /// A config file that could not be read.
@@ -386,11 +442,15 @@ logFormat: json
             ),
             (
                 "token: \"\"\n",
-                "agent.yaml:1:8: token: empty; remove the key to require no token",
+                "agent.yaml:1:8: token: empty; remove the key for a generated token, or write `token: none` to require none",
             ),
             (
                 "token: \"  \"\n",
-                "agent.yaml:1:8: token: empty; remove the key to require no token",
+                "agent.yaml:1:8: token: empty; remove the key for a generated token, or write `token: none` to require none",
+            ),
+            (
+                "token: None\n",
+                "agent.yaml:1:8: token: \"None\" is not a token; write `token: none` to serve without one",
             ),
         ];
         for (text, expected) in table {
@@ -400,6 +460,29 @@ logFormat: json
         let config = AgentConfig::parse(Path::new("agent.yaml"), "tick: 1ms\nmaxKillTimeout: 0s\n")
             .expect("a short period, and a kill timeout of zero, are fine");
         assert_eq!(config.tick, Some(Duration::from_millis(1)));
+    }
+
+    #[test]
+    fn listen_null_differs_from_listen_left_out_and_token_none_from_a_token() {
+        let parse = |text| AgentConfig::parse(Path::new("agent.yaml"), text).expect(text);
+        assert_eq!(parse("socket: /run/s.sock\n").listen, None);
+        assert_eq!(parse("listen: null\n").listen, Some(None));
+        assert_eq!(parse("listen: ~\n").listen, Some(None));
+        assert_eq!(
+            parse("listen: 0.0.0.0:4750\n").listen,
+            Some(Some("0.0.0.0:4750".to_owned()))
+        );
+        assert_eq!(parse("tick: 1s\n").token, None);
+        assert_eq!(parse("token: null\n").token, None);
+        assert_eq!(parse("token: none\n").token, Some(TokenConfig::None));
+        assert_eq!(parse("token: \" none \"\n").token, Some(TokenConfig::None));
+        assert_eq!(
+            parse("token: \" s3cret\"\n").token,
+            Some(TokenConfig::Bearer("s3cret".to_owned()))
+        );
+        let token = parse("token: s3cret\n").token.expect("a token");
+        assert_eq!(format!("{token:?}"), "Bearer(<secret>)");
+        assert_eq!(String::from(token), "s3cret");
     }
 
     #[test]

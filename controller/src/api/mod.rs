@@ -19,7 +19,9 @@
 //! | `GET /metrics` | 200 OpenMetrics text | 404 when metrics are off |
 //!
 //! With a token set, every endpoint but `/v1/health` answers 401 without
-//! `Authorization: Bearer <token>`; bodies over [`MAX_BODY_BYTES`] get 413.
+//! `Authorization: Bearer <token>`, and `/v1/health` without it says only the status and
+//! each part's name and health, not the messages (which name allocs); bodies over
+//! [`MAX_BODY_BYTES`] get 413.
 //!
 //! Serve it on a runtime of its own (one thread is plenty): on the agent's runtime a
 //! request waits behind the thousands of worker wake-ups of a mass spec change
@@ -215,29 +217,37 @@ async fn method_not_allowed(request: Request) -> ApiError {
     }
 }
 
-/// 401 unless the request carries the configured bearer token; compares in constant time.
+/// 401 unless the request carries the configured bearer token.
 async fn require_token(
     State(state): State<ApiState>,
     request: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let Some(expected) = &state.inner.token else {
-        return Ok(next.run(request).await);
-    };
-    let given = request
-        .headers()
-        .get(header::AUTHORIZATION)
-        .and_then(|value| value.to_str().ok())
-        .and_then(|value| {
-            let (scheme, token) = value.split_once(' ')?;
-            scheme
-                .eq_ignore_ascii_case("bearer")
-                .then(|| token.trim().as_bytes().to_vec())
-        });
-    match given {
-        None => Err(ApiError::Unauthorized { missing: true }),
-        Some(token) if bool::from(token.as_slice().ct_eq(expected)) => Ok(next.run(request).await),
-        Some(_) => Err(ApiError::Unauthorized { missing: false }),
+    state.authorize(request.headers())?;
+    Ok(next.run(request).await)
+}
+
+impl ApiState {
+    /// Whether `headers` carry the configured bearer token (always, when none is
+    /// configured); compares in constant time.
+    pub(crate) fn authorize(&self, headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+        let Some(expected) = &self.inner.token else {
+            return Ok(());
+        };
+        let given = headers
+            .get(header::AUTHORIZATION)
+            .and_then(|value| value.to_str().ok())
+            .and_then(|value| {
+                let (scheme, token) = value.split_once(' ')?;
+                scheme
+                    .eq_ignore_ascii_case("bearer")
+                    .then(|| token.trim().as_bytes())
+            });
+        match given {
+            None => Err(ApiError::Unauthorized { missing: true }),
+            Some(token) if bool::from(token.ct_eq(expected)) => Ok(()),
+            Some(_) => Err(ApiError::Unauthorized { missing: false }),
+        }
     }
 }
 

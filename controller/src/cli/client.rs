@@ -51,6 +51,30 @@ impl Endpoint {
         };
         Ok(Endpoint::Tcp(base))
     }
+
+    /// Whether the agent is on this host: a unix socket, `localhost` or a loopback IP.
+    fn is_local(&self) -> bool {
+        let base = match self {
+            Endpoint::Unix(_) => return true,
+            Endpoint::Tcp(base) => base.trim_start_matches("http://"),
+        };
+        let host = base.split('/').next().unwrap_or(base);
+        let host = match host.rsplit_once(':') {
+            Some((host, port)) if port.bytes().all(|b| b.is_ascii_digit()) => host,
+            _ => host,
+        };
+        let host = host.trim_start_matches('[').trim_end_matches(']');
+        host.eq_ignore_ascii_case("localhost")
+            || host
+                .parse::<std::net::IpAddr>()
+                .is_ok_and(|ip| ip.is_loopback())
+    }
+}
+
+/// Whether `address` names an agent on this host (a unix socket or loopback), to
+/// which a token found in this host's files may be sent.
+pub(crate) fn is_local_address(address: &str) -> anyhow::Result<bool> {
+    Endpoint::parse(address).map(|endpoint| endpoint.is_local())
 }
 
 /// A connection to one agent.
@@ -60,29 +84,30 @@ pub(crate) struct Client {
     /// The address as the user gave it, for error messages.
     address: String,
     token: Option<String>,
+    /// Added to a 401's message: where the token came from, or how to pass one.
+    unauthorized_hint: String,
 }
 
 /// An error response of the agent.
 #[derive(Debug, thiserror::Error)]
-#[error("{}{}", body.message, hint(*status))]
+#[error("{}{hint}", body.message)]
 pub(crate) struct ApiFailure {
     /// The response status.
     pub(crate) status: StatusCode,
     /// The agent's error document.
     pub(crate) body: ErrorBody,
-}
-
-fn hint(status: StatusCode) -> &'static str {
-    if status == StatusCode::UNAUTHORIZED {
-        " (pass the agent's token with --token or STEAD_TOKEN)"
-    } else {
-        ""
-    }
+    /// What the CLI adds to the agent's message (on a 401, about the token).
+    pub(crate) hint: String,
 }
 
 impl Client {
-    /// A client of the agent at `address` (see [`DEFAULT_ADDRESS`]).
-    pub(crate) fn new(address: &str, token: Option<String>) -> anyhow::Result<Client> {
+    /// A client of the agent at `address` (see [`DEFAULT_ADDRESS`]) that sends `token`
+    /// and adds `unauthorized_hint` to the message of a 401.
+    pub(crate) fn new(
+        address: &str,
+        token: Option<String>,
+        unauthorized_hint: String,
+    ) -> anyhow::Result<Client> {
         let endpoint = Endpoint::parse(address)?;
         // The agent is on this host (loopback or a unix socket) or addressed directly:
         // never through a proxy from the environment, which would see the token.
@@ -100,6 +125,7 @@ impl Client {
             base,
             address: address.to_owned(),
             token: token.filter(|t| !t.is_empty()),
+            unauthorized_hint,
         })
     }
 
@@ -131,7 +157,14 @@ impl Client {
         }
         let bytes = response.bytes().await.unwrap_or_default();
         match serde_json::from_slice::<ErrorBody>(&bytes) {
-            Ok(body) => Err(ApiFailure { status, body }.into()),
+            Ok(body) => {
+                let hint = if status == StatusCode::UNAUTHORIZED {
+                    self.unauthorized_hint.clone()
+                } else {
+                    String::new()
+                };
+                Err(ApiFailure { status, body, hint }.into())
+            }
             Err(_) => bail!(
                 "the stead agent at {} answered {status}: {}",
                 self.address,
@@ -224,6 +257,29 @@ mod tests {
         }
         assert!(Endpoint::parse("https://node-1:4750").is_err());
         assert!(Endpoint::parse("unix:").is_err());
+    }
+
+    #[test]
+    fn only_a_unix_socket_localhost_or_a_loopback_ip_is_this_host() {
+        let cases = [
+            ("127.0.0.1:4750", true),
+            ("127.1.2.3:4750", true),
+            ("http://localhost:4750/", true),
+            ("[::1]:4750", true),
+            ("unix:/run/stead.sock", true),
+            ("./stead.sock", true),
+            ("10.0.0.7:4750", false),
+            ("node-1:4750", false),
+            ("http://localhost.example.com:4750", false),
+            ("[::]:4750", false),
+        ];
+        for (address, local) in cases {
+            assert_eq!(
+                is_local_address(address).expect(address),
+                local,
+                "{address}"
+            );
+        }
     }
 
     #[test]

@@ -2,6 +2,7 @@
 //! `stead node health`.
 
 use std::io::{IsTerminal, Write};
+use std::path::PathBuf;
 use std::time::Duration;
 
 use anyhow::Context;
@@ -13,13 +14,12 @@ use stead_schemas::api::{
 use stead_schemas::status::AllocStatus;
 
 use super::EXIT_OK;
-use super::client::{ApiFailure, Client, DEFAULT_ADDRESS, encode};
+use super::client::{ApiFailure, Client, DEFAULT_ADDRESS, encode, is_local_address};
 use super::render::{self, Style, tail_lines};
+use super::token::TokenSources;
 
 /// The environment variable naming the agent's address.
 const ADDRESS_ENV: &str = "STEAD_ADDR";
-/// The environment variable holding the agent's token.
-const TOKEN_ENV: &str = "STEAD_TOKEN";
 /// How often `alloc status --watch` asks again.
 const WATCH_INTERVAL: Duration = Duration::from_secs(2);
 /// The most `--tail` reads back to find its lines.
@@ -32,9 +32,19 @@ pub(crate) struct ClientArgs {
     /// [env: STEAD_ADDR] [default: 127.0.0.1:4750]
     #[arg(long, global = true, value_name = "ADDR")]
     address: Option<String>,
-    /// The bearer token the agent requires, if any [env: STEAD_TOKEN]
+    /// The bearer token the agent requires [env: STEAD_TOKEN] [default: read from a
+    /// token file]
     #[arg(long, global = true, value_name = "TOKEN")]
     token: Option<String>,
+    /// A file holding the agent's token [env: STEAD_TOKEN_FILE] [default: <data
+    /// dir>/api-token, for an agent on this host, of the data dir of --data-dir, else of
+    /// the agent config at STEAD_CONFIG or /etc/stead/agent.yaml, else ./stead-data or
+    /// /var/lib/stead]
+    #[arg(long, global = true, value_name = "FILE")]
+    token_file: Option<PathBuf>,
+    /// The agent's data dir, whose api-token file holds its token [env: STEAD_DATA_DIR]
+    #[arg(long, global = true, value_name = "DIR")]
+    data_dir: Option<PathBuf>,
     /// When to colour the output: auto (on a terminal, unless NO_COLOR is set), always, never
     #[arg(long, global = true, value_enum, default_value_t = ColourChoice::Auto)]
     color: ColourChoice,
@@ -55,8 +65,13 @@ impl ClientArgs {
             .clone()
             .or_else(|| std::env::var(ADDRESS_ENV).ok().filter(|a| !a.is_empty()))
             .unwrap_or_else(|| DEFAULT_ADDRESS.to_owned());
-        let token = self.token.clone().or_else(|| std::env::var(TOKEN_ENV).ok());
-        Client::new(&address, token)
+        let found = TokenSources::from_environment(
+            self.token.clone(),
+            self.token_file.clone(),
+            self.data_dir.clone(),
+        )
+        .find(is_local_address(&address)?)?;
+        Client::new(&address, found.token, found.unauthorized_hint)
     }
 
     fn style(&self) -> Style {

@@ -292,22 +292,28 @@ fn output_line(output: &str) -> String {
     shown
 }
 
-/// `stead node health`: the overall status, then each part with whether it works.
+/// `stead node health`: the overall status, then each part with whether it works and,
+/// when the agent said (to a client with its token), what it knows of it.
 pub(crate) fn health(style: Style, health: &HealthStatus) -> String {
     let mut text = key_values(&[("Status", health.status.clone())]);
     let mut table = style.table();
-    table.set_header(["Component", "Health", "Message"]);
+    let messages = health.components.values().any(|c| c.message.is_some());
+    if messages {
+        table.set_header(["Component", "Health", "Message"]);
+    } else {
+        table.set_header(["Component", "Health"]);
+    }
     for (name, component) in &health.components {
         let state = if component.healthy {
             "healthy"
         } else {
             "unhealthy"
         };
-        table.add_row(vec![
-            Cell::new(name),
-            status_cell(style, state),
-            Cell::new(&component.message),
-        ]);
+        let mut row = vec![Cell::new(name), status_cell(style, state)];
+        if messages {
+            row.push(Cell::new(component.message.as_deref().unwrap_or("")));
+        }
+        table.add_row(row);
     }
     text.push('\n');
     text.push_str(&style.finish(table));

@@ -263,12 +263,42 @@ async fn the_cli_sends_the_token_and_says_how_to_pass_a_missing_one() {
     let agent = running_agent().await;
     let state = agent.state.clone().with_token(Some("let-me-in".to_owned()));
     let served = serve_tcp(&state).await;
-    let (code, _, err) = stead(cli_args(&served.address, &["alloc", "list"])).await;
+    // A data dir without a token file: nothing on this host is tried but it.
+    let data = tempfile::tempdir().expect("dir");
+    let data_dir = data.path().display().to_string();
+    let (code, _, err) = stead(cli_args(
+        &served.address,
+        &["alloc", "list", "--data-dir", &data_dir],
+    ))
+    .await;
+    assert_eq!(
+        (code, err),
+        (
+            1,
+            format!(
+                "error: missing bearer token (no token file at {data_dir}/api-token; pass its token with --token, STEAD_TOKEN or --token-file, or its data dir with --data-dir or STEAD_DATA_DIR)\n"
+            )
+        )
+    );
+    // The agent's data dir holds its token: the CLI reads it there.
+    std::fs::write(data.path().join("api-token"), "let-me-in\n").expect("token written");
+    let (code, out, err) = stead(cli_args(
+        &served.address,
+        &["alloc", "list", "--data-dir", &data_dir],
+    ))
+    .await;
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("web"));
+    let (code, _, err) = stead(cli_args(
+        &served.address,
+        &["alloc", "list", "--token", "not-it"],
+    ))
+    .await;
     assert_eq!(
         (code, err.as_str()),
         (
             1,
-            "error: missing bearer token (pass the agent's token with --token or STEAD_TOKEN)\n"
+            "error: invalid bearer token (the token from --token is not this agent's)\n"
         )
     );
     let (code, out, err) = stead(cli_args(

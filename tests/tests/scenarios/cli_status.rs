@@ -178,8 +178,14 @@ async fn node_health_answers_without_the_token_and_exits_1_when_no_agent_answers
     let mut agent = agent();
     agent.state = agent.state.clone().with_token(Some("s3cret".to_owned()));
     let served = serve_tcp(&agent.state).await;
+    // Without the token: each part's health, not what the agent knows of it.
     let health = cli(&served.address, &["node", "health"]).await;
     insta::assert_snapshot!("node_health", health);
+    let with_token = cli(&served.address, &["node", "health", "--token", "s3cret"]).await;
+    assert!(
+        with_token.contains("Message") && with_token.contains("every write succeeded"),
+        "{with_token}"
+    );
     // The token guards everything else.
     let (code, _, err) = stead(cli_args(&served.address, &["node", "status"])).await;
     assert_eq!(code, 1, "{err}");

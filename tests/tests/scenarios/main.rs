@@ -8,6 +8,7 @@ mod exec_support;
 
 mod agent_shutdown;
 mod alloc_scenarios;
+mod api_auth;
 mod api_endpoints;
 mod api_metrics;
 mod check_agent;

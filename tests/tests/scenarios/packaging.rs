@@ -8,7 +8,7 @@ use std::process::Stdio;
 use std::time::Duration;
 
 use serde_json::Value;
-use stead_controller::agent::{AgentArgs, Settings};
+use stead_controller::agent::{API_TOKEN_FILE, AgentArgs, ApiAuth, Settings};
 use stead_schemas::config::AgentConfig;
 use stead_tests::workspace_dir;
 use tokio::net::UnixDatagram;
@@ -39,6 +39,14 @@ fn args(config: &Path) -> AgentArgs {
         drain: false,
         log_format: None,
     }
+}
+
+/// The TCP address `settings` listen on.
+fn listen(settings: &Settings) -> &str {
+    settings
+        .listen
+        .as_deref()
+        .expect("the config has a tcp listener")
 }
 
 /// The port of a `host:port` address.
@@ -243,7 +251,7 @@ fn example_agent_config_loads_through_the_agents_loader_and_documents_every_key(
     let settings = Settings::resolve(&args(&path)).expect("deploy/agent.yaml is a valid config");
     assert_eq!(settings.specs_dir, Path::new("/etc/stead/specs"));
     assert_eq!(settings.data_dir, Path::new("/var/lib/stead"));
-    assert_eq!(port_of(&settings.listen), 4750);
+    assert_eq!(port_of(listen(&settings)), 4750);
     assert!(settings.exec_driver, "the example runs exec tasks");
 
     // Every key the config knows is written out (unset keys serialize as null).
@@ -301,9 +309,9 @@ fn daemonset_compose_image_and_agent_config_agree_on_port_paths_and_probe() {
 
     // The API port: config, containerPort, and both probes on /v1/health.
     let port = &container["ports"][0];
-    assert_eq!(port["containerPort"], u64::from(port_of(&k8s.listen)));
+    assert_eq!(port["containerPort"], u64::from(port_of(listen(&k8s))));
     assert!(
-        k8s.listen.starts_with("0.0.0.0:"),
+        listen(&k8s).starts_with("0.0.0.0:"),
         "probes reach the pod's IP"
     );
     for probe in ["livenessProbe", "readinessProbe"] {
@@ -347,7 +355,7 @@ fn daemonset_compose_image_and_agent_config_agree_on_port_paths_and_probe() {
             .map(|l| l[name.len() + 1..].trim().to_owned())
             .collect::<Vec<_>>()
     };
-    assert_eq!(instruction("EXPOSE"), [port_of(&k8s.listen).to_string()]);
+    assert_eq!(instruction("EXPOSE"), [port_of(listen(&k8s)).to_string()]);
     assert!(
         instruction("VOLUME")
             .iter()
@@ -357,7 +365,7 @@ fn daemonset_compose_image_and_agent_config_agree_on_port_paths_and_probe() {
     let cmd: Vec<Value> = serde_json::from_str(&instruction("CMD")[0]).expect("CMD is JSON");
     assert_eq!(
         port_of(flag(&cmd, "--listen").expect("the image listens on all interfaces")),
-        port_of(&example.listen)
+        port_of(listen(&example))
     );
     // The binaries come from the release script, with the supervisor linked static.
     assert!(
@@ -384,7 +392,7 @@ fn daemonset_compose_image_and_agent_config_agree_on_port_paths_and_probe() {
     assert!(
         ports
             .iter()
-            .any(|p| p.ends_with(&format!(":{}", port_of(&example.listen)))),
+            .any(|p| p.ends_with(&format!(":{}", port_of(listen(&example))))),
         "compose publishes the API port: {ports:?}"
     );
     let volumes = strings(&service["volumes"]);
@@ -401,7 +409,7 @@ fn daemonset_compose_image_and_agent_config_agree_on_port_paths_and_probe() {
         "compose mounts the specs read-only: {volumes:?}"
     );
     let healthcheck = strings(&service["healthcheck"]["test"]).join(" ");
-    assert!(healthcheck.contains(&format!("127.0.0.1:{}", port_of(&example.listen))));
+    assert!(healthcheck.contains(&format!("127.0.0.1:{}", port_of(listen(&example)))));
 }
 
 #[test]
@@ -507,7 +515,7 @@ fn daemonset_api_requires_the_token_of_a_secret_mounted_read_only() {
 #[test]
 fn daemonset_network_policy_admits_no_pod_to_the_api_port() {
     let documents = kubernetes_documents();
-    let api_port = port_of(&config_map_settings(&documents).listen);
+    let api_port = port_of(listen(&config_map_settings(&documents)));
     let daemon_set = of_kind(&documents, "DaemonSet");
     let labels = &daemon_set["spec"]["template"]["metadata"]["labels"];
     let policy = of_kind(&documents, "NetworkPolicy");
@@ -628,7 +636,7 @@ fn image_carries_python3_and_checks_health_without_a_token() {
     );
 
     let example = Settings::resolve(&args(&deploy("agent.yaml"))).expect("example config");
-    let address = format!("127.0.0.1:{}", port_of(&example.listen));
+    let address = format!("127.0.0.1:{}", port_of(listen(&example)));
     let image = image_healthcheck();
     assert_eq!(
         image,
@@ -645,6 +653,39 @@ fn image_carries_python3_and_checks_health_without_a_token() {
     let test = strings(&compose["services"]["stead"]["healthcheck"]["test"]);
     assert_eq!(test.first().map(String::as_str), Some("CMD"));
     assert_eq!(test[1..], image[..], "compose checks as the image does");
+}
+
+#[test]
+fn every_shipped_config_guards_the_api_with_a_token_its_users_are_told_how_to_find() {
+    // Host and image: the token the agent generates, in the data dir the CLI looks in
+    // (the config's, at /etc/stead/agent.yaml, or /var/lib/stead).
+    let example = Settings::resolve(&args(&deploy("agent.yaml"))).expect("example config");
+    assert_eq!(example.token, ApiAuth::Generated);
+    assert_eq!(example.data_dir, Path::new("/var/lib/stead"));
+    let cmd: Vec<Value> = serde_json::from_str(
+        &dockerfile_instructions(&read(&deploy("Dockerfile")))
+            .iter()
+            .rfind(|(name, _)| name == "CMD")
+            .expect("a CMD")
+            .1,
+    )
+    .expect("CMD is JSON");
+    assert_eq!(flag(&cmd, "--config"), Some("/etc/stead/agent.yaml"));
+    // `make run`: the CLI's first fallback, from the repository root.
+    let dev = Settings::resolve(&args(&deploy("dev-agent.yaml"))).expect("dev config");
+    assert_eq!(dev.token, ApiAuth::Generated);
+    assert_eq!(dev.data_dir, Path::new("./stead-data"));
+    // Kubernetes: a token of the operator's, from a Secret.
+    let k8s = config_map_settings(&kubernetes_documents());
+    assert!(matches!(k8s.token, ApiAuth::Token(_)), "{:?}", k8s.token);
+    // Compose publishes the port, and says how to read the generated token.
+    for file in ["compose.yaml", "Dockerfile"] {
+        let text = read(&deploy(file));
+        assert!(
+            text.contains(&format!("/var/lib/stead/{API_TOKEN_FILE}")),
+            "{file} says where the token is"
+        );
+    }
 }
 
 #[test]

@@ -444,6 +444,8 @@ fn an_invalid_edit_keeps_the_old_revision_running_and_shows_a_spec_error_until_f
         "web",
         "--address",
         &agent.address,
+        "--data-dir",
+        &agent.data.display().to_string(),
         "--color",
         "never",
     ]);

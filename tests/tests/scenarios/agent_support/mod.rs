@@ -1,5 +1,8 @@
 //! A real `stead agent` process for the tests that crash and restart it: its directories,
 //! its config, a minimal blocking HTTP client for its API, and the process table.
+//!
+//! The config sets no token, so each agent generates one into `<data>/api-token`, as a
+//! real node does; the client reads it from there and sends it with every request.
 
 #![allow(dead_code, unreachable_pub)]
 
@@ -179,6 +182,8 @@ impl AgentDirs {
             child,
             port: self.port,
             log: self.root.path().join("agent.log"),
+            token_file: self.data.join("api-token"),
+            token: std::sync::OnceLock::new(),
         }
     }
 }
@@ -194,6 +199,10 @@ pub struct Agent {
     pub child: Child,
     pub port: u16,
     pub log: PathBuf,
+    /// Where the agent keeps the token it generated.
+    pub token_file: PathBuf,
+    /// The token, once read from `token_file` (written before the API serves).
+    token: std::sync::OnceLock<String>,
 }
 
 impl Agent {
@@ -225,15 +234,40 @@ impl Agent {
         self.request("POST", path)
     }
 
+    /// A GET of `path` without the token, as any local user could send it.
+    pub fn get_without_token(&self, path: &str) -> Option<(u16, String)> {
+        self.send("GET", path, None)
+    }
+
+    /// A POST of `path` with an empty JSON body and without the token.
+    pub fn post_without_token(&self, path: &str) -> Option<(u16, String)> {
+        self.send("POST", path, None)
+    }
+
+    /// The token the agent generated, once it has.
+    pub fn token(&self) -> Option<&str> {
+        if self.token.get().is_none() {
+            let text = std::fs::read_to_string(&self.token_file).ok()?;
+            let _ = self.token.set(text.trim().to_owned());
+        }
+        self.token.get().map(String::as_str)
+    }
+
     fn request(&self, method: &str, path: &str) -> Option<(u16, String)> {
+        self.send(method, path, self.token())
+    }
+
+    fn send(&self, method: &str, path: &str, token: Option<&str>) -> Option<(u16, String)> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
             .ok()?;
         let body = if method == "POST" { "{}" } else { "" };
+        let authorization =
+            token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
         write!(
             stream,
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .ok()?;
