@@ -107,7 +107,7 @@ pub enum OpenError {
     /// The directory holds database files but no `CURRENT` (which names the live
     /// manifest): creating a new database there would forget every task and record.
     #[error(
-        "the state database at {} has database files ({}) but no CURRENT file; refusing to create a new database over them, which would forget every running task. Restore CURRENT from a backup, or write the newest MANIFEST file's name into it (`ls {}/MANIFEST-*`, then `echo MANIFEST-NNNNNN > {}/CURRENT`); to start this node afresh instead, move the directory away",
+        "the state database at {} has data files ({}) but no CURRENT file; refusing to create a new database over them, which would forget every running task. Restore CURRENT from a backup, or write the newest MANIFEST file's name into it (`ls {}/MANIFEST-*`, then `echo MANIFEST-NNNNNN > {}/CURRENT`); to start this node afresh instead, move the directory away",
         path.display(),
         found.join(", "),
         path.display(),
@@ -116,7 +116,7 @@ pub enum OpenError {
     LostCurrent {
         /// The database directory.
         path: PathBuf,
-        /// A few of the files found.
+        /// A few of the data files found.
         found: Vec<String>,
     },
     /// The directory could not be read before opening.
@@ -164,8 +164,10 @@ pub struct RocksDbStore {
     recovered: Option<String>,
 }
 
-/// Whether `path` may take a new database: it is missing or empty. One that holds
-/// database files without a `CURRENT` is refused, one with `CURRENT` is opened.
+/// Whether `path` may take a new database: it is missing, empty, or holds only what a
+/// creation that never finished leaves (`CURRENT` is the last file a creation writes,
+/// and no data file comes before it). One that holds data files (write-ahead logs,
+/// tables) without a `CURRENT` is refused; one with `CURRENT` is opened.
 fn new_database_dir(path: &Path) -> Result<bool, OpenError> {
     let entries = match std::fs::read_dir(path) {
         Ok(entries) => entries,
@@ -177,17 +179,21 @@ fn new_database_dir(path: &Path) -> Result<bool, OpenError> {
             });
         }
     };
-    let mut names: Vec<String> = entries
+    let names: Vec<String> = entries
         .filter_map(Result::ok)
         .map(|entry| entry.file_name().to_string_lossy().into_owned())
-        // RocksDB's lock and info log are made before anything is written.
-        .filter(|name| name != "LOCK" && !name.starts_with("LOG"))
         .collect();
-    if names.is_empty() {
-        return Ok(true);
-    }
     if names.iter().any(|name| name == "CURRENT") {
         return Ok(false);
+    }
+    let is_data = |name: &String| {
+        [".log", ".sst", ".blob"]
+            .iter()
+            .any(|suffix| name.ends_with(suffix))
+    };
+    let mut names: Vec<String> = names.into_iter().filter(is_data).collect();
+    if names.is_empty() {
+        return Ok(true);
     }
     names.sort();
     names.truncate(5);
@@ -312,8 +318,14 @@ impl RocksDbStore {
         db_options.set_stats_dump_period_sec(0);
         db_options.set_stats_persist_period_sec(0);
 
+        // The default family is named too: left out, it would get RocksDB's default
+        // options, whose 64 MiB write buffer sets both the write-ahead log's
+        // preallocation and the free space RocksDB waits for before it resumes writes
+        // after the disk filled. With every family's buffer at `budget / 8`, the store
+        // recovers once that much is free again.
         let families = FAMILIES
             .iter()
+            .chain(std::iter::once(&rocksdb::DEFAULT_COLUMN_FAMILY_NAME))
             .map(|name| ColumnFamilyDescriptor::new(*name, family_options.clone()));
         let db = DB::open_cf_descriptors(&db_options, path, families).map_err(open_error)?;
         let mut write_options = WriteOptions::default();

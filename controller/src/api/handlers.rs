@@ -371,10 +371,10 @@ pub(super) async fn health(State(state): State<ApiState>, headers: HeaderMap) ->
         "source".to_owned(),
         ComponentHealth {
             healthy: unreadable.is_empty(),
-            message: match unreadable.is_empty() {
+            message: Some(match unreadable.is_empty() {
                 true => "every entry of the specs dir is read".to_owned(),
                 false => format!("degraded: cannot read {}", unreadable.join("; ")),
-            },
+            }),
         },
     );
     for (name, fingerprint) in fingerprints(&state).await {

@@ -258,3 +258,131 @@ fn garbage_in_the_write_ahead_log_degrades_the_store_and_kills_no_task() {
         "{log}"
     );
 }
+
+#[test]
+fn a_task_whose_supervisor_is_sigkilled_leaves_none_of_its_200_setsid_children_once_stopped() {
+    let dirs = AgentDirs::new("");
+    let nap = unique_nap();
+    let spec = format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: escapes}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 2s\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"i=0; while [ $i -lt 200 ]; do setsid sleep {nap} & i=$((i+1)); done; exec sleep {nap}\"]\n"
+    );
+    dirs.write_spec("escapes", &spec);
+    let agent = dirs.start();
+    let pid = running_pid(&agent, "escapes");
+    wait_for(
+        "200 setsid children and the task",
+        DEADLINE,
+        || match processes_with(&nap).len() {
+            201 => Ok(()),
+            n => Err(format!("{n} processes")),
+        },
+    );
+    let supervisor = agent_support::parent_of(pid).expect("the task's parent");
+    rustix::process::kill_process(
+        rustix::process::Pid::from_raw(supervisor as i32).expect("a pid"),
+        rustix::process::Signal::KILL,
+    )
+    .expect("supervisor killed");
+
+    dirs.remove_spec("escapes");
+    wait_for(
+        "nothing of the alloc left",
+        DEADLINE,
+        || match processes_with(&nap).len() {
+            0 => Ok(()),
+            n => Err(format!("{n} processes left")),
+        },
+    );
+}
+
+/// A tmpfs of `size` mounted on `dir` for the life of the value.
+struct SmallDisk(std::path::PathBuf);
+
+impl SmallDisk {
+    fn mount(dir: &std::path::Path, size: &str) -> SmallDisk {
+        std::fs::create_dir_all(dir).expect("mount point");
+        let status = std::process::Command::new("mount")
+            .args([
+                "-t",
+                "tmpfs",
+                "-o",
+                &format!("size={size},mode=0755"),
+                "tmpfs",
+            ])
+            .arg(dir)
+            .status()
+            .expect("mount runs");
+        assert!(status.success(), "mount {}", dir.display());
+        SmallDisk(dir.to_owned())
+    }
+}
+
+impl Drop for SmallDisk {
+    fn drop(&mut self) {
+        let _ = std::process::Command::new("umount")
+            .arg("-l")
+            .arg(&self.0)
+            .status();
+    }
+}
+
+#[test]
+fn after_the_data_disk_filled_the_store_is_healthy_again_within_30s_of_10_mib_freed() {
+    if !agent_support::running_as_root() {
+        return; // mounting a small disk takes root
+    }
+    // A small store: its write-ahead log is preallocated by its write buffer's size.
+    let dirs = AgentDirs::new("store:\n  memoryMB: 1\n");
+    let _disk = SmallDisk::mount(&dirs.data, "48m");
+    let marker = unique_nap();
+    dirs.write_spec("before", &service_spec("before", &marker));
+    let agent = dirs.start();
+    running_pid(&agent, "before");
+
+    // Fill the disk, then ask for a write: a new alloc's record.
+    let filler = dirs.data.join("filler");
+    {
+        use std::io::Write;
+        let mut file = std::fs::File::create(&filler).expect("filler");
+        let chunk = vec![0x5a_u8; 1 << 20];
+        while file.write_all(&chunk).is_ok() {}
+        let _ = file.sync_all();
+    }
+    // A task that exits at once and restarts every 100 ms: a stream of writes.
+    dirs.write_spec(
+        "churn",
+        &format!(
+            "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: churn}}\nspec:\n  restart: {{attempts: 10000, delay: 100ms, interval: 1h, mode: delay}}\n  tasks:\n    - name: main\n      driver: exec\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"exit 1\", \"{marker}\"]\n"
+        ),
+    );
+    wait_for("the store to fail its writes", DEADLINE, || {
+        let health = health(&agent);
+        match health["components"]["store"]["healthy"] == false {
+            true => Ok(()),
+            false => Err(health.to_string()),
+        }
+    });
+
+    let full = std::fs::metadata(&filler).expect("filler").len();
+    std::fs::File::options()
+        .write(true)
+        .open(&filler)
+        .expect("filler")
+        .set_len(full.saturating_sub(10 << 20))
+        .expect("10 MiB freed");
+    let freed = Instant::now();
+    wait_for("the store healthy again", Duration::from_secs(30), || {
+        let health = health(&agent);
+        match health["components"]["store"]["healthy"] == true {
+            true => Ok(()),
+            false => Err(health.to_string()),
+        }
+    });
+    eprintln!(
+        "store healthy {:?} after 10 MiB were freed",
+        freed.elapsed()
+    );
+    running_pid(&agent, "before");
+    drop(agent);
+    std::fs::remove_file(&filler).expect("filler removed");
+}

@@ -36,10 +36,12 @@ pub(super) fn record_of(name: &Name, current: &Current, removed: bool) -> AllocR
     }
 }
 
-/// The longest wait between retries of a failed store write.
-pub(super) const STORE_RETRY_MAX: Duration = Duration::from_secs(30);
+/// The longest wait between retries of a failed store write: short enough that a store
+/// that recovers (RocksDB looks for free space again every 5 s after the disk filled) is
+/// written within 15 s of the space coming back.
+pub(super) const STORE_RETRY_MAX: Duration = Duration::from_secs(10);
 
-/// Retries of a failed store write: 100 ms doubling to 30 s, with jitter, forever (the
+/// Retries of a failed store write: 100 ms doubling to 10 s, with jitter, forever (the
 /// tasks keep running meanwhile; the record is written as soon as storage takes it).
 pub(super) fn store_backoff() -> backon::ExponentialBackoff {
     use backon::BackoffBuilder;
