@@ -168,7 +168,8 @@ fn an_agent_killed_at_random_moments_resumes_every_task_exactly_once() {
     let mut rng = fastrand::Rng::with_seed(seed);
     let token = format!("stead-crash-{}", std::process::id());
     let _cleanup = Cleanup(token.clone());
-    let dirs = AgentDirs::new("maxTaskEvents: 20\n");
+    // Garbage collection passes often, so that each crash's leftovers meet one.
+    let dirs = AgentDirs::new("maxTaskEvents: 20\ngc:\n  interval: 2s\n");
     let mut desired = Desired::default();
     let mut removed = BTreeSet::new();
     for _ in 0..4 {
@@ -234,5 +235,31 @@ fn an_agent_killed_at_random_moments_resumes_every_task_exactly_once() {
             || converged(&agent, &token, &desired, &removed, &before),
         );
     }
+    // The crashes leave no alloc dir behind once a pass has run: every dir is the one of
+    // an alloc revision the agent shows.
+    wait_for(
+        &format!("no orphaned alloc dir (seed {seed})"),
+        Duration::from_secs(10),
+        || {
+            let ids: Vec<String> = agent
+                .alloc_names()
+                .iter()
+                .filter_map(|name| agent.status(name).map(|status| status.id))
+                .collect();
+            let orphans: Vec<String> = std::fs::read_dir(dirs.data.join("allocs"))
+                .map(|entries| {
+                    entries
+                        .filter_map(Result::ok)
+                        .map(|e| e.file_name().to_string_lossy().into_owned())
+                        .filter(|id| !ids.contains(id))
+                        .collect()
+                })
+                .unwrap_or_default();
+            match orphans.is_empty() {
+                true => Ok(()),
+                false => Err(format!("{orphans:?} are none of {ids:?}")),
+            }
+        },
+    );
     agent.terminate();
 }
