@@ -323,7 +323,7 @@ mod tests {
         std::fs::write(deep.join("lost.yaml"), "kind: Alloc\n").expect("write");
         std::os::unix::fs::symlink(elsewhere.path().join("secret"), specs.join("s.yaml"))
             .expect("link");
-        let (files, errors) = collect_spec_files(&[specs.clone()]);
+        let (files, errors) = collect_spec_files(std::slice::from_ref(&specs));
         assert_eq!(files.len(), 1);
         assert!(files[0].outside(&specs));
         let errors = names(&errors);
