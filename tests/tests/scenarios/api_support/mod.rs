@@ -150,9 +150,14 @@ pub async fn serve_tcp(state: &ApiState) -> Served {
     let shutdown = state.shutdown_token().cancelled_owned();
     let router = api::router(state.clone());
     let join = tokio::spawn(async move {
-        api::serve_tcp(listener, router, shutdown)
-            .await
-            .expect("serving");
+        api::serve_tcp(
+            listener,
+            router,
+            api::Connections::new(Default::default()),
+            shutdown,
+        )
+        .await
+        .expect("serving");
     });
     Served {
         address,
@@ -167,9 +172,14 @@ pub async fn serve_unix(state: &ApiState, path: &Path) -> Served {
     let shutdown = state.shutdown_token().cancelled_owned();
     let router = api::router(state.clone());
     let join = tokio::spawn(async move {
-        api::serve_unix(listener, router, shutdown)
-            .await
-            .expect("serving");
+        api::serve_unix(
+            listener,
+            router,
+            api::Connections::new(Default::default()),
+            shutdown,
+        )
+        .await
+        .expect("serving");
     });
     Served {
         address: format!("unix:{}", path.display()),

@@ -84,6 +84,10 @@ pub struct ExecDriverConfig {
     /// the agent's own before it raised it for itself, so a task gets what any process
     /// started on the host gets. `None` leaves them the agent's.
     pub task_open_files: Option<u64>,
+    /// The `oom_score_adj` supervisors, tasks and exec checks start with: the agent's own
+    /// before it lowered it for itself, so the kernel's OOM killer picks a task before the
+    /// agent. `None` leaves them the agent's.
+    pub task_oom_score_adj: Option<i16>,
     /// Whether a task whose limits cannot be enforced fails to start (the agent config's
     /// `limits: required`) rather than starting with a `Limits Not Enforced` event.
     pub limits_required: bool,
@@ -99,6 +103,7 @@ impl ExecDriverConfig {
             allow_root: false,
             supervisor: default_supervisor_path(),
             task_open_files: None,
+            task_oom_score_adj: None,
             limits_required: false,
             cgroup_parent: stead_schemas::config::DEFAULT_CGROUP_PARENT.to_owned(),
         }
@@ -1263,6 +1268,7 @@ impl Driver for ExecDriver {
                 &task_dir.dir,
                 account.as_ref(),
                 &cgroups,
+                inner.config.task_oom_score_adj,
                 request.timeout,
             )
             .await
