@@ -948,6 +948,37 @@ mod tests {
     }
 
     #[test]
+    fn the_mock_driver_runs_only_when_the_config_turns_it_on() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = dir.path().join("agent.yaml");
+        let defaults = Settings::resolve(&args(None)).expect("defaults");
+        assert!(!defaults.mock_driver && defaults.exec_driver);
+        std::fs::write(&config, "drivers: {mock: {enabled: true}}\n").expect("write");
+        let settings = Settings::resolve(&args(Some(config))).expect("config");
+        assert!(settings.mock_driver && settings.exec_driver);
+    }
+
+    #[test]
+    fn the_connection_cap_leaves_room_for_log_streams_and_the_reserve_under_the_open_files_limit()
+    {
+        // (configured cap, log streams, soft limit) -> cap
+        let table = [
+            (512, 256, Some(1 << 20), 512),
+            (512, 256, None, 512),
+            (512, 256, Some(1024), 512),
+            (512, 256, Some(800), 800 - 256 - 256),
+            (512, 256, Some(100), 16),
+        ];
+        for (configured, streams, soft, expected) in table {
+            assert_eq!(
+                fit_connections(configured, streams, soft),
+                expected,
+                "{configured} {streams} {soft:?}"
+            );
+        }
+    }
+
+    #[test]
     fn an_empty_token_file_refuses_to_start_rather_than_serve_without_a_token() {
         let dir = tempfile::tempdir().expect("dir");
         let (config, token) = (dir.path().join("agent.yaml"), dir.path().join("token"));

@@ -436,7 +436,7 @@ oomScoreAdj: -900
             ),
             (
                 "api: {headerTimeout: 0s}\n",
-                "agent.yaml:1:23: api.headerTimeout: a period must be longer than 0s",
+                "agent.yaml:1:22: api.headerTimeout: a period must be longer than 0s",
             ),
             (
                 "oomScoreAdj: -1001\n",
