@@ -959,8 +959,7 @@ mod tests {
     }
 
     #[test]
-    fn the_connection_cap_leaves_room_for_log_streams_and_the_reserve_under_the_open_files_limit()
-    {
+    fn the_connection_cap_leaves_room_for_log_streams_and_the_reserve_under_the_open_files_limit() {
         // (configured cap, log streams, soft limit) -> cap
         let table = [
             (512, 256, Some(1 << 20), 512),

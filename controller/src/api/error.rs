@@ -122,7 +122,7 @@ pub enum ApiError {
     },
     /// As many log streams are followed as the agent allows (`api.maxLogStreams`).
     #[error(
-        "{limit} log streams are followed already, the most this agent allows; try again later"
+        "the agent follows at most {limit} log streams at once (api.maxLogStreams); try again later"
     )]
     TooManyLogStreams {
         /// The cap.

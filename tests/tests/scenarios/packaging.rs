@@ -282,7 +282,10 @@ fn example_agent_config_loads_through_the_agents_loader_and_documents_every_key(
             "deploy/agent.yaml does not document api.{key}"
         );
     }
-    assert!(!settings.mock_driver, "the example leaves the mock driver off");
+    assert!(
+        !settings.mock_driver,
+        "the example leaves the mock driver off"
+    );
 }
 
 #[test]
