@@ -28,19 +28,30 @@ use crate::driver::{EXEC_OUTPUT_LIMIT, ExecOutput};
 /// may still be writing): enough for anything a pipe buffer held.
 const DRAIN_LIMIT: usize = 1 << 20;
 
-/// Runs `command` with `args` in `dir`, with exactly `env`, as `account` (or the
-/// agent's own user), with `oom_score_adj` (`None`: the agent's), for at most `timeout`. When it ends, what is left of its process
-/// group (children it started in the background) is killed with it.
+/// What a command shares with its task: the user, the cgroups it joins, and the
+/// `oom_score_adj` it gets back (`None`: the agent's).
+pub(super) struct AsTask<'a> {
+    pub(super) account: Option<&'a Account>,
+    pub(super) cgroups: &'a [PathBuf],
+    pub(super) oom_score_adj: Option<i16>,
+}
+
+/// Runs `command` with `args` in `dir`, with exactly `env`, as its task (`as_task`; with
+/// no account, as the agent's own user), for at most `timeout`. When it ends, what is
+/// left of its process group (children it started in the background) is killed with it.
 pub(super) async fn run(
     command: &str,
     args: &[String],
     env: &BTreeMap<String, String>,
     dir: &Path,
-    account: Option<&Account>,
-    cgroups: &[PathBuf],
-    oom_score_adj: Option<i16>,
+    as_task: AsTask<'_>,
     timeout: Duration,
 ) -> io::Result<ExecOutput> {
+    let AsTask {
+        account,
+        cgroups,
+        oom_score_adj,
+    } = as_task;
     let (reader, writer) = std::io::pipe()?;
     let mut builder = tokio::process::Command::new(command);
     builder
@@ -232,9 +243,11 @@ mod tests {
                 &["-c".to_owned(), script.to_owned()],
                 &env,
                 Path::new("/"),
-                None,
-                &[],
-                None,
+                AsTask {
+                    account: None,
+                    cgroups: &[],
+                    oom_score_adj: None,
+                },
                 timeout,
             ))
             .expect("the command runs")

@@ -1386,9 +1386,11 @@ impl Driver for ExecDriver {
                 &request.args,
                 &env,
                 &task_dir.dir,
-                account.as_ref(),
-                &cgroups,
-                inner.config.task_oom_score_adj,
+                command::AsTask {
+                    account: account.as_ref(),
+                    cgroups: &cgroups,
+                    oom_score_adj: inner.config.task_oom_score_adj,
+                },
                 request.timeout,
             )
             .await
