@@ -63,16 +63,22 @@ bench: deps
 	target/dist/stead-bench store 1000 10 3
 	target/dist/stead-bench devices 1000 64 201
 	target/dist/stead-bench parse 20
+	target/dist/stead-bench logfollow 1000 30
 	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
 	  target/dist/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
 
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.
+# Then 2,000 half-open connections held HALF_OPEN_SECONDS (`make test` only waits out
+# the header timeout), reopened as the agent drops them.
 CRASH_ITERATIONS ?= 500
 CRASH_SEED ?= $(shell date +%s)
+HALF_OPEN_SECONDS ?= 60
 soak: deps
 	STEAD_CRASH_ITERATIONS=$(CRASH_ITERATIONS) STEAD_CRASH_SEED=$(CRASH_SEED) \
 	  $(CARGO) test --locked -p stead-tests --test scenarios state_crash -- --nocapture
+	STEAD_HALF_OPEN_SECONDS=$(HALF_OPEN_SECONDS) \
+	  $(CARGO) test --locked -p stead-tests --test scenarios agent_bounds::two_thousand -- --nocapture
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

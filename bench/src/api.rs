@@ -205,7 +205,8 @@ async fn bench(
     let server = server_runtime.spawn(async move {
         let listener = api::bind_tcp("127.0.0.1:0").await?;
         let _ = bound.send(listener.local_addr());
-        api::serve_tcp(listener, api::router(state), stopped).await?;
+        let connections = api::Connections::new(api::ServeLimits::default());
+        api::serve_tcp(listener, api::router(state), connections, stopped).await?;
         anyhow::Ok(())
     });
     let base = format!("http://{}", address.await??);

@@ -10,6 +10,7 @@ mod api;
 mod checks;
 mod devices;
 mod exec;
+mod logfollow;
 mod measure;
 mod parse;
 mod peers;
@@ -229,8 +230,20 @@ fn main() -> anyhow::Result<()> {
                 .unwrap_or(20),
         ),
         "devices" => devices::run(allocs, idle.as_secs() as usize, tick.as_millis() as usize),
+        "logfollow" => {
+            let arg = |n: usize| {
+                std::env::args()
+                    .nth(n)
+                    .map(|a| a.parse::<u64>())
+                    .transpose()
+            };
+            logfollow::run(
+                arg(2)?.map_or(1_000, |n| n as usize),
+                Duration::from_secs(arg(3)?.unwrap_or(30)),
+            )
+        }
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `checks [TASKS] [WINDOW_SECONDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `checks [TASKS] [WINDOW_SECONDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]` or `logfollow [STREAMS] [WINDOW_SECONDS]`"
         ),
     }
 }

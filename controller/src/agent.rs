@@ -12,7 +12,10 @@ use thiserror::Error;
 use tokio::signal::unix::{SignalKind, signal};
 
 use crate::allocdir::AllocDirs;
-use crate::api::{ApiState, bind_tcp, bind_unix, router, serve_tcp, serve_unix};
+use crate::api::{
+    ApiState, Connections, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    DEFAULT_MAX_LOG_STREAMS, ServeLimits, bind_tcp, bind_unix, router, serve_tcp, serve_unix,
+};
 use crate::clock::Clock;
 use crate::driver::exec::{ExecDriver, ExecDriverConfig};
 use crate::driver::mock::MockDriver;
@@ -87,6 +90,13 @@ pub struct Settings {
     pub log_format: Option<stead_schemas::config::LogFormat>,
     /// How the state store is sized and synced.
     pub store: RocksDbOptions,
+    /// The API's connection bounds, as configured (the cap is lowered to fit the
+    /// descriptor limit at start).
+    pub api_limits: ServeLimits,
+    /// Log streams the API follows at once.
+    pub max_log_streams: usize,
+    /// The agent's own `oom_score_adj`.
+    pub oom_score_adj: i16,
 }
 
 /// What the API requires of a request: a bearer token unless `token: none` says
@@ -279,8 +289,9 @@ impl Settings {
                 config: config_path,
             });
         }
-        let enabled = |toggle: Option<&stead_schemas::config::DriverToggle>| {
-            toggle.and_then(|t| t.enabled).unwrap_or(true)
+        // A driver runs unless turned off; the mock driver only when turned on.
+        let enabled = |toggle: Option<&stead_schemas::config::DriverToggle>, default| {
+            toggle.and_then(|t| t.enabled).unwrap_or(default)
         };
         let drivers = config.drivers.clone().unwrap_or_default();
         let store = config.store.clone().unwrap_or_default();
@@ -303,8 +314,9 @@ impl Settings {
                 declared, interval,
             )?));
         }
-        let mock_driver = enabled(drivers.mock.as_ref());
-        let exec_driver = enabled(drivers.exec.as_ref());
+        let mock_driver = enabled(drivers.mock.as_ref(), false);
+        let exec_driver = enabled(drivers.exec.as_ref(), true);
+        let api = config.api.clone().unwrap_or_default();
         Ok(Settings {
             specs_dir: args
                 .specs
@@ -347,6 +359,18 @@ impl Settings {
                 None => config.log_format,
             },
             store,
+            api_limits: ServeLimits {
+                header_timeout: api
+                    .header_timeout
+                    .map_or(DEFAULT_HEADER_TIMEOUT, |d| d.get()),
+                max_connections: api
+                    .max_connections
+                    .map_or(DEFAULT_MAX_CONNECTIONS, |n| (n as usize).max(1)),
+            },
+            max_log_streams: api
+                .max_log_streams
+                .map_or(DEFAULT_MAX_LOG_STREAMS, |n| (n as usize).max(1)),
+            oom_score_adj: config.oom_score_adj.unwrap_or(DEFAULT_OOM_SCORE_ADJ),
         })
     }
 }
@@ -412,6 +436,13 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     // gives it a moment): no second agent may take the data dir over before then.
     let _lock = lock_data_dir(&settings.data_dir)?;
     let task_open_files = raise_open_files_limit();
+    let mut settings = settings;
+    settings.api_limits.max_connections = fit_connections(
+        settings.api_limits.max_connections,
+        settings.max_log_streams,
+        rustix::process::getrlimit(rustix::process::Resource::Nofile).current,
+    );
+    let task_oom_score_adj = lower_oom_score_adj(settings.oom_score_adj);
     // Tasks get absolute paths, whatever the agent's working directory.
     let data_dir =
         std::fs::canonicalize(&settings.data_dir).map_err(|source| AgentError::CreateDir {
@@ -422,7 +453,11 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
         .enable_all()
         .build()?;
     let outcome = runtime.block_on(async {
-        let agent = Agent::start(settings, Clock::system(), data_dir, task_open_files).await?;
+        let inherited = Inherited {
+            open_files: task_open_files,
+            oom_score_adj: task_oom_score_adj,
+        };
+        let agent = Agent::start(settings, Clock::system(), data_dir, inherited).await?;
         agent.run().await
     });
     match outcome {
@@ -632,6 +667,7 @@ fn generate_token(path: &Path) -> Result<String, AgentError> {
 fn start_api(
     state: ApiState,
     listeners: ApiListeners,
+    connections: Connections,
 ) -> Result<std::thread::JoinHandle<()>, AgentError> {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_all()
@@ -656,13 +692,17 @@ fn start_api(
                 let stop = state.shutdown_token();
                 let tcp_server = async {
                     match tcp {
-                        Some(tcp) => serve_tcp(tcp, app.clone(), stop.clone().cancelled_owned()).await,
+                        Some(tcp) => {
+                            serve_tcp(tcp, app.clone(), connections.clone(), stop.clone().cancelled_owned()).await
+                        }
                         None => Ok(()),
                     }
                 };
                 let unix_server = async {
                     match unix {
-                        Some(unix) => serve_unix(unix, app.clone(), stop.clone().cancelled_owned()).await,
+                        Some(unix) => {
+                            serve_unix(unix, app.clone(), connections.clone(), stop.clone().cancelled_owned()).await
+                        }
                         None => Ok(()),
                     }
                 };
@@ -699,6 +739,79 @@ fn raise_open_files_limit() -> Option<u64> {
             None
         }
     }
+}
+
+/// The agent's own `oom_score_adj` unless configured: low, so the kernel's OOM killer
+/// takes a task first (the kubelet and containerd set -999 for themselves), above -1000,
+/// which would exempt the agent entirely.
+const DEFAULT_OOM_SCORE_ADJ: i16 = -900;
+
+/// Descriptors kept for everything but the API's connections and followed logs: the
+/// store (RocksDB keeps at most 64 table files open, plus its log and lock files), the
+/// specs dir's listing and watcher, the fork server's socket, device health files.
+const DESCRIPTOR_RESERVE: u64 = 256;
+
+/// The API's connection cap lowered, if need be, so that connections, followed log
+/// streams and [`DESCRIPTOR_RESERVE`] fit under the soft limit of open files `soft`
+/// (`None`: unlimited); never below 16. Says so when it lowers it.
+fn fit_connections(configured: usize, log_streams: usize, soft: Option<u64>) -> usize {
+    let Some(soft) = soft else {
+        return configured;
+    };
+    let budget = soft
+        .saturating_sub(DESCRIPTOR_RESERVE)
+        .saturating_sub(log_streams as u64)
+        .max(16);
+    let fitted = usize::try_from(budget).map_or(configured, |budget| configured.min(budget));
+    if fitted < configured {
+        tracing::warn!(
+            configured,
+            fitted,
+            open_files = soft,
+            "api.maxConnections lowered to fit the limit of open files"
+        );
+    }
+    fitted
+}
+
+/// Sets the agent's own `oom_score_adj` to `adj`, so the kernel's OOM killer picks a
+/// task before the agent; returns the value it had, which supervisors, tasks and exec
+/// checks get back (`None` when nothing changed). Lowering it needs `CAP_SYS_RESOURCE`:
+/// without it the agent says so and goes on.
+fn lower_oom_score_adj(adj: i16) -> Option<i16> {
+    const PATH: &str = "/proc/self/oom_score_adj";
+    let before = std::fs::read_to_string(PATH)
+        .ok()
+        .and_then(|text| text.trim().parse::<i16>().ok());
+    let Some(before) = before else {
+        tracing::warn!(
+            path = PATH,
+            "cannot read the agent's oom_score_adj; leaving it"
+        );
+        return None;
+    };
+    if before == adj {
+        return None;
+    }
+    match std::fs::write(PATH, adj.to_string()) {
+        Ok(()) => {
+            tracing::info!(oom_score_adj = adj, tasks = before, "oom_score_adj set");
+            Some(before)
+        }
+        Err(error) => {
+            tracing::warn!(%error, oom_score_adj = adj, "cannot set the agent's oom_score_adj");
+            None
+        }
+    }
+}
+
+/// What supervisors and tasks get back from before the agent changed it for itself.
+#[derive(Debug, Clone, Copy, Default)]
+struct Inherited {
+    /// The soft limit of open files.
+    open_files: Option<u64>,
+    /// The `oom_score_adj`.
+    oom_score_adj: Option<i16>,
 }
 
 /// What wakes the specs loop for a listing of the specs dir.
@@ -895,7 +1008,7 @@ impl Agent {
         settings: Settings,
         clock: Clock,
         data_dir: PathBuf,
-        task_open_files: Option<u64>,
+        inherited: Inherited,
     ) -> Result<Agent, AgentError> {
         // systemd's notification socket; the watchdog pings start now, readiness comes
         // once the agent serves.
@@ -917,7 +1030,8 @@ impl Agent {
         if settings.exec_driver {
             let config = ExecDriverConfig {
                 allow_root: settings.allow_root,
-                task_open_files,
+                task_open_files: inherited.open_files,
+                task_oom_score_adj: inherited.oom_score_adj,
                 limits_required: settings.limits_required,
                 cgroup_parent: settings.cgroup_parent.clone(),
                 ..ExecDriverConfig::new(&data_dir)
@@ -955,9 +1069,11 @@ impl Agent {
         source.list(&node, Trigger::Start).await;
         let state = ApiState::new(node.clone(), drivers, data_dir.clone())
             .with_token(token)
-            .with_metrics(Metrics::new());
+            .with_metrics(Metrics::new())
+            .with_max_log_streams(settings.max_log_streams);
         let stop_api = state.shutdown_token();
-        let api = match start_api(state, listeners) {
+        let connections = Connections::new(settings.api_limits);
+        let api = match start_api(state, listeners, connections) {
             Ok(api) => api,
             Err(error) => {
                 // What the listing started is recorded and left running for the next
@@ -1181,6 +1297,36 @@ mod tests {
         .expect("flags");
         assert_eq!(flagged.listen.as_deref(), Some("127.0.0.1:1"));
         std::fs::remove_dir_all(&dir).expect("cleanup");
+    }
+
+    #[test]
+    fn the_mock_driver_runs_only_when_the_config_turns_it_on() {
+        let dir = tempfile::tempdir().expect("dir");
+        let config = dir.path().join("agent.yaml");
+        let defaults = Settings::resolve(&args(None)).expect("defaults");
+        assert!(!defaults.mock_driver && defaults.exec_driver);
+        std::fs::write(&config, "drivers: {mock: {enabled: true}}\n").expect("write");
+        let settings = Settings::resolve(&args(Some(config))).expect("config");
+        assert!(settings.mock_driver && settings.exec_driver);
+    }
+
+    #[test]
+    fn the_connection_cap_leaves_room_for_log_streams_and_the_reserve_under_the_open_files_limit() {
+        // (configured cap, log streams, soft limit) -> cap
+        let table = [
+            (512, 256, Some(1 << 20), 512),
+            (512, 256, None, 512),
+            (512, 256, Some(1024), 512),
+            (512, 256, Some(800), 800 - 256 - 256),
+            (512, 256, Some(100), 16),
+        ];
+        for (configured, streams, soft, expected) in table {
+            assert_eq!(
+                fit_connections(configured, streams, soft),
+                expected,
+                "{configured} {streams} {soft:?}"
+            );
+        }
     }
 
     #[test]

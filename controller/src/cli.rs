@@ -116,7 +116,8 @@ pub fn run(
         Command::Agent(args) => crate::agent::main(&args),
     };
     result.unwrap_or_else(|error| {
-        let _ = writeln!(err, "error: {error:#}");
+        let message = format!("{error:#}");
+        let _ = writeln!(err, "error: {}", render::terminal_text(&message));
         EXIT_INVALID
     })
 }

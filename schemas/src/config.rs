@@ -62,6 +62,27 @@ pub struct AgentConfig {
     pub devices: Option<DevicesConfig>,
     /// Log output format (default text).
     pub log_format: Option<LogFormat>,
+    /// How much of the agent's resources the API may take.
+    pub api: Option<ApiConfig>,
+    /// The agent's own `oom_score_adj`, -1000 to 1000 (default -900: the kernel's OOM
+    /// killer picks a task first); its tasks keep the value the agent started with.
+    #[serde(default, deserialize_with = "oom_score_adj")]
+    pub oom_score_adj: Option<i16>,
+}
+
+/// The API's bounds: how long a client may take to send a request's head, and how many
+/// connections and followed log streams it may hold.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ApiConfig {
+    /// How long a connection may take to send a request's head, and how long a
+    /// keep-alive connection may wait idle for its next request (default 10s).
+    #[serde(default, deserialize_with = "header_timeout")]
+    pub header_timeout: Option<Duration>,
+    /// Connections served at once, over TCP and the unix socket together (default 512).
+    pub max_connections: Option<u32>,
+    /// Log streams followed at once (`?follow=true`; default 256); more get 503.
+    pub max_log_streams: Option<u32>,
 }
 
 /// The `token` key: the API's bearer token, or `none`.
@@ -272,6 +293,24 @@ fn health_interval<'de, D: Deserializer<'de>>(
     period(deserializer, "devices.healthInterval")
 }
 
+fn header_timeout<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Duration>, D::Error> {
+    period(deserializer, "api.headerTimeout")
+}
+
+/// An `oom_score_adj` the kernel takes: -1000 to 1000.
+fn oom_score_adj<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<i16>, D::Error> {
+    let value = Option::<i64>::deserialize(deserializer)?;
+    match value {
+        None => Ok(None),
+        Some(value) if (-1000..=1000).contains(&value) => Ok(Some(value as i16)),
+        Some(value) => Err(serde::de::Error::custom(format!(
+            "oomScoreAdj: {value} is outside -1000 to 1000"
+        ))),
+    }
+}
+
 /// The name of the cgroup below the agent's that holds its tasks' cgroups.
 pub const DEFAULT_CGROUP_PARENT: &str = "stead";
 /// The leaf cgroup a cgroup v2 agent moves itself into, beside its tasks' parent.
@@ -396,12 +435,23 @@ devices:
   static:
     - {vendor: acme, type: gpu, name: a1, healthDir: null, instances: [{id: gpu0}, {id: gpu1}]}
 logFormat: json
+api: {headerTimeout: 10s, maxConnections: 512, maxLogStreams: 256}
+oomScoreAdj: -900
 "#;
         let config = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap();
         assert_eq!(config.shutdown, Some(ShutdownMode::Drain));
         assert_eq!(config.tick, Some(Duration::from_secs(1)));
         assert_eq!(config.limits, Some(LimitsMode::Required));
         assert_eq!(config.cgroup_parent.as_deref(), Some("stead"));
+        assert_eq!(config.oom_score_adj, Some(-900));
+        assert_eq!(
+            config.api,
+            Some(ApiConfig {
+                header_timeout: Some(Duration::from_secs(10)),
+                max_connections: Some(512),
+                max_log_streams: Some(256),
+            })
+        );
         assert_eq!(
             config.store,
             Some(StoreConfig {
@@ -439,6 +489,14 @@ logFormat: json
             (
                 "cgroupParent: ../x\n",
                 "agent.yaml:1:15: cgroupParent: \"../x\" is not a cgroup name (letters, digits, '-' and '_', at most 64, not \"tasks\" or \"stead-agent\")",
+            ),
+            (
+                "api: {headerTimeout: 0s}\n",
+                "agent.yaml:1:22: api.headerTimeout: a period must be longer than 0s",
+            ),
+            (
+                "oomScoreAdj: -1001\n",
+                "agent.yaml:1:14: oomScoreAdj: -1001 is outside -1000 to 1000",
             ),
             (
                 "token: \"\"\n",

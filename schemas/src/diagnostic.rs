@@ -1,6 +1,6 @@
 //! Diagnostics: what is wrong with a spec, where (`file:line:col`) and in which field.
 
-use std::fmt;
+use std::fmt::{self, Write as _};
 use std::path::{Path, PathBuf};
 
 use serde::Serialize;
@@ -70,13 +70,38 @@ impl Diagnostic {
 }
 
 impl fmt::Display for Diagnostic {
+    /// One line whatever the file's name or the spec's text hold: control characters
+    /// (a newline, an ESC) are shown escaped, so a diagnostic never forges a line of a
+    /// log or reaches a terminal as a command.
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        write!(f, "{}:{}: ", self.file.display(), self.location)?;
+        write_escaped(f, &self.file.display().to_string())?;
+        write!(f, ":{}: ", self.location)?;
         if !self.path.is_empty() {
-            write!(f, "{}: ", self.path)?;
+            write_escaped(f, &self.path)?;
+            f.write_str(": ")?;
         }
-        f.write_str(&self.message)
+        write_escaped(f, &self.message)
     }
+}
+
+/// `text` with its control characters escaped as Rust writes them (`\n`, `\u{1b}`).
+fn write_escaped(f: &mut fmt::Formatter<'_>, text: &str) -> fmt::Result {
+    for c in text.chars() {
+        if c.is_control() {
+            write!(f, "{}", c.escape_default())?;
+        } else {
+            f.write_char(c)?;
+        }
+    }
+    Ok(())
+}
+
+/// Whether `name` is written as it is in a path: letters, digits, `_` and `-`.
+fn is_plain(name: &str) -> bool {
+    !name.is_empty()
+        && name
+            .chars()
+            .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-')
 }
 
 /// A field path under construction: `spec.tasks[0].restart.delay`.
@@ -89,9 +114,12 @@ impl FieldPath {
         FieldPath(String::new())
     }
 
-    /// The path of field `name` below this one.
+    /// The path of field `name` below this one; a name that is not an identifier (an
+    /// unknown key as written) is quoted, as [`FieldPath::key`] quotes it.
     pub fn field(&self, name: &str) -> Self {
-        if self.0.is_empty() {
+        if !is_plain(name) {
+            FieldPath(format!("{}[{name:?}]", self.0))
+        } else if self.0.is_empty() {
             FieldPath(name.to_owned())
         } else {
             FieldPath(format!("{}.{name}", self.0))
@@ -105,15 +133,7 @@ impl FieldPath {
 
     /// The path of entry `key` of the map at this path (`env.PORT`, or `env["a.b"]`).
     pub fn key(&self, key: &str) -> Self {
-        let plain = !key.is_empty()
-            && key
-                .chars()
-                .all(|c| c.is_ascii_alphanumeric() || c == '_' || c == '-');
-        if plain {
-            self.field(key)
-        } else {
-            FieldPath(format!("{}[{key:?}]", self.0))
-        }
+        self.field(key)
     }
 
     /// The path as text.
@@ -158,6 +178,27 @@ mod tests {
         assert_eq!(
             p.key("example.com/tier").as_str(),
             "metadata.labels[\"example.com/tier\"]"
+        );
+    }
+
+    #[test]
+    fn a_diagnostic_is_one_line_whatever_the_keys_file_name_and_message_hold() {
+        let path = FieldPath::root().field("spec").field("a\nb\u{1b}[31mRED");
+        assert_eq!(path.as_str(), "spec[\"a\\nb\\u{1b}[31mRED\"]");
+        let d = Diagnostic::new(
+            Path::new("specs/x\ny\u{1b}.yaml"),
+            Location::new(9, 7),
+            path.as_str(),
+            "unknown field \"a\nb\"",
+        );
+        let shown = d.to_string();
+        assert!(
+            !shown.contains('\n') && !shown.contains('\u{1b}'),
+            "{shown}"
+        );
+        assert_eq!(
+            shown,
+            "specs/x\\ny\\u{1b}.yaml:9:7: spec[\"a\\nb\\u{1b}[31mRED\"]: unknown field \"a\\nb\""
         );
     }
 }

@@ -48,6 +48,7 @@ mod children;
 pub mod error;
 mod file;
 pub mod logs;
+pub mod oom;
 pub mod proc;
 pub mod protocol;
 mod spawn;

@@ -57,14 +57,24 @@ pub(crate) enum SpawnError {
     /// The task could not join one of its cgroups (the agent made them; a retry may
     /// find them again).
     Cgroup(OsError),
+    /// The task could not take its user, group or groups: an id the kernel cannot map
+    /// (`EINVAL`, outside the user namespace's map) or a supervisor without the right
+    /// (`EPERM`) fails every time.
+    Credentials(OsError),
 }
 
 impl SpawnError {
-    /// Whether the program is missing or may not be run: trying again will not help.
+    /// Whether trying again will not help: the program is missing or may not be run,
+    /// its arguments and environment are over the kernel's limit (`E2BIG`), or its user
+    /// cannot be taken.
     pub(crate) fn is_permanent(self) -> bool {
         matches!(
             self,
-            SpawnError::Nul | SpawnError::Os(OsError(Errno::NOENT | Errno::ACCESS | Errno::PERM))
+            SpawnError::Nul
+                | SpawnError::Os(OsError(
+                    Errno::NOENT | Errno::ACCESS | Errno::PERM | Errno::TOOBIG
+                ))
+                | SpawnError::Credentials(OsError(Errno::INVAL | Errno::PERM))
         )
     }
 }
@@ -81,6 +91,9 @@ impl fmt::Display for SpawnError {
             SpawnError::Nul => f.write_str("a NUL byte in the command or an argument"),
             SpawnError::Os(error) => error.fmt(f),
             SpawnError::Cgroup(error) => write!(f, "joining the task's cgroup: {error}"),
+            SpawnError::Credentials(error) => {
+                write!(f, "switching to the task's user, group and groups: {error}")
+            }
         }
     }
 }
@@ -109,6 +122,7 @@ struct Child {
 /// Which step of the child's set-up failed; sent before its errno.
 const FAILED_OTHER: u8 = 0;
 const FAILED_CGROUP: u8 = 1;
+const FAILED_CREDENTIALS: u8 = 2;
 
 fn c_string(bytes: &[u8]) -> Result<CString, SpawnError> {
     CString::new(bytes).map_err(|_| SpawnError::Nul)
@@ -222,6 +236,7 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
             let errno = Errno::from_raw_os_error(i32::from_ne_bytes(errno));
             Err(match message[0] {
                 FAILED_CGROUP => SpawnError::Cgroup(OsError(errno)),
+                FAILED_CREDENTIALS => SpawnError::Credentials(OsError(errno)),
                 _ => errno.into(),
             })
         }
@@ -249,38 +264,40 @@ fn prepare_and_exec(child: &Child) -> (u8, Errno) {
     if let Err(errno) = crate::cgroup::join(&child.cgroups) {
         return (FAILED_CGROUP, errno);
     }
-    let steps = || -> Result<(), Errno> {
+    let steps = || -> Result<(), (u8, Errno)> {
+        let other = |errno| (FAILED_OTHER, errno);
         // The supervisor ignores SIGPIPE (it writes to an agent that may be gone); the
         // task must not inherit that through exec.
-        sys::set_ignored(linux_raw_sys::general::SIGPIPE, false)?;
-        install(&child.stdin, 0)?;
-        install(&child.stdout, 1)?;
-        install(&child.stderr, 2)?;
-        rustix::process::setsid()?;
+        sys::set_ignored(linux_raw_sys::general::SIGPIPE, false).map_err(other)?;
+        install(&child.stdin, 0).map_err(other)?;
+        install(&child.stdout, 1).map_err(other)?;
+        install(&child.stderr, 2).map_err(other)?;
+        rustix::process::setsid().map_err(other)?;
         // Per-thread system calls, as the kernel has them: the process has one thread.
         // The groups first, while the child may still set them; then the group, then
         // the user, which gives up the right to change either. Switching user from root
         // replaces root's supplementary groups with the user's (`initgroups` does the
         // same); a supervisor that is not root cannot set them, and only runs tasks as
         // its own user.
+        let credentials = |errno| (FAILED_CREDENTIALS, errno);
         if child.uid.is_some() && rustix::process::getuid().is_root() {
-            rustix::thread::set_thread_groups(&child.groups)?;
+            rustix::thread::set_thread_groups(&child.groups).map_err(credentials)?;
         }
         if let Some(gid) = child.gid {
-            rustix::thread::set_thread_gid(gid)?;
+            rustix::thread::set_thread_gid(gid).map_err(credentials)?;
         }
         if let Some(uid) = child.uid {
-            rustix::thread::set_thread_uid(uid)?;
+            rustix::thread::set_thread_uid(uid).map_err(credentials)?;
         }
         // After the ids: the kernel clears the parent-death signal when the credentials
         // change, so set before them it would be gone for every task that switches user.
-        rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
+        rustix::process::set_parent_process_death_signal(Some(Signal::KILL)).map_err(other)?;
         // The supervisor died before the prctl: nobody would reap or log the task, and
         // no signal will come.
         if rustix::process::getppid() != child.parent {
-            return Err(Errno::PIPE);
+            return Err(other(Errno::PIPE));
         }
-        sys::sigprocmask(MaskHow::Set, child.mask)?;
+        sys::sigprocmask(MaskHow::Set, child.mask).map_err(other)?;
         // Only stdin, stdout and stderr reach the task: whatever else is open here
         // without close-on-exec (the supervisor's own descriptors have it) is marked so.
         // `CLOSE_RANGE_CLOEXEC` came with Linux 5.11; an older kernel refuses it, and
@@ -288,8 +305,8 @@ fn prepare_and_exec(child: &Child) -> (u8, Errno) {
         let _ = sys::close_range_from(3, true);
         Ok(())
     };
-    if let Err(errno) = steps() {
-        return (FAILED_OTHER, errno);
+    if let Err(failed) = steps() {
+        return failed;
     }
     // `execvp`'s search: a missing or non-directory entry moves on; a forbidden one is
     // remembered, so it is the error when nothing else is found.
@@ -318,6 +335,31 @@ mod tests {
     fn env(pairs: &[(&str, &str)]) -> Environment {
         let entries: Vec<String> = pairs.iter().map(|(k, v)| format!("{k}={v}")).collect();
         Environment::from_entries(entries.iter().map(String::as_bytes))
+    }
+
+    #[test]
+    fn a_start_fails_for_good_when_its_program_its_size_or_its_user_cannot_change() {
+        for permanent in [
+            SpawnError::Nul,
+            SpawnError::Os(OsError(Errno::NOENT)),
+            SpawnError::Os(OsError(Errno::TOOBIG)),
+            SpawnError::Credentials(OsError(Errno::INVAL)),
+            SpawnError::Credentials(OsError(Errno::PERM)),
+        ] {
+            assert!(permanent.is_permanent(), "{permanent:?}");
+        }
+        for passing in [
+            SpawnError::Os(OsError(Errno::NOMEM)),
+            SpawnError::Cgroup(OsError(Errno::NOENT)),
+            SpawnError::Credentials(OsError(Errno::AGAIN)),
+        ] {
+            assert!(!passing.is_permanent(), "{passing:?}");
+        }
+        let shown = SpawnError::Credentials(OsError(Errno::INVAL)).to_string();
+        assert!(
+            shown.starts_with("switching to the task's user, group and groups: Invalid argument"),
+            "{shown}"
+        );
     }
 
     #[test]

@@ -56,19 +56,29 @@ fn keep_open_files(open_files: u64) {
 
 /// Serves start requests on stdin until the agent closes it. `--open-files=N` (the
 /// agent's soft limit of open files before it raised its own) is the one supervisors
-/// and tasks start with; any other argument is a usage error (exit 2). Returns the exit
-/// code.
+/// and tasks start with; `--oom-score-adj=N` (the agent's before it lowered its own) is
+/// theirs too; any other argument is a usage error (exit 2). Returns the exit code.
 pub(crate) fn serve(args: impl Iterator<Item = Vec<u8>>) -> u8 {
     for arg in args {
-        let value = core::str::from_utf8(&arg)
-            .ok()
-            .and_then(|a| a.strip_prefix("--open-files="));
-        match value {
-            Some(value) => match value.parse::<u64>() {
+        let Ok(arg) = core::str::from_utf8(&arg) else {
+            return 2;
+        };
+        if let Some(value) = arg.strip_prefix("--open-files=") {
+            match value.parse::<u64>() {
                 Ok(open_files) => keep_open_files(open_files),
                 Err(_) => return 2,
-            },
-            None => return 2,
+            }
+        } else if let Some(value) = arg.strip_prefix("--oom-score-adj=") {
+            match value.parse::<i16>() {
+                // Raising it back needs no privilege; should the kernel refuse anyway,
+                // tasks keep the agent's, which is no reason to start none.
+                Ok(adj) => {
+                    let _ = crate::oom::set_oom_score_adj(adj);
+                }
+                Err(_) => return 2,
+            }
+        } else {
+            return 2;
         }
     }
     // Terminal signals aimed at the agent's process group do not stop starting tasks.

@@ -120,6 +120,14 @@ pub enum ApiError {
         #[source]
         source: Box<DriverError>,
     },
+    /// As many log streams are followed as the agent allows (`api.maxLogStreams`).
+    #[error(
+        "the agent follows at most {limit} log streams at once (api.maxLogStreams); try again later"
+    )]
+    TooManyLogStreams {
+        /// The cap.
+        limit: usize,
+    },
     /// Reading the task's log files failed.
     #[error("cannot read the logs of task {task:?} of alloc {alloc:?}")]
     Logs {
@@ -180,7 +188,9 @@ impl ApiError {
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::ShuttingDown { .. } => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::ShuttingDown { .. } | ApiError::TooManyLogStreams { .. } => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Driver { .. } | ApiError::Logs { .. } | ApiError::Metrics { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -203,6 +213,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::MetricsDisabled => "metrics_disabled",
             ApiError::ShuttingDown { .. } => "shutting_down",
+            ApiError::TooManyLogStreams { .. } => "too_many_log_streams",
             ApiError::Driver { .. } => "driver_error",
             ApiError::Logs { .. } | ApiError::Metrics { .. } => "internal",
         }

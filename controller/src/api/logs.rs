@@ -7,17 +7,23 @@
 //! position is a file index plus an offset into it. The log as a whole is the files in
 //! index order; `offset` and `origin` address bytes of that whole.
 //!
-//! Following polls the directory (every [`super::DEFAULT_LOG_POLL`] by default): when a
-//! newer file appears the current one is finished (the writer moved on) and is read to
-//! its end before the newer one; a file deleted before it was read is skipped. The stream
-//! ends when the task is dead (after a last read), when the alloc is gone or replaced by
-//! another revision, when the client leaves, or when the API shuts down.
+//! Following checks the log at every tick of one timer all followed streams share
+//! ([`LogTicker`], every [`super::DEFAULT_LOG_POLL`] by default), and checks only what it
+//! needs: the size of the file it reads and whether the next one (index + 1, the writer
+//! never skips one) exists, two `stat`s; it reads only what was added. When the next file
+//! appears the current one is finished (the writer moved on) and is read to its end
+//! before the next; when the current file is gone (rotated away unread) the directory is
+//! listed again and reading goes on with the oldest newer file. The stream ends when the
+//! task is dead (after a last read), when the alloc is gone or replaced by another
+//! revision, when the client leaves, or when the API shuts down. At most
+//! `api.maxLogStreams` streams are followed at once; more get 503.
 
 use std::io::SeekFrom;
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, PoisonError};
 use std::task::{Context, Poll};
+use std::time::Duration;
 
 use axum::body::{Body, Bytes};
 use axum::extract::rejection::QueryRejection;
@@ -27,7 +33,7 @@ use axum::response::{IntoResponse, Response};
 use http_body::Frame;
 use stead_schemas::api::{LOG_BACKLOG_HEADER, LogOrigin, LogStream, LogsQuery};
 use tokio::io::{AsyncReadExt, AsyncSeekExt};
-use tokio::sync::mpsc;
+use tokio::sync::{OwnedSemaphorePermit, mpsc, watch};
 use tokio_util::sync::CancellationToken;
 
 use super::{ApiError, ApiState};
@@ -35,6 +41,53 @@ use crate::node::Node;
 
 /// How much is read from a file at once.
 const CHUNK: usize = 64 * 1024;
+
+/// The default of `api.maxLogStreams`: log streams followed at once.
+pub const DEFAULT_MAX_LOG_STREAMS: usize = 256;
+
+/// The one timer every followed log stream waits on: a stream costs nothing between
+/// ticks, and a thousand streams cost one timer, not a thousand. Started by the first
+/// stream that follows, on the runtime serving it; it runs until the API shuts down (a
+/// stream that finds it stopped, its runtime gone, starts another).
+pub(super) struct LogTicker {
+    period: Duration,
+    ticks: Mutex<Option<watch::Receiver<()>>>,
+}
+
+impl LogTicker {
+    pub(super) fn new(period: Duration) -> Self {
+        LogTicker {
+            period,
+            ticks: Mutex::new(None),
+        }
+    }
+
+    /// The ticks, from now on; starts the timer on the current runtime if none runs.
+    fn subscribe(&self, shutdown: &CancellationToken) -> watch::Receiver<()> {
+        // Every change under the lock is one assignment.
+        let mut ticks = self.ticks.lock().unwrap_or_else(PoisonError::into_inner);
+        if let Some(running) = ticks.as_ref().filter(|t| t.has_changed().is_ok()) {
+            let mut subscribed = running.clone();
+            subscribed.mark_unchanged();
+            return subscribed;
+        }
+        let (tx, rx) = watch::channel(());
+        let (period, shutdown) = (self.period, shutdown.clone());
+        tokio::spawn(async move {
+            let mut timer = tokio::time::interval(period);
+            timer.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            timer.tick().await;
+            loop {
+                tokio::select! {
+                    _ = timer.tick() => tx.send_replace(()),
+                    () = shutdown.cancelled() => return,
+                }
+            }
+        });
+        *ticks = Some(rx.clone());
+        rx
+    }
+}
 
 /// The log files of one output of one task.
 #[derive(Debug, Clone)]
@@ -164,6 +217,89 @@ struct Reader {
 }
 
 impl Reader {
+    /// Reports `error` to the log and aborts the response.
+    async fn fail(&self, error: std::io::Error) {
+        tracing::warn!(dir = %self.files.dir.display(), error = %error, "reading logs failed");
+        let _ = self.tx.send(Err(error)).await;
+    }
+
+    /// Sends what was added since the last read, looking only at the current file and
+    /// the next; lists the directory only when the current file is gone.
+    async fn catch_up(&mut self) -> Result<std::io::Result<()>, Gone> {
+        loop {
+            let Some(cursor) = self.cursor else {
+                return self.drain().await;
+            };
+            // Before reading: if the next file exists, the current one is finished.
+            let next = match std::fs::symlink_metadata(self.files.path(cursor.index + 1)) {
+                Ok(_) => true,
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => false,
+                Err(error) => return Ok(Err(error)),
+            };
+            let len = match std::fs::metadata(self.files.path(cursor.index)) {
+                Ok(meta) => meta.len(),
+                // Rotated away before it was read: find where the log goes on.
+                Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                    return self.drain().await;
+                }
+                Err(error) => return Ok(Err(error)),
+            };
+            // A file shorter than the cursor was truncated: start it over.
+            let offset = if len < cursor.offset {
+                0
+            } else {
+                cursor.offset
+            };
+            if len > offset || next {
+                match self.read_inline(cursor.index, offset).await? {
+                    Ok(end) => {
+                        self.cursor = Some(Cursor {
+                            index: cursor.index,
+                            offset: end,
+                        });
+                    }
+                    Err(error) if error.kind() == std::io::ErrorKind::NotFound => {
+                        return self.drain().await;
+                    }
+                    Err(error) => return Ok(Err(error)),
+                }
+            }
+            if !next {
+                return Ok(Ok(()));
+            }
+            self.cursor = Some(Cursor {
+                index: cursor.index + 1,
+                offset: 0,
+            });
+        }
+    }
+
+    /// Sends file `index` from `offset` to its current end, reading on this thread (a
+    /// few pages just written, in the page cache: cheaper than a trip to the blocking
+    /// pool per call); returns the end.
+    async fn read_inline(&mut self, index: u64, offset: u64) -> Result<std::io::Result<u64>, Gone> {
+        use std::os::unix::fs::FileExt;
+        let file = match std::fs::File::open(self.files.path(index)) {
+            Ok(file) => file,
+            Err(error) => return Ok(Err(error)),
+        };
+        let mut position = offset;
+        let mut buffer = vec![0; CHUNK];
+        loop {
+            let read = match file.read_at(&mut buffer, position) {
+                Ok(0) => return Ok(Ok(position)),
+                Ok(read) => read,
+                Err(error) if error.kind() == std::io::ErrorKind::Interrupted => continue,
+                Err(error) => return Ok(Err(error)),
+            };
+            position += read as u64;
+            self.tx
+                .send(Ok(Bytes::copy_from_slice(&buffer[..read])))
+                .await
+                .map_err(|_| Gone)?;
+        }
+    }
+
     /// Sends everything from the cursor to the end of the newest file.
     async fn drain(&mut self) -> Result<std::io::Result<()>, Gone> {
         loop {
@@ -260,29 +396,42 @@ impl FollowUntil {
     }
 }
 
+/// What a followed stream needs: when it ends, the ticks it waits on, and its place
+/// under the cap.
+struct Follow {
+    until: FollowUntil,
+    ticks: watch::Receiver<()>,
+    _permit: OwnedSemaphorePermit,
+}
+
 /// Reads the log, then (when following) keeps reading new output until it ends.
-async fn produce(
-    mut reader: Reader,
-    follow: Option<FollowUntil>,
-    poll: std::time::Duration,
-    shutdown: CancellationToken,
-) {
+async fn produce(mut reader: Reader, follow: Option<Follow>, shutdown: CancellationToken) {
+    let Some(mut follow) = follow else {
+        if let Err(error) = reader.drain().await.unwrap_or(Ok(())) {
+            reader.fail(error).await;
+        }
+        return;
+    };
+    let mut listed = false;
     loop {
-        let ended = follow.as_ref().is_none_or(FollowUntil::ended);
-        match reader.drain().await {
+        let ended = follow.until.ended();
+        // The first pass lists the directory; later ones look only at two files.
+        let read = if listed {
+            reader.catch_up().await
+        } else {
+            listed = true;
+            reader.drain().await
+        };
+        match read {
             Err(Gone) => return,
             Ok(Ok(())) => {}
-            Ok(Err(error)) => {
-                tracing::warn!(dir = %reader.files.dir.display(), error = %error, "reading logs failed");
-                let _ = reader.tx.send(Err(error)).await;
-                return;
-            }
+            Ok(Err(error)) => return reader.fail(error).await,
         }
         if ended {
             return;
         }
         tokio::select! {
-            () = tokio::time::sleep(poll) => {}
+            ticked = follow.ticks.changed() => if ticked.is_err() { return },
             () = shutdown.cancelled() => return,
             () = reader.tx.closed() => return,
         }
@@ -304,6 +453,20 @@ pub(super) async fn alloc_logs(
     if !status.tasks.contains_key(&task) {
         return Err(ApiError::TaskNotFound { alloc: name, task });
     }
+    // Taken before any file is touched: a stream over the cap costs nothing.
+    let permit = match query.follow {
+        true => Some(
+            state
+                .inner
+                .log_streams
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| ApiError::TooManyLogStreams {
+                    limit: state.inner.max_log_streams,
+                })?,
+        ),
+        false => None,
+    };
     let files = LogFiles::new(&state.inner.data_dir, &status.id, &task, query.stream);
     let listed = files.list().await.map_err(|source| ApiError::Logs {
         alloc: name.clone(),
@@ -311,22 +474,21 @@ pub(super) async fn alloc_logs(
         source,
     })?;
     let (cursor, backlog) = locate(&listed, query.origin, query.offset);
-    let follow = query.follow.then(|| FollowUntil {
-        node: state.node_arc(),
-        alloc: name.clone(),
-        alloc_id: status.id.clone(),
-        task: task.clone(),
+    let follow = permit.map(|permit| Follow {
+        until: FollowUntil {
+            node: state.node_arc(),
+            alloc: name.clone(),
+            alloc_id: status.id.clone(),
+            task: task.clone(),
+        },
+        ticks: state.inner.log_ticker.subscribe(&state.inner.shutdown),
+        _permit: permit,
     });
     let (tx, chunks) = mpsc::channel(4);
     let reader = Reader { files, cursor, tx };
     let span = tracing::debug_span!("logs", alloc = %name, task = %task, follow = query.follow);
     tokio::spawn(tracing::Instrument::instrument(
-        produce(
-            reader,
-            follow,
-            state.inner.log_poll,
-            state.inner.shutdown.clone(),
-        ),
+        produce(reader, follow, state.inner.shutdown.clone()),
         span,
     ));
     Ok((

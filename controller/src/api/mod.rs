@@ -32,6 +32,7 @@
 mod error;
 mod handlers;
 mod logs;
+mod serve;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -53,6 +54,8 @@ use tokio_util::sync::CancellationToken;
 use tower_http::limit::RequestBodyLimitLayer;
 
 pub use error::ApiError;
+pub use logs::DEFAULT_MAX_LOG_STREAMS;
+pub use serve::{Connections, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ServeLimits};
 
 use crate::driver::Drivers;
 use crate::metrics::Metrics;
@@ -82,7 +85,11 @@ struct Inner {
     metrics: Option<Metrics>,
     node_name: String,
     started_at: Timestamp,
-    log_poll: Duration,
+    /// The one timer every followed log waits on.
+    log_ticker: Arc<logs::LogTicker>,
+    /// One permit per followed log stream.
+    log_streams: Arc<tokio::sync::Semaphore>,
+    max_log_streams: usize,
     shutdown: CancellationToken,
 }
 
@@ -100,7 +107,9 @@ impl ApiState {
                 metrics: None,
                 node_name: host_name(),
                 started_at,
-                log_poll: DEFAULT_LOG_POLL,
+                log_ticker: Arc::new(logs::LogTicker::new(DEFAULT_LOG_POLL)),
+                log_streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_LOG_STREAMS)),
+                max_log_streams: DEFAULT_MAX_LOG_STREAMS,
                 shutdown: CancellationToken::new(),
             }),
         }
@@ -132,9 +141,20 @@ impl ApiState {
         self.edit(|inner| inner.node_name = name)
     }
 
-    /// Checks followed logs for new output every `period` (default [`DEFAULT_LOG_POLL`]).
+    /// Checks followed logs for new output every `period` (default [`DEFAULT_LOG_POLL`]),
+    /// all on one timer.
     pub fn with_log_poll(self, period: Duration) -> Self {
-        self.edit(|inner| inner.log_poll = period)
+        self.edit(|inner| inner.log_ticker = Arc::new(logs::LogTicker::new(period)))
+    }
+
+    /// Follows at most `limit` log streams at once (default [`DEFAULT_MAX_LOG_STREAMS`];
+    /// at least 1); more get 503.
+    pub fn with_max_log_streams(self, limit: usize) -> Self {
+        let limit = limit.max(1);
+        self.edit(|inner| {
+            inner.max_log_streams = limit;
+            inner.log_streams = Arc::new(tokio::sync::Semaphore::new(limit));
+        })
     }
 
     /// Cancelled to end the API: followed log streams finish, so a graceful shutdown of
@@ -252,13 +272,15 @@ impl ApiState {
 }
 
 /// Gives responses made outside our handlers (the body limit's 413) the JSON error
-/// shape, and logs every 5xx with its message.
+/// shape, and logs every 5xx with its message but 503: the agent declining by design
+/// (shutting down, or over a cap) is no failure, and a client repeating such requests
+/// must not flood the log.
 async fn json_errors(request: Request, next: Next) -> Response {
     let method = request.method().clone();
     let path = request.uri().path().to_owned();
     let response = next.run(request).await;
     let status = response.status();
-    if status.is_server_error() {
+    if status.is_server_error() && status != StatusCode::SERVICE_UNAVAILABLE {
         let message = response
             .extensions()
             .get::<error::InternalErrorMessage>()
@@ -365,28 +387,25 @@ pub fn bind_unix(path: &Path) -> Result<UnixListener, ServeError> {
     UnixListener::from_std(listener).map_err(bind_error)
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves, then finishes the requests
-/// in flight.
+/// Serves `router` on `listener` within `connections`' bounds until `shutdown` resolves,
+/// then finishes the requests in flight.
 pub async fn serve_tcp(
     listener: TcpListener,
     router: Router,
+    connections: Connections,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServeError::Serve)
+    serve::serve(listener, router, connections, shutdown).await
 }
 
-/// Serves `router` on the unix socket `listener` until `shutdown` resolves, then
+/// Serves `router` on the unix socket `listener` within `connections`' bounds (shared
+/// with the TCP listener's when both take the same) until `shutdown` resolves, then
 /// finishes the requests in flight.
 pub async fn serve_unix(
     listener: UnixListener,
     router: Router,
+    connections: Connections,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> Result<(), ServeError> {
-    axum::serve(listener, router)
-        .with_graceful_shutdown(shutdown)
-        .await
-        .map_err(ServeError::Serve)
+    serve::serve(listener, router, connections, shutdown).await
 }

@@ -353,6 +353,15 @@ fn logs_path(
     path
 }
 
+/// How many bytes from the end `--tail lines` reads first: 160 a line, at least 4 KiB,
+/// at most [`TAIL_LIMIT`] (a count beyond what any log holds asks for the whole log).
+fn first_tail_window(lines: usize) -> u64 {
+    u64::try_from(lines)
+        .unwrap_or(u64::MAX)
+        .saturating_mul(160)
+        .clamp(4096, TAIL_LIMIT)
+}
+
 /// Reads the log back from its end until it holds `lines` lines (or is whole); returns
 /// how many bytes from the end that took.
 async fn tail_window(
@@ -363,7 +372,7 @@ async fn tail_window(
     lines: usize,
     out: Option<&mut dyn Write>,
 ) -> anyhow::Result<u64> {
-    let mut window: u64 = (lines as u64 * 160).max(4096);
+    let mut window = first_tail_window(lines);
     loop {
         let response = client
             .stream(&logs_path(name, task, stderr, false, Some(window)))
@@ -517,5 +526,13 @@ mod tests {
         assert_eq!(signal_name("hup"), "SIGHUP");
         assert_eq!(signal_name("SIGTERM"), "SIGTERM");
         assert_eq!(signal_name("sigusr1"), "SIGUSR1");
+    }
+
+    #[test]
+    fn the_first_tail_window_never_overflows_and_stays_within_its_bounds() {
+        assert_eq!(first_tail_window(0), 4096);
+        assert_eq!(first_tail_window(100), 16_000);
+        assert_eq!(first_tail_window(usize::MAX), TAIL_LIMIT);
+        assert_eq!(first_tail_window(usize::MAX / 160 + 1), TAIL_LIMIT);
     }
 }

@@ -1,6 +1,12 @@
 //! How the CLI shows the agent's documents to people: Nomad-style `key = value` blocks
 //! and borderless tables, coloured only when asked to (a terminal).
+//!
+//! Every string of a document is shown with its control characters but newline and tab
+//! escaped ([`terminal_safe`]): what the agent reports (event messages, spec errors,
+//! check output, file names) may carry a spec's text, and reaches the terminal as text,
+//! never as a command.
 
+use std::borrow::Cow;
 use std::fmt::Write as _;
 
 use comfy_table::presets::NOTHING;
@@ -8,6 +14,70 @@ use comfy_table::{Cell, Color, ContentArrangement, Table};
 use stead_schemas::Timestamp;
 use stead_schemas::api::{AllocListItem, AllocStats, CgroupStats, HealthStatus, NodeStatus};
 use stead_schemas::status::{AllocStatus, TaskStatus};
+
+/// `text` with its control characters but newline and tab escaped (`\u{1b}`).
+pub(crate) fn terminal_text(text: &str) -> Cow<'_, str> {
+    let shown = |c: char| !c.is_control() || c == '\n' || c == '\t';
+    if text.chars().all(shown) {
+        return Cow::Borrowed(text);
+    }
+    let mut out = String::with_capacity(text.len() + 8);
+    for c in text.chars() {
+        if shown(c) {
+            out.push(c);
+        } else {
+            let _ = write!(out, "{}", c.escape_default());
+        }
+    }
+    Cow::Owned(out)
+}
+
+/// `value` with [`terminal_text`] applied to every string and key; whether anything
+/// changed.
+fn escape_strings(value: &mut serde_json::Value) -> bool {
+    use serde_json::Value;
+    match value {
+        Value::String(text) => match terminal_text(text) {
+            Cow::Borrowed(_) => false,
+            Cow::Owned(escaped) => {
+                *text = escaped;
+                true
+            }
+        },
+        Value::Array(items) => items
+            .iter_mut()
+            .fold(false, |changed, item| escape_strings(item) | changed),
+        Value::Object(map) => {
+            let mut changed = false;
+            let entries = std::mem::take(map);
+            for (key, mut item) in entries {
+                changed |= escape_strings(&mut item);
+                let key = match terminal_text(&key) {
+                    Cow::Borrowed(_) => key,
+                    Cow::Owned(escaped) => {
+                        changed = true;
+                        escaped
+                    }
+                };
+                map.insert(key, item);
+            }
+            changed
+        }
+        _ => false,
+    }
+}
+
+/// `document` with [`terminal_text`] applied to all its strings (itself when none needs
+/// it).
+fn terminal_safe<T: serde::Serialize + serde::de::DeserializeOwned + Clone>(document: &T) -> T {
+    let Ok(mut value) = serde_json::to_value(document) else {
+        return document.clone();
+    };
+    if !escape_strings(&mut value) {
+        return document.clone();
+    }
+    serde_json::from_value(value).unwrap_or_else(|_| document.clone())
+}
 
 /// How many events of each task `alloc status` shows, newest first.
 pub(crate) const RECENT_EVENTS: usize = 10;
@@ -94,6 +164,7 @@ fn key_values(rows: &[(&str, String)]) -> String {
 
 /// `stead alloc list`.
 pub(crate) fn alloc_list(style: Style, allocs: &[AllocListItem]) -> String {
+    let allocs = &terminal_safe(&allocs.to_vec());
     if allocs.is_empty() {
         return "No allocs\n".to_owned();
     }
@@ -127,6 +198,9 @@ pub(crate) fn alloc_status(
     alloc: &AllocStatus,
     stats: Option<&AllocStats>,
 ) -> String {
+    let alloc = &terminal_safe(alloc);
+    let stats = stats.map(terminal_safe);
+    let stats = stats.as_ref();
     let mut rows = vec![
         ("ID", alloc.id.clone()),
         ("Name", alloc.name.clone()),
@@ -295,6 +369,7 @@ fn output_line(output: &str) -> String {
 /// `stead node health`: the overall status, then each part with whether it works and,
 /// when the agent said (to a client with its token), what it knows of it.
 pub(crate) fn health(style: Style, health: &HealthStatus) -> String {
+    let health = &terminal_safe(health);
     let mut text = key_values(&[("Status", health.status.clone())]);
     let mut table = style.table();
     let messages = health.components.values().any(|c| c.message.is_some());
@@ -322,6 +397,7 @@ pub(crate) fn health(style: Style, health: &HealthStatus) -> String {
 
 /// `stead node status`.
 pub(crate) fn node_status(style: Style, node: &NodeStatus) -> String {
+    let node = &terminal_safe(node);
     let allocs = ["running", "pending", "complete", "failed"]
         .iter()
         .map(|s| format!("{} {s}", node.allocs.get(*s).copied().unwrap_or(0)))
@@ -490,6 +566,34 @@ mod tests {
             text.contains("Last run OOM killed at 1970-01-01T00:00:00Z\n\nResources:\nCPU Time"),
             "{text}"
         );
+    }
+
+    /// Issue 34: an ESC byte in what the agent reports (a spec's file name in a health
+    /// message, a key in a spec error) reached the terminal.
+    #[test]
+    fn control_characters_of_the_agents_strings_reach_the_terminal_escaped() {
+        let status = HealthStatus {
+            status: "degraded".to_owned(),
+            components: [(
+                "source\u{1b}]0;x\u{7}".to_owned(),
+                stead_schemas::api::ComponentHealth {
+                    healthy: false,
+                    message: Some("specs/\u{1b}[2Jx.yaml:\r cannot read\nsecond line".to_owned()),
+                },
+            )]
+            .into(),
+        };
+        let text = health(Style { colour: false }, &status);
+        assert!(
+            !text.contains(['\u{1b}', '\u{7}', '\r']),
+            "control characters reached the terminal: {text:?}"
+        );
+        assert!(
+            text.contains("specs/\\u{1b}[2Jx.yaml:\\r cannot read"),
+            "{text}"
+        );
+        assert!(text.contains("source\\u{1b}]0;x\\u{7}"), "{text}");
+        assert_eq!(terminal_text("two\nlines\tkept"), "two\nlines\tkept");
     }
 
     #[test]

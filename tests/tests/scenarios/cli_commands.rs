@@ -185,6 +185,40 @@ async fn alloc_logs_tail_starts_with_the_last_lines_and_follows_from_there() {
     assert_eq!(code, 0, "the stream ends when the api shuts down");
 }
 
+/// Issue 34: `--tail 18446744073709551615` panicked on the overflow of its byte window.
+#[tokio::test]
+async fn alloc_logs_tail_of_the_largest_count_prints_the_whole_log() {
+    let agent = running_agent().await;
+    append(&agent.log_dir("web").join("main.stdout.0"), "a\nb\n");
+    let served = serve_tcp(&agent.state).await;
+    for count in ["18446744073709551615", "115292150460684698"] {
+        let (code, out, err) = stead(cli_args(
+            &served.address,
+            &["alloc", "logs", "web", "main", "--tail", count],
+        ))
+        .await;
+        assert_eq!(
+            (code, out.as_str(), err.as_str()),
+            (0, "a\nb\n", ""),
+            "{count}"
+        );
+    }
+    let (code, _, err) = stead(cli_args(
+        &served.address,
+        &[
+            "alloc",
+            "logs",
+            "web",
+            "main",
+            "--tail",
+            "18446744073709551616",
+        ],
+    ))
+    .await;
+    assert_eq!(code, 2, "{err}");
+    served.stop().await;
+}
+
 #[tokio::test]
 async fn alloc_restart_and_signal_report_what_they_did_and_why_they_could_not() {
     let agent = running_agent().await;

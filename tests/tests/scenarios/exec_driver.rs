@@ -200,6 +200,48 @@ async fn root_is_refused_unless_allowed_and_a_task_runs_as_the_user_it_names() {
     assert!(!unknown.is_recoverable());
 }
 
+/// Issue 34: an impossible `user` and an environment over the kernel's limits were
+/// retried for ever, with messages that did not say why.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_impossible_user_or_an_environment_over_the_kernels_limits_fails_for_good_saying_why() {
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    let failure = |error: DriverError| match error {
+        DriverError::Start {
+            message,
+            recoverable,
+            ..
+        } => (message, recoverable),
+        other => panic!("unexpected {other:?}"),
+    };
+
+    let error = driver
+        .start(request("minus", "/bin/true", &[], Some("4294967295")))
+        .await
+        .expect_err("uid -1");
+    let (message, recoverable) = failure(error);
+    assert!(!recoverable, "{message}");
+    assert!(message.contains("id 4294967295"), "{message}");
+
+    let mut huge = request("huge", "/bin/true", &[], None);
+    huge.env.insert("HUGE".to_owned(), "x".repeat(900 * 1024));
+    let (message, recoverable) = failure(driver.start(huge).await.expect_err("E2BIG"));
+    assert!(!recoverable, "{message}");
+    assert!(
+        message.contains("environment variable \"HUGE\" is 921606 bytes")
+            && message.contains("MAX_ARG_STRLEN"),
+        "{message}"
+    );
+
+    let mut many = request("many", "/bin/true", &[], None);
+    for i in 0..80 {
+        many.env.insert(format!("V{i}"), "x".repeat(100 * 1024));
+    }
+    let (message, recoverable) = failure(driver.start(many).await.expect_err("over ARG_MAX"));
+    assert!(!recoverable, "{message}");
+    assert!(message.contains("ARG_MAX"), "{message}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_missing_command_fails_to_start_for_good() {
     let data = DataDir::new();

@@ -6,9 +6,11 @@ mod agent_support;
 mod api_support;
 mod exec_support;
 
+mod agent_bounds;
 mod agent_shutdown;
 mod alloc_scenarios;
 mod api_auth;
+mod api_bounds;
 mod api_endpoints;
 mod api_metrics;
 mod check_agent;

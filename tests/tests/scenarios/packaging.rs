@@ -283,6 +283,17 @@ fn example_agent_config_loads_through_the_agents_loader_and_documents_every_key(
             "deploy/agent.yaml does not document drivers.{driver}.enabled"
         );
     }
+    let api = serde_json::to_value(stead_schemas::config::ApiConfig::default()).expect("api");
+    for key in keys(&api) {
+        assert!(
+            written["api"].get(&key).is_some(),
+            "deploy/agent.yaml does not document api.{key}"
+        );
+    }
+    assert!(
+        !settings.mock_driver,
+        "the example leaves the mock driver off"
+    );
 }
 
 #[test]
@@ -846,8 +857,13 @@ impl Agent {
             .port();
         let log = dir.path().join("agent.log");
         let stderr = std::fs::File::create(&log).expect("log file");
+        // The mock driver is off unless turned on.
+        let config = dir.path().join("agent.yaml");
+        std::fs::write(&config, "drivers: {mock: {enabled: true}}\n").expect("config written");
         let child = tokio::process::Command::new(env!("CARGO_BIN_EXE_stead-test-agent"))
             .arg("agent")
+            .arg("--config")
+            .arg(&config)
             .arg("--specs")
             .arg(&specs)
             .arg("--data-dir")

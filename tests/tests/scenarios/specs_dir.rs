@@ -32,7 +32,10 @@ impl Agent {
     /// Starts an agent with `config` (YAML keys) added to the test's own, on a specs
     /// directory already holding `files`.
     fn start(config: &str, files: &[(String, String)]) -> Agent {
-        let dirs = AgentDirs::with_config(&format!("shutdown: drain\n{config}"));
+        // The mock driver runs only when turned on.
+        let dirs = AgentDirs::with_config(&format!(
+            "shutdown: drain\ndrivers: {{mock: {{enabled: true}}}}\n{config}"
+        ));
         for (file, text) in files {
             std::fs::write(dirs.specs.join(file), text).expect("spec written");
         }

@@ -18,9 +18,15 @@
 //!   written when the task starts and then `stdoutRepeat` more times, that far apart,
 //!   while the task runs.
 //!
-//! The `pub fn`s of [`MockDriver`] beyond the constructor are test hooks.
+//! The `pub fn`s of [`MockDriver`] beyond the constructors are test hooks. What the driver
+//! remembers is bounded: the last [`DEFAULT_HISTORY`] calls (or the number given to
+//! [`MockDriver::with_history`]), and the output of as many destroyed tasks, so an agent
+//! that runs it for long (benchmarks, tests of churn) does not grow by ~1 KiB per call.
 
-use std::collections::{BTreeMap, HashMap};
+/// How many calls, and destroyed tasks' outputs, a [`MockDriver`] remembers by default.
+pub const DEFAULT_HISTORY: usize = 4096;
+
+use std::collections::{BTreeMap, HashMap, VecDeque};
 use std::fmt;
 use std::sync::{Arc, Mutex, MutexGuard, PoisonError, Weak};
 use std::time::Duration;
@@ -101,10 +107,15 @@ struct Inner {
 struct State {
     /// Tasks not yet destroyed, by handle id.
     tasks: BTreeMap<String, MockTask>,
-    /// Every task ever started, by handle id: its identity and output, which outlive
-    /// `destroy` as a real task's log files do.
+    /// Every task started and not destroyed, and the last `limit` destroyed, by handle
+    /// id: its identity and output, which outlive `destroy` as a real task's log files do.
     history: HashMap<String, TaskRecord>,
-    calls: Vec<MockCall>,
+    /// The destroyed tasks still in `history`, oldest first.
+    retired: VecDeque<String>,
+    /// The last `limit` calls, oldest first.
+    calls: VecDeque<MockCall>,
+    /// How many calls and destroyed tasks are remembered; at least 1.
+    limit: usize,
     health: Health,
     hang_wait_after_kill: bool,
     /// Numbers the runs, so handle ids are never reused.
@@ -137,15 +148,24 @@ struct Ended {
 }
 
 impl MockDriver {
-    /// A mock driver with no tasks, healthy, reading time from `clock`.
+    /// A mock driver with no tasks, healthy, reading time from `clock`, remembering the
+    /// last [`DEFAULT_HISTORY`] calls.
     pub fn new(clock: Clock) -> Self {
+        Self::with_history(clock, DEFAULT_HISTORY)
+    }
+
+    /// A mock driver that remembers the last `limit` calls (at least 1), and the output
+    /// of the last `limit` tasks it destroyed.
+    pub fn with_history(clock: Clock, limit: usize) -> Self {
         MockDriver {
             inner: Arc::new(Inner {
                 clock,
                 state: Mutex::new(State {
                     tasks: BTreeMap::new(),
                     history: HashMap::new(),
-                    calls: Vec::new(),
+                    retired: VecDeque::new(),
+                    calls: VecDeque::new(),
+                    limit: limit.max(1),
                     health: Health::Healthy,
                     hang_wait_after_kill: false,
                     next_run: 1,
@@ -154,9 +174,10 @@ impl MockDriver {
         }
     }
 
-    /// Test hook: every call received so far about a task this driver started, in order.
+    /// Test hook: the calls received so far about tasks this driver started, in order:
+    /// the last [`DEFAULT_HISTORY`] (or `with_history`'s limit).
     pub fn calls(&self) -> Vec<MockCall> {
-        self.inner.lock().calls.clone()
+        self.inner.lock().calls.iter().cloned().collect()
     }
 
     /// Test hook: the tasks that are alive (started, not yet exited), by id.
@@ -226,7 +247,7 @@ impl Inner {
                 task: record.task.clone(),
                 op,
             };
-            state.calls.push(call);
+            state.push_call(call);
         }
     }
 
@@ -237,7 +258,7 @@ impl Inner {
             task: task.clone(),
             op,
         };
-        self.lock().calls.push(call);
+        self.lock().push_call(call);
     }
 
     /// The first half of start: creates the task and writes its first output.
@@ -273,6 +294,24 @@ impl Inner {
 }
 
 impl State {
+    /// Remembers `call`, forgetting the oldest past the limit.
+    fn push_call(&mut self, call: MockCall) {
+        if self.calls.len() >= self.limit {
+            self.calls.pop_front();
+        }
+        self.calls.push_back(call);
+    }
+
+    /// Keeps destroyed task `id`'s output among the last `limit` destroyed.
+    fn retire(&mut self, id: String) {
+        if self.retired.len() >= self.limit
+            && let Some(oldest) = self.retired.pop_front()
+        {
+            self.history.remove(&oldest);
+        }
+        self.retired.push_back(id);
+    }
+
     /// Ends task `id` with `result` unless it has already ended; returns whether it did.
     fn finish(&mut self, id: &str, result: ExitResult) -> bool {
         let Some(task) = self.tasks.get(id) else {
@@ -565,7 +604,9 @@ impl Driver for MockDriver {
                 task.interrupted = true;
                 state.finish(&id, KILLED);
             }
-            state.tasks.remove(&id);
+            if state.tasks.remove(&id).is_some() {
+                state.retire(id);
+            }
         })
     }
 }
@@ -1154,5 +1195,45 @@ mod tests {
             ]
         );
         assert_eq!(driver.calls()[0].task.as_str(), "main");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn only_the_last_calls_and_destroyed_tasks_are_remembered() {
+        let driver = MockDriver::with_history(Clock::starting_at(T0), 3);
+        let mut handles = Vec::new();
+        for _ in 0..3 {
+            let handle = start(
+                &driver,
+                "a",
+                MockConfig {
+                    stdout_string: Some("out".to_owned()),
+                    ..MockConfig::default()
+                },
+            )
+            .await;
+            driver.destroy(&handle).await;
+            handles.push(handle);
+        }
+        // Nine calls made (start began, start returned, destroy, three times): the last
+        // three are kept, oldest first.
+        assert_eq!(
+            ops(&driver)
+                .into_iter()
+                .map(|(_, _, op)| op)
+                .collect::<Vec<_>>(),
+            [
+                MockOp::StartBegan,
+                MockOp::StartReturned { ok: true },
+                MockOp::Destroy
+            ]
+        );
+        // The three destroyed tasks' output is still there; a fourth pushes out the first.
+        assert!(handles.iter().all(|h| driver.stdout(&h.id) == "out"));
+        let fourth = start(&driver, "a", MockConfig::default()).await;
+        driver.destroy(&fourth).await;
+        assert_eq!(driver.stdout(&handles[0].id), "");
+        assert_eq!(driver.stdout(&handles[1].id), "out");
+        let state = driver.inner.lock();
+        assert_eq!((state.calls.len(), state.history.len()), (3, 3));
     }
 }

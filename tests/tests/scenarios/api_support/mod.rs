@@ -145,12 +145,17 @@ impl Served {
 
 /// Serves `state` on 127.0.0.1 at a free port.
 pub async fn serve_tcp(state: &ApiState) -> Served {
+    serve_tcp_within(state, api::Connections::new(api::ServeLimits::default())).await
+}
+
+/// Serves `state` on a loopback port within `connections`' bounds.
+pub async fn serve_tcp_within(state: &ApiState, connections: api::Connections) -> Served {
     let listener = api::bind_tcp("127.0.0.1:0").await.expect("bind");
     let address = listener.local_addr().expect("bound address").to_string();
     let shutdown = state.shutdown_token().cancelled_owned();
     let router = api::router(state.clone());
     let join = tokio::spawn(async move {
-        api::serve_tcp(listener, router, shutdown)
+        api::serve_tcp(listener, router, connections, shutdown)
             .await
             .expect("serving");
     });
@@ -167,9 +172,14 @@ pub async fn serve_unix(state: &ApiState, path: &Path) -> Served {
     let shutdown = state.shutdown_token().cancelled_owned();
     let router = api::router(state.clone());
     let join = tokio::spawn(async move {
-        api::serve_unix(listener, router, shutdown)
-            .await
-            .expect("serving");
+        api::serve_unix(
+            listener,
+            router,
+            api::Connections::new(Default::default()),
+            shutdown,
+        )
+        .await
+        .expect("serving");
     });
     Served {
         address: format!("unix:{}", path.display()),

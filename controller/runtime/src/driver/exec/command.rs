@@ -28,18 +28,30 @@ use crate::driver::{EXEC_OUTPUT_LIMIT, ExecOutput};
 /// may still be writing): enough for anything a pipe buffer held.
 const DRAIN_LIMIT: usize = 1 << 20;
 
-/// Runs `command` with `args` in `dir`, with exactly `env`, as `account` (or the
-/// agent's own user), for at most `timeout`. When it ends, what is left of its process
-/// group (children it started in the background) is killed with it.
+/// What a command shares with its task: the user, the cgroups it joins, and the
+/// `oom_score_adj` it gets back (`None`: the agent's).
+pub(super) struct AsTask<'a> {
+    pub(super) account: Option<&'a Account>,
+    pub(super) cgroups: &'a [PathBuf],
+    pub(super) oom_score_adj: Option<i16>,
+}
+
+/// Runs `command` with `args` in `dir`, with exactly `env`, as its task (`as_task`; with
+/// no account, as the agent's own user), for at most `timeout`. When it ends, what is
+/// left of its process group (children it started in the background) is killed with it.
 pub(super) async fn run(
     command: &str,
     args: &[String],
     env: &BTreeMap<String, String>,
     dir: &Path,
-    account: Option<&Account>,
-    cgroups: &[PathBuf],
+    as_task: AsTask<'_>,
     timeout: Duration,
 ) -> io::Result<ExecOutput> {
+    let AsTask {
+        account,
+        cgroups,
+        oom_score_adj,
+    } = as_task;
     let (reader, writer) = std::io::pipe()?;
     let mut builder = tokio::process::Command::new(command);
     builder
@@ -57,7 +69,7 @@ pub(super) async fn run(
         .map(|path| std::ffi::CString::new(path.as_os_str().as_encoded_bytes()))
         .collect::<Result<Vec<_>, _>>()
         .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a cgroup path"))?;
-    prepare_child(&mut builder, account.cloned(), cgroups);
+    prepare_child(&mut builder, account.cloned(), cgroups, oom_score_adj);
     let child = builder.spawn()?;
     // Our copies of the write end are gone with `builder`: the pipe ends when the
     // command's processes close it.
@@ -180,6 +192,7 @@ fn prepare_child(
     builder: &mut tokio::process::Command,
     account: Option<Account>,
     cgroups: Vec<std::ffi::CString>,
+    oom_score_adj: Option<i16>,
 ) {
     use rustix::process::{Gid, Uid};
     let switch = account
@@ -198,6 +211,11 @@ fn prepare_child(
     unsafe {
         builder.pre_exec(move || {
             stead_supervisor::cgroup::join(&cgroups)?;
+            // While still the agent's user: raising it back needs no privilege, but
+            // writing the file after the switch may need access the user lacks.
+            if let Some(adj) = oom_score_adj {
+                stead_supervisor::oom::set_oom_score_adj(adj)?;
+            }
             rustix::process::set_parent_process_death_signal(Some(Signal::KILL))?;
             if let Some((groups, gid, uid)) = &switch {
                 rustix::thread::set_thread_groups(groups)?;
@@ -225,8 +243,11 @@ mod tests {
                 &["-c".to_owned(), script.to_owned()],
                 &env,
                 Path::new("/"),
-                None,
-                &[],
+                AsTask {
+                    account: None,
+                    cgroups: &[],
+                    oom_score_adj: None,
+                },
                 timeout,
             ))
             .expect("the command runs")

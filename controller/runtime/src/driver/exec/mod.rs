@@ -84,6 +84,10 @@ pub struct ExecDriverConfig {
     /// the agent's own before it raised it for itself, so a task gets what any process
     /// started on the host gets. `None` leaves them the agent's.
     pub task_open_files: Option<u64>,
+    /// The `oom_score_adj` supervisors, tasks and exec checks start with: the agent's own
+    /// before it lowered it for itself, so the kernel's OOM killer picks a task before the
+    /// agent. `None` leaves them the agent's.
+    pub task_oom_score_adj: Option<i16>,
     /// Whether a task whose limits cannot be enforced fails to start (the agent config's
     /// `limits: required`) rather than starting with a `Limits Not Enforced` event.
     pub limits_required: bool,
@@ -99,6 +103,7 @@ impl ExecDriverConfig {
             allow_root: false,
             supervisor: default_supervisor_path(),
             task_open_files: None,
+            task_oom_score_adj: None,
             limits_required: false,
             cgroup_parent: stead_schemas::config::DEFAULT_CGROUP_PARENT.to_owned(),
         }
@@ -143,6 +148,30 @@ enum ExecError {
     },
     #[error("user {user:?} does not exist")]
     UnknownUser { user: String },
+    #[error(
+        "user {user:?} would run with id {id}, which no process can have (it means \"unchanged\" to the kernel)"
+    )]
+    ImpossibleId { user: String, id: u32 },
+    #[error(
+        "the {what} is {size} bytes; the kernel takes at most {limit} bytes for one argument or environment variable (MAX_ARG_STRLEN)"
+    )]
+    ArgumentTooLong {
+        what: String,
+        size: usize,
+        limit: usize,
+    },
+    #[error(
+        "the command, its arguments and environment take {size} bytes; the kernel takes at most {limit} (ARG_MAX: a quarter of the stack limit, at most 6 MiB)"
+    )]
+    ArgumentsTooLong { size: usize, limit: usize },
+    #[error(
+        "the start request is {size} bytes, more than the fork server's socket takes; shorten the task's environment or arguments"
+    )]
+    RequestTooLarge {
+        size: usize,
+        #[source]
+        source: io::Error,
+    },
     #[error(
         "the task would run as root, which the agent does not allow (set allowRoot in the agent config)"
     )]
@@ -198,6 +227,10 @@ impl ExecError {
             ExecError::WrongDriver
             | ExecError::NulByte { .. }
             | ExecError::UnknownUser { .. }
+            | ExecError::ImpossibleId { .. }
+            | ExecError::ArgumentTooLong { .. }
+            | ExecError::ArgumentsTooLong { .. }
+            | ExecError::RequestTooLarge { .. }
             | ExecError::RootRefused
             | ExecError::NeedsRoot { .. }
             | ExecError::DevicePathMoved { .. }
@@ -206,6 +239,76 @@ impl ExecError {
             _ => true,
         }
     }
+}
+
+/// What `execve` takes: the longest one argument or environment entry may be
+/// (`MAX_ARG_STRLEN`, 32 pages), and the most all of them, with the program's path and a
+/// pointer each, may take (`ARG_MAX`: a quarter of the stack's soft limit, which
+/// supervisors and tasks inherit from the agent, between 32 pages and 6 MiB).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct ExecSizeLimits {
+    per_string: usize,
+    total: usize,
+}
+
+fn exec_size_limits() -> ExecSizeLimits {
+    use rustix::process::{Resource, getrlimit};
+    let page = rustix::param::page_size();
+    let floor = 32 * page;
+    let stack_quarter = getrlimit(Resource::Stack)
+        .current
+        .map_or(usize::MAX, |stack| {
+            usize::try_from(stack / 4).unwrap_or(usize::MAX)
+        });
+    ExecSizeLimits {
+        per_string: 32 * page,
+        total: stack_quarter.min(6 << 20).max(floor),
+    }
+}
+
+/// Refuses, up front and for good, a command, arguments and environment (`env` entries
+/// become `NAME=value`) that `execve` would refuse with `E2BIG`, naming what is too long.
+fn check_exec_size(
+    command: &str,
+    args: &[String],
+    env: &BTreeMap<String, String>,
+    limits: ExecSizeLimits,
+) -> Result<(), ExecError> {
+    let too_long = |what: String, size: usize| ExecError::ArgumentTooLong {
+        what,
+        size,
+        limit: limits.per_string,
+    };
+    // Each with its NUL.
+    let mut total = command.len() + 1;
+    for (index, arg) in std::iter::once(command)
+        .chain(args.iter().map(String::as_str))
+        .enumerate()
+    {
+        let size = arg.len() + 1;
+        if size > limits.per_string {
+            let what = match index {
+                0 => "command".to_owned(),
+                n => format!("argument {n}"),
+            };
+            return Err(too_long(what, size));
+        }
+        total += size + std::mem::size_of::<usize>();
+    }
+    for (name, value) in env {
+        let size = name.len() + 1 + value.len() + 1;
+        if size > limits.per_string {
+            return Err(too_long(format!("environment variable {name:?}"), size));
+        }
+        total += size + std::mem::size_of::<usize>();
+    }
+    if total > limits.total {
+        return Err(ExecError::ArgumentsTooLong {
+            size: total,
+            limit: limits.total,
+        });
+    }
+    Ok(())
 }
 
 /// The task runs in the host's mount namespace: a device path is given as it is, where
@@ -416,6 +519,18 @@ impl Inner {
                     })?,
             ),
         };
+        // -1 asks `setuid`/`setgid` to change nothing: the task would keep the agent's.
+        if let Some(account) = &account
+            && let Some(id) = [account.uid, account.gid]
+                .into_iter()
+                .chain(account.groups.iter().copied())
+                .find(|id| *id == u32::MAX)
+        {
+            return Err(ExecError::ImpossibleId {
+                user: user.unwrap_or_default().to_owned(),
+                id,
+            });
+        }
         let effective = account.as_ref().unwrap_or(&self.agent);
         if effective.uid == 0 && !self.config.allow_root {
             return Err(ExecError::RootRefused);
@@ -649,6 +764,7 @@ impl Inner {
                 });
             }
         }
+        check_exec_size(&config.command, &args, &env, exec_size_limits())?;
         self.clean_stale_runs(&task_dir);
 
         let limits = Limits::of(&request.resources, self.mhz_per_core);
@@ -707,9 +823,18 @@ impl Inner {
             .zygote
             .launch(&self.config, &message)
             .await
-            .map_err(|source| ExecError::Spawn {
-                path: self.config.supervisor.clone(),
-                source,
+            .map_err(|source| {
+                if source.raw_os_error() == Some(rustix::io::Errno::MSGSIZE.raw_os_error()) {
+                    ExecError::RequestTooLarge {
+                        size: message.len(),
+                        source,
+                    }
+                } else {
+                    ExecError::Spawn {
+                        path: self.config.supervisor.clone(),
+                        source,
+                    }
+                }
             })?;
         pending.reports = Some(BufReader::new(reports));
         let mut line = String::new();
@@ -1308,12 +1433,79 @@ impl Driver for ExecDriver {
                 &request.args,
                 &env,
                 &task_dir.dir,
-                account.as_ref(),
-                &cgroups,
+                command::AsTask {
+                    account: account.as_ref(),
+                    cgroups: &cgroups,
+                    oom_score_adj: inner.config.task_oom_score_adj,
+                },
                 request.timeout,
             )
             .await
             .map_err(|error| failed(error.to_string()))
         })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_command_arguments_and_environment_over_execs_limits_are_refused_naming_what() {
+        let limits = ExecSizeLimits {
+            per_string: 16,
+            total: 64,
+        };
+        let check = |command: &str, args: &[&str], env: &[(&str, &str)]| {
+            let args: Vec<String> = args.iter().map(|a| (*a).to_owned()).collect();
+            let env: BTreeMap<String, String> = env
+                .iter()
+                .map(|(k, v)| ((*k).to_owned(), (*v).to_owned()))
+                .collect();
+            check_exec_size(command, &args, &env, limits)
+                .err()
+                .map(|error| error.to_string())
+        };
+        assert_eq!(check("/bin/true", &["a"], &[("K", "v")]), None);
+        let too_long = |what: &str, size: usize| {
+            Some(format!(
+                "the {what} is {size} bytes; the kernel takes at most 16 bytes for one argument or environment variable (MAX_ARG_STRLEN)"
+            ))
+        };
+        assert_eq!(
+            check("/a/very/long/command", &[], &[]),
+            too_long("command", 21)
+        );
+        assert_eq!(
+            check("sh", &["-c", "seventeen bytes!!"], &[]),
+            too_long("argument 2", 18)
+        );
+        assert_eq!(
+            check("sh", &[], &[("KEY", "twelve bytes")]),
+            too_long("environment variable \"KEY\"", 17)
+        );
+        // Each entry fits; with their pointers and the program's path they do not.
+        let total = check(
+            "sh",
+            &[],
+            &[("A", "1234567"), ("B", "1234567"), ("C", "1234567890")],
+        );
+        assert!(
+            total
+                .as_deref()
+                .is_some_and(|t| t.contains("take 71 bytes") && t.contains("ARG_MAX")),
+            "{total:?}"
+        );
+    }
+
+    #[test]
+    fn execs_limits_are_32_pages_for_one_string_and_a_quarter_of_the_stack_for_all() {
+        let limits = exec_size_limits();
+        let page = rustix::param::page_size();
+        assert_eq!(limits.per_string, 32 * page);
+        assert!(
+            limits.total >= 32 * page && limits.total <= 6 << 20,
+            "{limits:?}"
+        );
     }
 }

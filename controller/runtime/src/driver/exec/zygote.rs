@@ -60,6 +60,9 @@ impl Server {
         if let Some(open_files) = config.task_open_files {
             command.arg(format!("--open-files={open_files}"));
         }
+        if let Some(adj) = config.task_oom_score_adj {
+            command.arg(format!("--oom-score-adj={adj}"));
+        }
         let child = command
             .stdin(Stdio::from(theirs))
             .stdout(Stdio::null())
