@@ -956,6 +956,7 @@ impl SpecsSource {
                 );
                 tracing::warn!("{entry}; applying nothing until it does");
                 node.set_source_unreadable(vec![entry]);
+                node.set_declared_allocs(None);
                 self.overdue = Some(pass);
                 return;
             }
@@ -969,6 +970,18 @@ impl SpecsSource {
                 .collect(),
         );
         self.log_diagnostics(&listing);
+        // What garbage collection must leave alone: every name the dir declares, valid or
+        // not; nothing can be told while an entry cannot be read.
+        let complete = !listing.incomplete() && listing.unnamed.is_empty();
+        node.set_declared_allocs(complete.then(|| {
+            listing
+                .specs
+                .keys()
+                .chain(listing.broken.keys())
+                .chain(listing.conflicts.keys())
+                .map(ToString::to_string)
+                .collect()
+        }));
         let report = self.syncer.sync(node, &listing);
         let trigger = trigger.as_str();
         for name in &report.applied {

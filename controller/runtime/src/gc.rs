@@ -124,37 +124,46 @@ pub async fn collect_once(node: &Arc<Node>, policy: &GcPolicy, data_dir: &Path) 
 }
 
 /// The alloc dirs under `data_dir/allocs` that nothing claims: no alloc of their name is
-/// on the node (its record was lost, or it was destroyed while its dir could not be
-/// removed), no run of theirs waits to be reattached, and no process works in them.
+/// on the node or declared by the specs dir (even invalid), no run of theirs waits to be
+/// reattached, and no process works in them. None while the specs dir has not been
+/// listed completely (before the first listing, or while an entry cannot be read).
 pub fn orphaned_alloc_dirs(node: &Node, data_dir: &Path) -> Vec<PathBuf> {
     let root = data_dir.join("allocs");
     let Ok(entries) = std::fs::read_dir(&root) else {
         return Vec::new();
     };
-    let candidates: Vec<PathBuf> = entries
-        .filter_map(Result::ok)
-        .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
-        .filter(|entry| {
-            let name = entry.file_name();
-            let Some(id) = name.to_str() else {
-                return false;
-            };
-            let alloc = crate::unrecorded::name_of(id);
-            !node.claims_alloc_name(alloc)
-        })
-        .map(|entry| entry.path())
-        .collect();
+    let mut candidates = Vec::new();
+    for entry in entries.filter_map(Result::ok) {
+        if !entry.file_type().is_ok_and(|kind| kind.is_dir()) {
+            continue;
+        }
+        let name = entry.file_name();
+        let Some(id) = name.to_str() else { continue };
+        match node.claims_alloc_name(crate::unrecorded::name_of(id)) {
+            None => return Vec::new(),
+            Some(true) => {}
+            Some(false) => candidates.push(entry.path()),
+        }
+    }
     if candidates.is_empty() {
         return candidates;
     }
+    // The working directories the kernel shows are resolved: so is the root.
+    let real_root = std::fs::canonicalize(&root).unwrap_or_else(|_| root.clone());
     let busy = working_dirs();
     candidates
         .into_iter()
-        .filter(|dir| !busy.iter().any(|cwd| cwd.starts_with(dir)))
+        .filter(|dir| {
+            let real = dir
+                .file_name()
+                .map_or_else(|| dir.clone(), |name| real_root.join(name));
+            !busy.iter().any(|cwd| cwd.starts_with(&real))
+        })
         .collect()
 }
 
-/// The working directories of every process (a task's supervisor works in its task dir).
+/// The working directories of every process (a task's supervisor works in its task dir),
+/// as the kernel resolves them.
 fn working_dirs() -> Vec<PathBuf> {
     let Ok(entries) = std::fs::read_dir("/proc") else {
         return Vec::new();
@@ -171,13 +180,23 @@ fn working_dirs() -> Vec<PathBuf> {
         .collect()
 }
 
-/// Removes the alloc dirs nothing claims ([`orphaned_alloc_dirs`]); what it removed.
+/// Removes the alloc dirs nothing claims ([`orphaned_alloc_dirs`]), each claimed again
+/// just before it goes (a spec may have come back meanwhile); what it removed. Runs no
+/// record names whose process is gone are forgotten first.
 pub async fn collect_orphaned_dirs(node: &Arc<Node>, data_dir: &Path) -> Vec<PathBuf> {
     let node = node.clone();
     let data_dir = data_dir.to_owned();
     let removal = tokio::task::spawn_blocking(move || {
+        node.unrecorded_runs_left();
         let mut removed = Vec::new();
         for dir in orphaned_alloc_dirs(&node, &data_dir) {
+            let name = dir
+                .file_name()
+                .and_then(|n| n.to_str())
+                .map(|id| crate::unrecorded::name_of(id).to_owned());
+            if name.is_none_or(|name| node.claims_alloc_name(&name) != Some(false)) {
+                continue;
+            }
             match std::fs::remove_dir_all(&dir) {
                 Ok(()) => removed.push(dir),
                 Err(error) => {

@@ -86,6 +86,9 @@ struct Conditions {
     source: Vec<String>,
     /// What the store lost (see [`StoreHealthReport::lost`]).
     store_lost: Vec<String>,
+    /// The alloc names the last complete listing of the specs dir declared (valid or
+    /// not); `None` before one, or while some entry cannot be read.
+    declared: Option<std::collections::BTreeSet<String>>,
 }
 
 /// What the node's methods and its background loops share.
@@ -631,31 +634,39 @@ impl Node {
                 .store_lost
                 .iter()
                 .cloned()
-                .chain(
-                    self.shared
-                        .context
-                        .unrecorded
-                        .left(|handle| {
-                            handle.pid.is_some_and(|pid| {
-                                std::path::Path::new(&format!("/proc/{pid}")).exists()
-                            })
-                        })
-                        .into_iter()
-                        .map(|run| {
-                            format!("a task no record names is left running, as no spec claims its alloc revision: {run}")
-                        }),
-                )
+                .chain(self.unrecorded_runs_left().into_iter().map(|run| {
+                    format!("a task no record names runs, waiting for its task's start to reattach it: {run}")
+                }))
                 .collect(),
         }
     }
 
-    /// Whether the node holds an alloc named `name`, or a run of one that no record
-    /// names: its alloc dirs are the alloc's to remove, not garbage collection's.
-    pub fn claims_alloc_name(&self, name: &str) -> bool {
+    /// Whether an alloc named `name` is claimed: the node holds one, a run of one that
+    /// no record names waits, or the specs dir declares one (even invalid); its alloc
+    /// dirs are then the alloc's to remove, not garbage collection's. `None` while that
+    /// cannot be told: no complete listing of the specs dir yet, or one of its entries
+    /// cannot be read.
+    pub fn claims_alloc_name(&self, name: &str) -> Option<bool> {
+        let declared = self.conditions().declared.as_ref()?.contains(name);
         let held = name
             .parse::<Name>()
             .is_ok_and(|name| self.shared.registry.slots().contains_key(&name));
-        held || self.shared.context.unrecorded.holds_alloc(name)
+        Some(declared || held || self.shared.context.unrecorded.holds_alloc(name))
+    }
+
+    /// Sets the alloc names the specs dir declares (valid or not), or `None` when a
+    /// listing could not read every entry.
+    pub fn set_declared_allocs(&self, names: Option<std::collections::BTreeSet<String>>) {
+        self.conditions().declared = names;
+    }
+
+    /// Forgets the runs no record names whose process is gone; the ones left, described.
+    pub fn unrecorded_runs_left(&self) -> Vec<String> {
+        self.shared.context.unrecorded.left(|handle| {
+            handle
+                .pid
+                .is_some_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+        })
     }
 
     fn conditions(&self) -> std::sync::MutexGuard<'_, Conditions> {
@@ -739,6 +750,17 @@ impl Node {
                 slot.worker_done = true;
             }
             self.shared.registry.changed();
+        }
+        // A drain stops what runs for allocs the node does not hold: runs no record
+        // names and no spec claimed.
+        if how == Shutdown::Drain {
+            let mut stops = tokio::task::JoinSet::new();
+            for handle in self.shared.context.unrecorded.take_all() {
+                if let Some(driver) = self.shared.context.drivers.get(handle.driver) {
+                    stops.spawn(crate::alloc::stop_unrecorded(driver, handle));
+                }
+            }
+            while stops.join_next().await.is_some() {}
         }
         // Workers an earlier call awaits: done when every slot's worker is.
         while self.alloc_count() > 0 {

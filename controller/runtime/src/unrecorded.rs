@@ -1,9 +1,11 @@
 //! The runs of tasks that no record names, found at restore: an earlier agent died
 //! between a start and the write of its record, or the store lost the record (a damaged
 //! write-ahead log). They are never killed for it: the start of the same task of the
-//! same alloc revision reattaches the run instead of starting another, a start of
-//! another revision of the alloc stops them first (the spec moved on while the agent was
-//! away), and the rest are left running and reported until a spec claims them.
+//! same alloc revision reattaches the run instead of starting another. The alloc's
+//! worker stops, before anything else it does, the runs of its other revisions (the
+//! spec moved on while no agent ran) and, when its spec is gone or says stop, all of
+//! them; so does a drain. The runs of allocs no spec or record names are left running
+//! and reported until a spec claims them.
 
 use std::sync::{Mutex, MutexGuard, PoisonError};
 
@@ -41,16 +43,21 @@ impl Unrecorded {
         Some(runs.remove(at).handle)
     }
 
-    /// The runs of the other revisions of the alloc whose revision `alloc_id` starts,
-    /// taken: they are stopped before it starts anything.
-    pub(crate) fn take_other_revisions(&self, alloc_id: &str) -> Vec<TaskHandle> {
-        let name = name_of(alloc_id);
+    /// The runs of alloc `name` that no start may take, taken to be stopped: those of
+    /// every revision but `keep` (the revision the alloc runs), or all of them when it
+    /// runs none (its spec is gone or says stop, or the agent drains).
+    pub(crate) fn take_to_stop(&self, name: &str, keep: Option<&str>) -> Vec<TaskHandle> {
         let mut runs = self.runs();
-        let (others, kept): (Vec<_>, Vec<_>) = runs
+        let (stop, kept): (Vec<_>, Vec<_>) = runs
             .drain(..)
-            .partition(|run| run.alloc_id != alloc_id && name_of(&run.alloc_id) == name);
+            .partition(|run| name_of(&run.alloc_id) == name && keep != Some(run.alloc_id.as_str()));
         *runs = kept;
-        others.into_iter().map(|run| run.handle).collect()
+        stop.into_iter().map(|run| run.handle).collect()
+    }
+
+    /// Every run no start has taken, to be stopped (a drain).
+    pub(crate) fn take_all(&self) -> Vec<TaskHandle> {
+        self.runs().drain(..).map(|run| run.handle).collect()
     }
 
     /// Whether a run no start has taken belongs to an alloc named `name`.
@@ -92,7 +99,7 @@ mod tests {
     }
 
     #[test]
-    fn a_run_is_taken_once_by_its_own_revision_and_other_revisions_of_the_name_are_taken_to_stop() {
+    fn a_run_is_taken_once_by_its_own_revision_and_the_others_of_its_name_are_taken_to_stop() {
         let unrecorded = Unrecorded::default();
         unrecorded.add(vec![
             run("web-aaaa", "main", 1),
@@ -107,7 +114,7 @@ mod tests {
         );
         assert_eq!(unrecorded.take("web-aaaa", &main), None, "taken once");
         let others: Vec<_> = unrecorded
-            .take_other_revisions("web-aaaa")
+            .take_to_stop("web", Some("web-aaaa"))
             .iter()
             .filter_map(|h| h.pid)
             .collect();

@@ -527,10 +527,17 @@ async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them()
     h.node.apply(shell_alloc("kept", "exec sleep 1000", ""));
     h.until("running", |h| h.pid("kept", "t").is_some()).await;
     let allocs = h.data.path().join("allocs");
-    // Left by records lost in a crash: no alloc of their name is on the node.
-    for orphan in ["ghost-0123abcd", "busy-0123abcd"] {
+    // Left by records lost in a crash: no alloc of their name is on the node. The specs
+    // dir declares `broken` (its spec is invalid): its dir is its own.
+    for orphan in ["ghost-0123abcd", "busy-0123abcd", "broken-0123abcd"] {
         std::fs::create_dir_all(allocs.join(orphan).join("t")).expect("dir");
     }
+    assert!(
+        stead_controller::gc::orphaned_alloc_dirs(&h.node, h.data.path()).is_empty(),
+        "nothing is collected before the specs dir was listed completely"
+    );
+    h.node
+        .set_declared_allocs(Some(["kept".to_owned(), "broken".to_owned()].into()));
     let mut worker = std::process::Command::new("sleep")
         .arg("1000")
         .current_dir(allocs.join("busy-0123abcd/t"))
@@ -552,5 +559,10 @@ async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them()
         [allocs.join("busy-0123abcd"), allocs.join("ghost-0123abcd")]
     );
     assert!(allocs.join(h.alloc_id("kept")).is_dir());
+    h.node.set_declared_allocs(None);
+    assert!(
+        stead_controller::gc::orphaned_alloc_dirs(&h.node, h.data.path()).is_empty(),
+        "nor while an entry of the specs dir cannot be read"
+    );
     h.drain().await;
 }

@@ -62,6 +62,8 @@ mod persist;
 use checks::CheckLoop;
 use devices::*;
 use ops::*;
+
+pub(crate) use ops::stop_unrecorded;
 use persist::*;
 
 /// What a worker is given: the seams it acts through, the limits it applies, and the
@@ -437,6 +439,7 @@ impl Worker {
     /// [`revision::decide`] and [`revision::after_reconcile`] decide, the worker carries
     /// their decisions out.
     async fn step(&mut self, now: Timestamp) -> Step {
+        self.stop_unrecorded_runs().await;
         let reconcile = loop {
             match revision::decide(&self.revision_inputs()) {
                 RevisionDecision::Exit => return Step::Exit,
@@ -561,6 +564,42 @@ impl Worker {
         }
         self.checks.clear();
         Step::Exit
+    }
+
+    /// Stops, before anything else this turn does (a hand-over, a removal, a start), the
+    /// runs of this alloc that no record names and no start of it may take: those of its
+    /// other revisions, or all of them when its spec is gone or says stop, or the agent
+    /// drains. They end together.
+    async fn stop_unrecorded_runs(&mut self) {
+        if !self.shared.unrecorded.holds_alloc(self.name.as_str()) {
+            return;
+        }
+        let keep = match (&self.target, self.shutdown) {
+            (_, Some(Shutdown::Drain)) => None,
+            (Target::Spec(spec), _)
+                if spec.spec.spec.desired_status
+                    != Some(stead_schemas::spec::DesiredStatus::Stop) =>
+            {
+                Some(spec.id.to_string())
+            }
+            _ => None,
+        };
+        let mut stops = tokio::task::JoinSet::new();
+        for handle in self
+            .shared
+            .unrecorded
+            .take_to_stop(self.name.as_str(), keep.as_deref())
+        {
+            match self.shared.drivers.get(handle.driver) {
+                Some(driver) => {
+                    stops.spawn(stop_unrecorded(driver, handle));
+                }
+                None => {
+                    tracing::warn!(alloc = %self.name, id = %handle.id, driver = %handle.driver, "a run no record names is left running: its driver is not enabled");
+                }
+            }
+        }
+        while stops.join_next().await.is_some() {}
     }
 
     fn desired_for(&self, spec: &ValidSpec) -> AllocDesired {

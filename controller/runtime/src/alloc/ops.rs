@@ -79,25 +79,37 @@ pub(super) fn task_env(
     env
 }
 
-/// Waits for the task to exit and reports it, unless cancelled first: a driver is never
-/// trusted to end its wait after a kill.
-/// How long a run of a superseded revision that no record named may take to die once
-/// killed, before the new revision starts anyway.
-const SUPERSEDED_KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(10);
+/// How long a run that no record named has to stop after `SIGTERM`, and again after
+/// `SIGKILL`, before the worker goes on.
+const UNRECORDED_KILL_WAIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// Stops a run of another revision of the alloc that no record named (the spec moved on
-/// while no agent ran): killed, waited for, released.
-async fn stop_superseded(driver: Arc<dyn Driver>, handle: TaskHandle) {
+/// Stops a run that no record named and no start may take (another revision's, or one
+/// of an alloc whose spec is gone or says stop): `SIGTERM`, up to 5 s, `SIGKILL`, up to
+/// 5 s more, released. Its spec (and so its kill signal and timeout) is not known.
+pub(crate) async fn stop_unrecorded(driver: Arc<dyn Driver>, handle: TaskHandle) {
     if driver.recover(&handle).await.is_err() {
         return; // gone already
     }
-    tracing::warn!(id = %handle.id, pid = handle.pid, "stopping a run of another revision of this alloc that no record named");
-    if driver.kill(&handle).await.is_ok() {
-        let _ = tokio::time::timeout(SUPERSEDED_KILL_WAIT, driver.wait(handle.clone())).await;
+    tracing::warn!(id = %handle.id, pid = handle.pid, "stopping a run that no record named, which no spec runs now");
+    let exited = driver.wait(handle.clone());
+    tokio::pin!(exited);
+    let terminate = "SIGTERM".parse::<stead_schemas::spec::Signal>().ok();
+    let ended = match terminate {
+        Some(signal) if driver.signal(&handle, &signal).await.is_ok() => {
+            tokio::time::timeout(UNRECORDED_KILL_WAIT, &mut exited)
+                .await
+                .is_ok()
+        }
+        _ => false,
+    };
+    if !ended && driver.kill(&handle).await.is_ok() {
+        let _ = tokio::time::timeout(UNRECORDED_KILL_WAIT, &mut exited).await;
     }
     driver.destroy(&handle).await;
 }
 
+/// Waits for the task to exit and reports it, unless cancelled first: a driver is never
+/// trusted to end its wait after a kill.
 pub(super) async fn watch_exit(
     driver: Arc<dyn Driver>,
     handle: TaskHandle,
@@ -241,17 +253,22 @@ impl Worker {
         let devices = self.shared.config.devices.clone();
         let alloc_id = request.alloc_id.to_string();
         let adopted = self.shared.unrecorded.take(&alloc_id, &task);
-        let superseded: Vec<_> = self
-            .shared
-            .unrecorded
-            .take_other_revisions(&alloc_id)
-            .into_iter()
-            .filter_map(|handle| Some((self.shared.drivers.get(handle.driver)?, handle)))
-            .collect();
+        let holds_devices = !held.is_empty();
         let operation = async move {
-            for (driver, handle) in superseded {
-                stop_superseded(driver, handle).await;
-            }
+            // A run holds the devices it was given, which the lost record named: with a
+            // new assignment, one instance could have two holders. Such a run is stopped
+            // and its task started anew on the devices it is assigned now.
+            let adopted = match adopted {
+                Some(handle) if holds_devices => {
+                    tracing::warn!(
+                        pid = handle.pid,
+                        "a run of this task that no record named holds devices no record names: stopping it to start the task on the devices assigned now"
+                    );
+                    stop_unrecorded(driver.clone(), handle).await;
+                    None
+                }
+                other => other,
+            };
             if let Some(handle) = adopted {
                 match driver.recover(&handle).await {
                     Ok(()) => {
