@@ -887,6 +887,8 @@ struct Agent {
     /// The API's thread.
     api: std::thread::JoinHandle<()>,
     stop_api: tokio_util::sync::CancellationToken,
+    /// A SIGTERM or SIGINT came during start-up's first listing.
+    stop_requested: bool,
 }
 
 /// The specs dir as the node's source of desired state: what the node was last told,
@@ -1028,7 +1030,7 @@ impl Agent {
         let notifier = crate::sdnotify::start();
         // Before any task can start: from then on SIGTERM and SIGINT must reach the
         // shutdown, and a taken port must fail the agent before there is anything to stop.
-        let signals = Signals::install()?;
+        let mut signals = Signals::install()?;
         let listeners = bind_api(
             settings.listen.as_deref(),
             settings.socket.as_deref(),
@@ -1079,7 +1081,11 @@ impl Agent {
             Syncer::new(restored.allocs),
         );
         // Nothing is removed before this first full listing.
-        source.list(&node, Trigger::Start).await;
+        // A SIGTERM or SIGINT meanwhile ends the agent as soon as it has started.
+        let stop_requested = tokio::select! {
+            () = source.list(&node, Trigger::Start) => false,
+            () = signals.stop() => true,
+        };
         let state = ApiState::new(node.clone(), drivers, data_dir.clone())
             .with_token(token)
             .with_metrics(Metrics::new())
@@ -1115,6 +1121,7 @@ impl Agent {
             notifier,
             api,
             stop_api,
+            stop_requested,
         })
     }
 
@@ -1122,7 +1129,9 @@ impl Agent {
     /// second SIGINT or SIGTERM during the shutdown ends it at once with
     /// [`AgentError::CutShort`].
     async fn run(mut self) -> Result<(), AgentError> {
-        self.specs_loop().await;
+        if !self.stop_requested {
+            self.specs_loop().await;
+        }
         self.shutdown().await
     }
 

@@ -119,6 +119,18 @@ pub enum OpenError {
         /// A few of the data files found.
         found: Vec<String>,
     },
+    /// The write-ahead log is damaged and cannot be replayed even up to the damage.
+    #[error(
+        "the state database at {} is damaged beyond what recovery up to the damage can mend; move the directory away (keep it for inspection) and start the agent again: it makes a new database and reattaches the tasks that still run, whose records it finds in their alloc dirs",
+        path.display()
+    )]
+    Damaged {
+        /// The database directory.
+        path: PathBuf,
+        /// What RocksDB reported.
+        #[source]
+        source: rocksdb::Error,
+    },
     /// The directory could not be read before opening.
     #[error("cannot read the state database directory {}", path.display())]
     ReadDir {
@@ -243,7 +255,14 @@ impl RocksDbStore {
                 if source.kind() == rocksdb::ErrorKind::Corruption =>
             {
                 tracing::error!(dir = %path.display(), error = %source, "the state database's write-ahead log is damaged; recovering up to the damage");
-                let mut store = Self::open_with(path, options, false, DBRecoveryMode::PointInTime)?;
+                let mut store = Self::open_with(path, options, false, DBRecoveryMode::PointInTime)
+                    .map_err(|error| match error {
+                        OpenError::Open { source: damage, .. } => OpenError::Damaged {
+                            path: path.to_owned(),
+                            source: damage,
+                        },
+                        other => other,
+                    })?;
                 store.recovered = Some(format!(
                     "the write-ahead log was damaged ({source}); state written after the damage was lost and is rebuilt from the specs and the running tasks"
                 ));

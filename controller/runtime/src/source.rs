@@ -42,7 +42,7 @@ use stead_schemas::{
 };
 
 use crate::node::Node;
-use crate::spec_files::{FoundSpec, collect_spec_files, read_spec_file};
+use crate::spec_files::{FoundSpec, collect_spec_files, read_found_spec};
 
 /// One full reading of the specs directory.
 #[derive(Debug, Default)]
@@ -144,7 +144,7 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
             (Ok(stamp), Some(old)) if old.stamp == *stamp && old.content.is_none() => {
                 (old.file, None)
             }
-            (_, old) => match read_spec_file(&path) {
+            (_, old) => match read_found_spec(&found) {
                 Ok(bytes) => {
                     let file = match old {
                         Some(old) if old.content.as_deref() == Some(bytes.as_slice()) => old.file,

@@ -52,11 +52,27 @@ impl FoundSpec {
 /// takes one read and the end-of-file check. Opened non-blocking, and refused unless it
 /// is a regular file once open: a FIFO or a device is never waited on.
 pub fn read_spec_file(path: &Path) -> io::Result<Vec<u8>> {
+    read_opened(path, libc_flags())
+}
+
+/// Reads a spec file a listing found, as [`read_spec_file`] does, through exactly what
+/// the listing saw: the file itself, or the link's resolved target, neither followed if
+/// it became a link since (`O_NOFOLLOW`), so an entry swapped for a link to a device or
+/// a secret between the listing and the read is refused.
+pub fn read_found_spec(found: &FoundSpec) -> io::Result<Vec<u8>> {
+    let path = found.target.as_deref().unwrap_or(&found.path);
+    read_opened(
+        path,
+        libc_flags() | rustix::fs::OFlags::NOFOLLOW.bits() as i32,
+    )
+}
+
+fn read_opened(path: &Path, flags: i32) -> io::Result<Vec<u8>> {
     use std::io::Read;
     let limit = stead_schemas::MAX_SPEC_FILE_BYTES as u64 + 1;
     let file = std::fs::OpenOptions::new()
         .read(true)
-        .custom_flags(libc_flags())
+        .custom_flags(flags)
         .open(path)?;
     let meta = file.metadata()?;
     if !meta.file_type().is_file() {
@@ -307,6 +323,12 @@ mod tests {
         // Opening a FIFO directly does not wait for a writer, and is refused.
         let error = read_spec_file(&root.join("fifo.yaml")).expect_err("refused");
         assert!(error.to_string().contains("a FIFO"), "{error}");
+        // A file the listing found that became a link since is not followed.
+        let found = files[1].clone();
+        std::fs::remove_file(&found.path).expect("removed");
+        std::os::unix::fs::symlink("/dev/zero", &found.path).expect("swapped for a link");
+        let error = read_found_spec(&found).expect_err("refused");
+        assert!(error.to_string().contains("symbolic links"), "{error}");
     }
 
     #[test]

@@ -566,3 +566,92 @@ async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them()
     );
     h.drain().await;
 }
+
+/// An alloc of two exec tasks, `a` and `b`, each running `script`.
+fn two_task_alloc(name: &str, script: &str) -> stead_schemas::ValidSpec {
+    let script = serde_json::to_string(script).expect("a string");
+    exec_support::alloc(
+        name,
+        &format!(
+            "  tasks:\n    - name: a\n      driver: exec\n      config: {{command: /bin/sh, args: [\"-c\", {script}]}}\n    - name: b\n      driver: exec\n      config: {{command: /bin/sh, args: [\"-c\", {script}]}}\n"
+        ),
+    )
+}
+
+/// The record of `name` in `store` with its handles dropped, as an agent that died
+/// between its tasks' launches and their records leaves it.
+fn drop_handles(store: &stead_controller::store::MemoryStore, name: &str) {
+    let mut record = store
+        .load_allocs()
+        .expect("loads")
+        .into_iter()
+        .map(|r| r.expect("decodes"))
+        .find(|r| r.name.as_str() == name)
+        .expect("the record");
+    record.handles.clear();
+    store.put_alloc(&record).expect("written");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn runs_no_record_names_of_a_replaced_revision_are_all_stopped_before_any_task_of_the_new_one_starts()
+ {
+    let h = ExecNode::new();
+    h.node.apply(two_task_alloc("pair", "exec sleep 1000"));
+    h.until("both run", |h| {
+        h.pid("pair", "a").is_some() && h.pid("pair", "b").is_some()
+    })
+    .await;
+    let old = [
+        h.pid("pair", "a").expect("a"),
+        h.pid("pair", "b").expect("b"),
+    ];
+    let old_id = h.alloc_id("pair");
+    let down = h.detach().await;
+    drop_handles(&down.store, "pair");
+    let h = down.start_agent();
+
+    // Each task of the new revision writes down which old process it saw alive.
+    let probe = format!(
+        "for p in {} {}; do kill -0 $p 2>/dev/null && echo $p; done > \"$STEAD_TASK_DIR/local/overlap\"; exec sleep 1001",
+        old[0], old[1]
+    );
+    h.node.apply(two_task_alloc("pair", &probe));
+    h.until("the new revision runs", |h| {
+        ["a", "b"].iter().all(|t| {
+            h.pid("pair", t).is_some_and(|pid| !old.contains(&pid))
+                && h.task_state("pair", t).as_deref() == Some("running")
+        })
+    })
+    .await;
+    let new_dir = h.alloc_dir("pair");
+    for task in ["a", "b"] {
+        let overlap = new_dir.join(task).join("local/overlap");
+        eventually("the probe wrote", || overlap.exists()).await;
+        assert_eq!(
+            std::fs::read_to_string(&overlap).expect("read"),
+            "",
+            "task {task} of the new revision started while an old run lived"
+        );
+    }
+    assert!(processes_of_alloc(&old_id).is_empty());
+    h.drain().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_no_record_names_of_an_alloc_whose_spec_is_removed_is_stopped_with_it() {
+    let h = ExecNode::new();
+    h.node.apply(shell_alloc("gone", "exec sleep 1000", ""));
+    h.until("running", |h| h.pid("gone", "t").is_some()).await;
+    let pid = h.pid("gone", "t").expect("a pid");
+    let alloc_id = h.alloc_id("gone");
+    let down = h.detach().await;
+    drop_handles(&down.store, "gone");
+    let h = down.start_agent();
+    h.node.remove(&"gone".parse().expect("a name"));
+    eventually("the run is stopped", || !alive(pid)).await;
+    eventually("nothing of the alloc remains", || {
+        processes_of_alloc(&alloc_id).is_empty()
+    })
+    .await;
+    h.drain().await;
+}

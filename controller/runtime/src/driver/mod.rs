@@ -302,7 +302,7 @@ impl RecordedRuns {
     /// Whether the alloc of id `alloc_id` (`<name>-<revision>`) is one whose record could
     /// not be read: what runs of it is left alone.
     pub fn unreadable_alloc(&self, alloc_id: &str) -> bool {
-        let name = alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name);
+        let name = crate::unrecorded::name_of(alloc_id);
         self.unreadable.iter().any(|unreadable| unreadable == name)
     }
 }
