@@ -139,7 +139,7 @@ pub fn orphaned_alloc_dirs(node: &Node, data_dir: &Path) -> Vec<PathBuf> {
         }
         let name = entry.file_name();
         let Some(id) = name.to_str() else { continue };
-        match node.claims_alloc_name(crate::unrecorded::name_of(id)) {
+        match node.claims_alloc_name(crate::driver::alloc_name_of(id)) {
             None => return Vec::new(),
             Some(true) => {}
             Some(false) => candidates.push(entry.path()),
@@ -193,7 +193,7 @@ pub async fn collect_orphaned_dirs(node: &Arc<Node>, data_dir: &Path) -> Vec<Pat
             let name = dir
                 .file_name()
                 .and_then(|n| n.to_str())
-                .map(|id| crate::unrecorded::name_of(id).to_owned());
+                .map(|id| crate::driver::alloc_name_of(id).to_owned());
             if name.is_none_or(|name| node.claims_alloc_name(&name) != Some(false)) {
                 continue;
             }

@@ -11,17 +11,12 @@ use std::sync::{Mutex, MutexGuard, PoisonError};
 
 use stead_schemas::spec::Name;
 
-use crate::driver::{TaskHandle, UnrecordedRun};
+use crate::driver::{TaskHandle, UnrecordedRun, alloc_name_of as name_of};
 
 /// The unrecorded runs not taken yet.
 #[derive(Debug, Default)]
 pub(crate) struct Unrecorded {
     runs: Mutex<Vec<UnrecordedRun>>,
-}
-
-/// The alloc name of alloc id `<name>-<revision>`.
-pub(crate) fn name_of(alloc_id: &str) -> &str {
-    alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name)
 }
 
 impl Unrecorded {

@@ -302,9 +302,14 @@ impl RecordedRuns {
     /// Whether the alloc of id `alloc_id` (`<name>-<revision>`) is one whose record could
     /// not be read: what runs of it is left alone.
     pub fn unreadable_alloc(&self, alloc_id: &str) -> bool {
-        let name = crate::unrecorded::name_of(alloc_id);
+        let name = alloc_name_of(alloc_id);
         self.unreadable.iter().any(|unreadable| unreadable == name)
     }
+}
+
+/// The alloc name of alloc id `<name>-<revision>` (the revision part has no `-`).
+pub fn alloc_name_of(alloc_id: &str) -> &str {
+    alloc_id.rsplit_once('-').map_or(alloc_id, |(name, _)| name)
 }
 
 /// A run of a task that no record names, found by [`Driver::unrecorded_runs`].
