@@ -175,7 +175,7 @@ impl TaskEvent {
             time,
             format!(
                 "Sent interrupt. Waiting {} before force killing",
-                stead_schemas::Duration::from(kill_timeout)
+                stead_schemas::Duration::from(kill_timeout).for_people()
             ),
         )
     }
@@ -194,13 +194,13 @@ impl TaskEvent {
         Self::new(TaskEventType::Killed, time, "Task successfully killed")
     }
 
-    /// `Restarting`: "Task restarting in 15.2s", after the reason unless the restart is
+    /// `Restarting`: "Task restarting in 15.24s" (rounded for people), after the reason unless the restart is
     /// within policy or requested: "Exceeded allowed attempts, applying a delay - Task
     /// restarting in 29m45s".
     pub fn restarting(time: Timestamp, after: Duration, reason: RestartReason) -> Self {
         let restarting_in = format!(
             "Task restarting in {}",
-            stead_schemas::Duration::from(after)
+            stead_schemas::Duration::from(after).for_people()
         );
         let message = match reason {
             RestartReason::WithinPolicy | RestartReason::Requested => restarting_in,
@@ -217,8 +217,38 @@ impl TaskEvent {
             time,
             format!(
                 "Waiting for shutdown_delay of {} before killing the task.",
-                stead_schemas::Duration::from(delay)
+                stead_schemas::Duration::from(delay).for_people()
             ),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_jittered_restart_delay_and_timeouts_read_rounded() {
+        let at = Timestamp::EPOCH;
+        let restarting = TaskEvent::restarting(
+            at,
+            Duration::from_nanos(5_242_921_168),
+            RestartReason::WithinPolicy,
+        );
+        assert_eq!(restarting.message, "Task restarting in 5.24s");
+        let delayed = TaskEvent::restarting(
+            at,
+            Duration::from_nanos(1_784_712_345_678),
+            RestartReason::ExceededAttemptsApplyingDelay,
+        );
+        assert_eq!(
+            delayed.message,
+            "Exceeded allowed attempts, applying a delay - Task restarting in 29m45s"
+        );
+        let waiting = TaskEvent::waiting_shutdown_delay(at, Duration::from_nanos(1));
+        assert_eq!(
+            waiting.message,
+            "Waiting for shutdown_delay of 1ns before killing the task."
+        );
     }
 }

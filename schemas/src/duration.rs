@@ -65,6 +65,23 @@ impl Duration {
     pub const fn get(self) -> std::time::Duration {
         self.0
     }
+
+    /// Rounded for people to read, as Go's `Round` would be asked to: to the second from a
+    /// minute on (`1m30s`), to 10 ms from a second on (`5.24s`), to 10 µs from a
+    /// millisecond on (`250.12ms`); shorter ones as they are. Half rounds up.
+    pub fn for_people(self) -> Self {
+        let nanos = self.0.as_nanos();
+        let unit: u128 = match nanos {
+            n if n >= 60_000_000_000 => 1_000_000_000,
+            n if n >= 1_000_000_000 => 10_000_000,
+            n if n >= 1_000_000 => 10_000,
+            _ => return self,
+        };
+        let rounded = (nanos + unit / 2) / unit * unit;
+        let secs = u64::try_from(rounded / 1_000_000_000).unwrap_or(u64::MAX);
+        let sub = u32::try_from(rounded % 1_000_000_000).unwrap_or(0);
+        Duration(std::time::Duration::new(secs, sub))
+    }
 }
 
 impl From<std::time::Duration> for Duration {
@@ -226,6 +243,25 @@ impl JsonSchema for Duration {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn durations_for_people_are_rounded_to_what_matters_at_their_scale() {
+        for (nanos, shown) in [
+            (5_242_921_168_u64, "5.24s"),
+            (5_245_000_000, "5.25s"),
+            (90_400_000_000, "1m30s"),
+            (89_600_000_000, "1m30s"),
+            (580_000_000_000, "9m40s"),
+            (3_600_499_999_999, "1h0m0s"),
+            (250_123_456, "250.12ms"),
+            (999_999_999, "1s"),
+            (1, "1ns"),
+            (0, "0s"),
+        ] {
+            let duration = Duration::from(std::time::Duration::from_nanos(nanos));
+            assert_eq!(duration.for_people().to_string(), shown, "{nanos} ns");
+        }
+    }
 
     fn parse(s: &str) -> Result<Duration, DurationError> {
         s.parse()
