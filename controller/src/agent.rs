@@ -987,10 +987,19 @@ impl SpecsSource {
         let report = self.syncer.sync(node, &listing);
         let trigger = trigger.as_str();
         for name in &report.applied {
-            tracing::info!(alloc = %name, trigger, "applied");
+            let revision = listing
+                .specs
+                .get(name)
+                .map(|(_, spec)| spec.revision.short());
+            match report.replaced.get(name) {
+                Some(before) => {
+                    tracing::info!(alloc = %name, trigger, revision, replaces = before.short(), "applied");
+                }
+                None => tracing::info!(alloc = %name, trigger, revision, "applied"),
+            }
         }
         for name in &report.removed {
-            tracing::info!(alloc = %name, trigger, "removed");
+            tracing::info!(alloc = %name, trigger, reason = "its spec is gone", "removed");
         }
     }
 

@@ -291,6 +291,8 @@ pub struct SyncReport {
     pub applied: Vec<Name>,
     /// Allocs removed.
     pub removed: Vec<Name>,
+    /// Of the allocs applied, those that ran another revision before, with it.
+    pub replaced: BTreeMap<Name, Revision>,
 }
 
 impl Syncer {
@@ -311,8 +313,16 @@ impl Syncer {
     pub fn sync(&mut self, node: &Node, listing: &Listing) -> SyncReport {
         let mut report = SyncReport::default();
         for (path, spec) in listing.specs.values() {
+            let before = self
+                .applied
+                .get(&spec.spec.metadata.name)
+                .and_then(|(revision, _)| revision.clone());
             if self.apply(node, spec) {
-                report.applied.push(spec.spec.metadata.name.clone());
+                let name = spec.spec.metadata.name.clone();
+                if let Some(before) = before.filter(|before| *before != spec.revision) {
+                    report.replaced.insert(name.clone(), before);
+                }
+                report.applied.push(name);
             }
             let name = &spec.spec.metadata.name;
             if self.sources.get(name) != Some(path) {

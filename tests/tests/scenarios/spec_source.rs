@@ -419,3 +419,23 @@ async fn one_gc_pass_over_sixty_removed_allocs_leaves_the_fifty_newest_and_the_r
     let again = stead_controller::gc::collect_once(&node, &policy, data.path()).await;
     assert!(again.collected.is_empty());
 }
+
+#[tokio::test(start_paused = true)]
+async fn a_pass_says_which_revision_an_edit_replaced_and_a_new_alloc_replaces_none() {
+    let dir = tempfile::tempdir().expect("temp dir");
+    std::fs::write(dir.path().join("web.yaml"), spec("web", "a")).expect("write");
+    let (node, mut syncer) = synced(dir.path(), &["web"]).await;
+    let before = node.status("web").expect("web").revision.clone();
+
+    std::fs::write(dir.path().join("web.yaml"), spec("web", "b")).expect("write");
+    std::fs::write(dir.path().join("api.yaml"), spec("api", "a")).expect("write");
+    let report = syncer.sync(&node, &list_specs(dir.path()));
+    let applied: Vec<&str> = report.applied.iter().map(|n| n.as_str()).collect();
+    assert_eq!(applied, ["api", "web"]);
+    let replaced: Vec<(&str, String)> = report
+        .replaced
+        .iter()
+        .map(|(name, revision)| (name.as_str(), revision.to_string()))
+        .collect();
+    assert_eq!(replaced, [("web", before)]);
+}
