@@ -134,6 +134,8 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
     let mut listing = Listing::default();
     let mut seen: HashMap<PathBuf, CachedFile> = HashMap::new();
     let (files, unreadable) = collect_spec_files(&[dir.to_owned()]);
+    // Resolved once: links' targets are compared with it.
+    let real_root = std::fs::canonicalize(dir).unwrap_or_else(|_| dir.to_owned());
     for error in unreadable {
         listing.unread(&error.path, &error.source);
     }
@@ -148,7 +150,7 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
                 Ok(bytes) => {
                     let file = match old {
                         Some(old) if old.content.as_deref() == Some(bytes.as_slice()) => old.file,
-                        _ => Arc::new(parse_found(dir, &found, &bytes)),
+                        _ => Arc::new(parse_found(&real_root, &found, &bytes)),
                     };
                     (file, Some(bytes))
                 }
@@ -251,12 +253,12 @@ impl Listing {
     }
 }
 
-/// Parses what was read of `found`; a file reached through a link to outside `root`
-/// keeps its documents and the location of each problem, but not the messages, which
-/// may quote what the file holds.
-fn parse_found(root: &Path, found: &FoundSpec, bytes: &[u8]) -> SpecFile {
+/// Parses what was read of `found`; a file reached through a link to outside
+/// `real_root` (the specs dir, resolved) keeps its documents and the location of each
+/// problem, but not the messages, which may quote what the file holds.
+fn parse_found(real_root: &Path, found: &FoundSpec, bytes: &[u8]) -> SpecFile {
     let mut file = parse_spec_bytes(&found.path, bytes);
-    if found.outside(root) {
+    if found.outside(real_root) {
         let target = found.target.as_deref().unwrap_or(&found.path);
         let withhold = |diagnostic: &mut Diagnostic| {
             diagnostic.path.clear();

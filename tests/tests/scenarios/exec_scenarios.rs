@@ -374,16 +374,7 @@ async fn a_start_in_flight_at_a_crash_is_reattached_not_run_again() {
     // As if the agent died between the launch and the write of the task's handle: the
     // record is there, without the handle.
     let down = h.detach().await;
-    let mut record = down
-        .store
-        .load_allocs()
-        .expect("loads")
-        .into_iter()
-        .map(|r| r.expect("decodes"))
-        .find(|r| r.name.as_str() == "inflight")
-        .expect("the record");
-    record.handles.clear();
-    down.store.put_alloc(&record).expect("written");
+    drop_handles(&down.store, "inflight");
 
     let h = down.start_agent();
     h.node.apply(spec);

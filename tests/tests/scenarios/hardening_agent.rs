@@ -82,15 +82,18 @@ fn unreadable_entries_in_the_specs_dir_hold_up_nothing_but_the_allocs_they_decla
         assert!(message.contains(entry), "{entry} not in {message}");
     }
 
-    // Each problem is logged when it appears, not at every pass (a resync is 500 ms;
-    // wait for a few).
-    let passes_from = Instant::now();
-    wait_for("a few more listings", DEADLINE, || {
-        match passes_from.elapsed() > Duration::from_secs(2) {
-            true => Ok(()),
-            false => Err("waiting".to_owned()),
-        }
-    });
+    // Each problem is logged when it appears, not at every pass: three more passes, each
+    // seen by the alloc it applies, leave one line.
+    for n in 0..3 {
+        let probe = format!("probe{n}");
+        dirs.write_spec(&probe, &service_spec(&probe, &marker));
+        wait_for(&format!("{probe} applied"), DEADLINE, || {
+            agent
+                .status(&probe)
+                .map(|_| ())
+                .ok_or_else(|| "not yet".to_owned())
+        });
+    }
     let log = agent.log_text();
     let fifo_lines = log
         .lines()
