@@ -363,3 +363,24 @@ mod tests {
         );
     }
 }
+
+/// What `POST /v1/gc` and `POST /v1/allocs/{name}/gc` (`stead alloc gc`) did.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GcResult {
+    /// The allocs destroyed: their tasks' dirs, logs and records are gone.
+    pub collected: Vec<String>,
+    /// The allocs that were not, with why (a spec that came back meanwhile, say).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub refused: Vec<GcRefusal>,
+}
+
+/// An alloc garbage collection left.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct GcRefusal {
+    /// The alloc.
+    pub name: String,
+    /// Why it stays.
+    pub reason: String,
+}

@@ -44,6 +44,10 @@ pub struct AllocRecord {
     /// The device instances each task holds, by task name; left out when none.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub devices: BTreeMap<String, Vec<AssignedDevice>>,
+    /// A user stopped the alloc (`stead alloc stop`), whatever its spec says, until a
+    /// user starts it again; left out when not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped_by_user: bool,
 }
 
 /// The state of one alloc revision.
@@ -465,6 +469,7 @@ mod tests {
             revision: "0756062463a747c0d72ff9cb530347081627f1ed873f184b3e1bb47ed1bf521c".to_owned(),
             spec,
             removed: false,
+            stopped_by_user: false,
             state: AllocStateRecord {
                 tasks: BTreeMap::from([("server".to_owned(), server)]),
                 shutdown: None,

@@ -17,8 +17,12 @@ pub struct AllocStatus {
     pub id: String,
     /// The full revision hash.
     pub revision: String,
-    /// `run` or `stop` (a removed spec shows `stop`).
+    /// `run` or `stop` (a removed spec, or a user's stop, shows `stop`).
     pub desired_status: String,
+    /// A user stopped the alloc (`stead alloc stop`) whatever its spec says; `stead
+    /// alloc start` clears it. Left out when not.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stopped_by_user: bool,
     /// `pending`, `running`, `complete` or `failed`.
     pub client_status: String,
     /// The diagnostics of a broken edit while the last good revision keeps running.

@@ -642,6 +642,7 @@ fn split(record: &AllocRecord) -> BTreeMap<PartKey, Vec<u8>> {
         spec: record.spec.clone(),
         revision: record.revision.clone(),
         removed: record.removed,
+        stopped_by_user: record.stopped_by_user,
         state: record.state.clone(),
         handles: BTreeMap::new(),
         devices: BTreeMap::new(),

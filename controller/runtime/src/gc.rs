@@ -95,30 +95,49 @@ pub async fn collect_once(node: &Arc<Node>, policy: &GcPolicy, data_dir: &Path) 
             return report;
         }
         let pressure = chosen.iter().any(|(_, r)| *r == GcReason::DiskPressure);
-        let mut pending = chosen.into_iter().map(|(name, _)| name);
-        let mut running = JoinSet::new();
-        let parallel = policy.parallel_destroys.max(1);
-        loop {
-            while running.len() < parallel {
-                let Some(name) = pending.next() else { break };
-                tried.insert(name.clone());
-                let node = node.clone();
-                running.spawn(async move {
-                    let result = node.collect(&name).await;
-                    (name, result)
-                });
-            }
-            let Some(done) = running.join_next().await else {
-                break;
-            };
-            match done {
-                Ok((name, Ok(()))) => report.collected.push(name),
-                Ok((name, Err(error))) => report.refused.push((name, error)),
-                Err(_) => {} // a panicked destroy: its alloc is tried again next pass
-            }
-        }
+        let names: Vec<Name> = chosen.into_iter().map(|(name, _)| name).collect();
+        tried.extend(names.iter().cloned());
+        destroy(node, names, policy.parallel_destroys, &mut report).await;
         if !pressure {
             return report;
+        }
+    }
+}
+
+/// Destroys now every alloc that is collectable (terminal, its spec gone), whatever the
+/// policy's thresholds: `stead alloc gc`.
+pub async fn collect_now(node: &Arc<Node>, parallel: usize) -> GcReport {
+    let names = node
+        .gc_candidates()
+        .into_iter()
+        .filter(|c| c.collectable)
+        .map(|c| c.key)
+        .collect();
+    let mut report = GcReport::default();
+    destroy(node, names, parallel, &mut report).await;
+    report
+}
+
+/// Destroys `names`, `parallel` at a time, into `report`.
+async fn destroy(node: &Arc<Node>, names: Vec<Name>, parallel: usize, report: &mut GcReport) {
+    let mut pending = names.into_iter();
+    let mut running = JoinSet::new();
+    loop {
+        while running.len() < parallel.max(1) {
+            let Some(name) = pending.next() else { break };
+            let node = node.clone();
+            running.spawn(async move {
+                let result = node.collect(&name).await;
+                (name, result)
+            });
+        }
+        let Some(done) = running.join_next().await else {
+            break;
+        };
+        match done {
+            Ok((name, Ok(()))) => report.collected.push(name),
+            Ok((name, Err(error))) => report.refused.push((name, error)),
+            Err(_) => {} // a panicked destroy: its alloc is tried again next pass
         }
     }
 }

@@ -455,6 +455,17 @@ impl Node {
         .await
     }
 
+    /// Stops alloc `name` whatever its spec says (`stopped`), or takes a user's stop back;
+    /// kept in its record, so it outlives an agent restart and a new revision.
+    pub async fn set_stopped(&self, name: &str, stopped: bool) -> Result<(), CommandError> {
+        let mailbox = self.mailbox(name)?;
+        ask(&mailbox, name, |reply| UserCommand::SetStopped {
+            stopped,
+            reply,
+        })
+        .await
+    }
+
     /// Destroys alloc `name` for garbage collection, if it is collectable (terminal and
     /// no longer declared); returns once its directory and record are gone.
     pub async fn collect(&self, name: &Name) -> Result<(), CommandError> {

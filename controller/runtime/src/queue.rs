@@ -48,6 +48,20 @@ pub enum CommandError {
         /// The alloc.
         name: String,
     },
+    /// `stead alloc start` of an alloc whose spec file is gone.
+    #[error("alloc {name:?} cannot start: its spec is gone")]
+    SpecGone {
+        /// The alloc.
+        name: String,
+    },
+    /// `stead alloc start` of an alloc whose spec itself says `desiredStatus: stop`.
+    #[error(
+        "alloc {name:?} cannot start: its spec says desiredStatus: stop (edit the spec to run it)"
+    )]
+    SpecStops {
+        /// The alloc.
+        name: String,
+    },
     /// Garbage collection asked for an alloc that is running or still declared.
     #[error("alloc {name:?} is not collectable: it is not terminal or a spec declares it")]
     NotCollectable {
@@ -84,6 +98,14 @@ pub enum UserCommand {
         task: Name,
         /// The signal.
         signal: Signal,
+        /// The answer.
+        reply: oneshot::Sender<Result<(), CommandError>>,
+    },
+    /// Stop the alloc whatever its spec says (`true`, `stead alloc stop`), or take that
+    /// back (`false`, `stead alloc start`). Kept in the alloc's record.
+    SetStopped {
+        /// Whether the alloc is to stay stopped.
+        stopped: bool,
         /// The answer.
         reply: oneshot::Sender<Result<(), CommandError>>,
     },
@@ -277,6 +299,7 @@ mod tests {
             .map(|c| match c {
                 UserCommand::Restart { task, .. } => task.expect("named").to_string(),
                 UserCommand::Signal { task, .. } => task.to_string(),
+                UserCommand::SetStopped { stopped, .. } => format!("stopped={stopped}"),
                 UserCommand::Collect { .. } => "collect".to_owned(),
             })
             .collect();

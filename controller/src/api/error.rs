@@ -40,6 +40,13 @@ pub enum ApiError {
         /// The task, unless the command was for every task.
         task: Option<String>,
     },
+    /// The alloc's state refuses the command: a start of an alloc whose spec stops it or
+    /// is gone, garbage collection of one that runs or is still declared.
+    #[error(transparent)]
+    Conflict {
+        /// What the alloc answered.
+        source: CommandError,
+    },
     /// The signal name is not one stead knows.
     #[error("{reason}")]
     InvalidSignal {
@@ -165,11 +172,9 @@ impl ApiError {
                 source: Box::new(source),
             },
             CommandError::ShuttingDown { name } => ApiError::ShuttingDown { name },
-            // Only garbage collection asks for collection; the API never does.
-            CommandError::NotCollectable { .. } => ApiError::TaskNotRunning {
-                alloc: alloc.to_owned(),
-                task: task.map(str::to_owned),
-            },
+            error @ (CommandError::NotCollectable { .. }
+            | CommandError::SpecGone { .. }
+            | CommandError::SpecStops { .. }) => ApiError::Conflict { source: error },
         }
     }
 
@@ -180,7 +185,7 @@ impl ApiError {
             | ApiError::TaskNotFound { .. }
             | ApiError::RouteNotFound { .. }
             | ApiError::MetricsDisabled => StatusCode::NOT_FOUND,
-            ApiError::TaskNotRunning { .. } => StatusCode::CONFLICT,
+            ApiError::TaskNotRunning { .. } | ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::InvalidSignal { .. }
             | ApiError::InvalidBody { .. }
             | ApiError::UnreadableBody { .. }
@@ -203,6 +208,11 @@ impl ApiError {
             ApiError::AllocNotFound { .. } => "alloc_not_found",
             ApiError::TaskNotFound { .. } => "task_not_found",
             ApiError::TaskNotRunning { .. } => "task_not_running",
+            ApiError::Conflict { source } => match source {
+                CommandError::SpecGone { .. } => "spec_gone",
+                CommandError::SpecStops { .. } => "spec_stops",
+                _ => "not_collectable",
+            },
             ApiError::InvalidSignal { .. } => "invalid_signal",
             ApiError::InvalidBody { .. }
             | ApiError::UnreadableBody { .. }

@@ -10,8 +10,8 @@ use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use stead_schemas::api::{
     AllocListItem, AllocStats, CgroupStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry,
-    DriverStatus, HealthStatus, NodeResources, NodeStatus, RestartRequest, SignalRequest,
-    TaskStats,
+    DriverStatus, GcRefusal, GcResult, HealthStatus, NodeResources, NodeStatus, RestartRequest,
+    SignalRequest, TaskStats,
 };
 use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;
@@ -230,6 +230,79 @@ pub(super) async fn restart(
         .await
         .map_err(|error| ApiError::from_command(error, &name, request.task.as_deref()))?;
     Ok(StatusCode::ACCEPTED)
+}
+
+/// `POST /v1/allocs/{name}/stop`: 202; the alloc stops and stays stopped, whatever its
+/// spec's revisions, until `POST /v1/allocs/{name}/start`.
+pub(super) async fn stop(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    set_stopped(&state, &name, true).await
+}
+
+/// `POST /v1/allocs/{name}/start`: 202; takes a user's stop back, so the alloc runs as
+/// its spec says; 409 when the spec itself says stop, or is gone.
+pub(super) async fn start(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<StatusCode, ApiError> {
+    set_stopped(&state, &name, false).await
+}
+
+async fn set_stopped(state: &ApiState, name: &str, stopped: bool) -> Result<StatusCode, ApiError> {
+    state
+        .node()
+        .set_stopped(name, stopped)
+        .await
+        .map_err(|error| ApiError::from_command(error, name, None))?;
+    Ok(StatusCode::ACCEPTED)
+}
+
+/// How many allocs a user's garbage collection destroys at once.
+const USER_GC_PARALLEL: usize = 4;
+
+/// `POST /v1/gc`: destroys now every terminal alloc that no spec declares; 200 `GcResult`.
+pub(super) async fn gc_all(State(state): State<ApiState>) -> Response {
+    let report = crate::gc::collect_now(&state.node_arc(), USER_GC_PARALLEL).await;
+    json_response(StatusCode::OK, &gc_result(report))
+}
+
+/// `POST /v1/allocs/{name}/gc`: destroys alloc `name` now; 200 `GcResult`, or 409 when it
+/// runs or a spec declares it.
+pub(super) async fn gc_one(
+    State(state): State<ApiState>,
+    Path(name): Path<String>,
+) -> Result<Response, ApiError> {
+    let alloc: Name = name
+        .parse()
+        .map_err(|_| ApiError::AllocNotFound { name: name.clone() })?;
+    state
+        .node()
+        .collect(&alloc)
+        .await
+        .map_err(|error| ApiError::from_command(error, &name, None))?;
+    Ok(json_response(
+        StatusCode::OK,
+        &GcResult {
+            collected: vec![name],
+            refused: Vec::new(),
+        },
+    ))
+}
+
+fn gc_result(report: crate::gc::GcReport) -> GcResult {
+    GcResult {
+        collected: report.collected.iter().map(ToString::to_string).collect(),
+        refused: report
+            .refused
+            .iter()
+            .map(|(name, error)| GcRefusal {
+                name: name.to_string(),
+                reason: crate::errors::error_chain(error),
+            })
+            .collect(),
+    }
 }
 
 /// `POST /v1/allocs/{name}/signal`, body `{"task": NAME, "signal": "SIGHUP"}`: 204 once

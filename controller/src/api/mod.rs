@@ -14,6 +14,9 @@
 //! | `GET /v1/allocs/{name}/logs/{task}` | 200 `text/plain` stream | 400, 404 |
 //! | `POST /v1/allocs/{name}/restart` | 202 | 400, 404, 409 |
 //! | `POST /v1/allocs/{name}/signal` | 204 | 400, 404, 409, 500 |
+//! | `POST /v1/allocs/{name}/stop`, `…/start` | 202 | 404, 409 |
+//! | `POST /v1/allocs/{name}/gc` | 200 `GcResult` | 404, 409 |
+//! | `POST /v1/gc` | 200 `GcResult` | |
 //! | `GET /v1/node` | 200 `NodeStatus` | |
 //! | `GET /v1/health` | 200 `HealthStatus` (`ok` or `degraded`) | |
 //! | `GET /metrics` | 200 OpenMetrics text | 404 when metrics are off |
@@ -191,6 +194,10 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/allocs/{name}/logs/{task}", get(logs::alloc_logs))
         .route("/v1/allocs/{name}/restart", post(handlers::restart))
         .route("/v1/allocs/{name}/signal", post(handlers::signal))
+        .route("/v1/allocs/{name}/stop", post(handlers::stop))
+        .route("/v1/allocs/{name}/start", post(handlers::start))
+        .route("/v1/allocs/{name}/gc", post(handlers::gc_one))
+        .route("/v1/gc", post(handlers::gc_all))
         .route("/v1/node", get(handlers::node_status))
         .route("/metrics", get(handlers::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));

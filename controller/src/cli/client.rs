@@ -202,6 +202,22 @@ impl Client {
         Ok(())
     }
 
+    /// `POST path` with no body, reading the JSON answer.
+    pub(crate) async fn post_for<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        let response = self
+            .send(self.request(Method::POST, path).timeout(REQUEST_TIMEOUT))
+            .await?;
+        let bytes = response.bytes().await.with_context(|| {
+            format!("reading the answer of the stead agent at {}", self.address)
+        })?;
+        serde_json::from_slice(&bytes).with_context(|| {
+            format!(
+                "the stead agent at {} sent an unexpected document",
+                self.address
+            )
+        })
+    }
+
     /// `GET path` as a stream of bytes, without a time limit (for following logs).
     pub(crate) async fn stream(&self, path: &str) -> anyhow::Result<Response> {
         self.send(self.request(Method::GET, path)).await

@@ -8,8 +8,8 @@ use std::time::Duration;
 use anyhow::Context;
 use clap::{Args, Subcommand, ValueEnum};
 use stead_schemas::api::{
-    AllocListItem, AllocStats, HealthStatus, LOG_BACKLOG_HEADER, NodeStatus, RestartRequest,
-    SignalRequest,
+    AllocListItem, AllocStats, GcResult, HealthStatus, LOG_BACKLOG_HEADER, NodeStatus,
+    RestartRequest, SignalRequest,
 };
 use stead_schemas::status::AllocStatus;
 
@@ -129,6 +129,34 @@ pub(crate) enum AllocCommand {
         /// The task's name; every running task when omitted.
         task: Option<String>,
     },
+    /// Stop an alloc and keep it stopped, whatever its spec says, until `alloc start`
+    /// (kept across agent restarts and spec edits; `alloc status` shows it).
+    Stop {
+        /// The alloc's name.
+        name: String,
+    },
+    /// Take back `alloc stop`: the alloc runs again as its spec says.
+    Start {
+        /// The alloc's name.
+        name: String,
+    },
+    /// Destroy now the terminal allocs that no spec declares (their dirs, logs and
+    /// records), or only the one named.
+    Gc {
+        /// The alloc's name; every collectable alloc when omitted.
+        name: Option<String>,
+        /// Print the JSON of the answer.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Show what each running task of an alloc uses: CPU, memory, processes, devices.
+    Stats {
+        /// The alloc's name.
+        name: String,
+        /// Print the JSON of `GET /v1/allocs/{name}/stats`.
+        #[arg(long)]
+        json: bool,
+    },
     /// Send a signal to a task.
     Signal {
         /// The alloc's name.
@@ -196,6 +224,19 @@ pub(crate) fn alloc(
             AllocCommand::Restart { name, task } => restart(&client, &name, task, out).await,
             AllocCommand::Signal { name, task, signal } => {
                 send_signal(&client, &name, &task, &signal, out).await
+            }
+            AllocCommand::Stop { name } => set_stopped(&client, &name, true, out).await,
+            AllocCommand::Start { name } => set_stopped(&client, &name, false, out).await,
+            AllocCommand::Gc { name, json } => gc(&client, name.as_deref(), json, out).await,
+            AllocCommand::Stats { name, json } => {
+                let stats: AllocStats =
+                    client.get(&format!("{}/stats", status_path(&name))).await?;
+                if json {
+                    print_json(out, &stats)?;
+                } else {
+                    out.write_all(render::alloc_stats(style, &stats).as_bytes())?;
+                }
+                Ok(EXIT_OK)
             }
         }
     })
@@ -481,6 +522,57 @@ async fn restart(
     match task {
         Some(task) => writeln!(out, "restarting task {task:?} of alloc {name:?}")?,
         None => writeln!(out, "restarting the running tasks of alloc {name:?}")?,
+    }
+    Ok(EXIT_OK)
+}
+
+async fn set_stopped(
+    client: &Client,
+    name: &str,
+    stopped: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let verb = if stopped { "stop" } else { "start" };
+    client
+        .post(&format!("{}/{verb}", status_path(name)), &())
+        .await?;
+    if stopped {
+        writeln!(
+            out,
+            "stopping alloc {name:?}; it stays stopped until `stead alloc start {name}`"
+        )?;
+    } else {
+        writeln!(out, "starting alloc {name:?} as its spec says")?;
+    }
+    Ok(EXIT_OK)
+}
+
+async fn gc(
+    client: &Client,
+    name: Option<&str>,
+    json: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let path = match name {
+        Some(name) => format!("{}/gc", status_path(name)),
+        None => "/v1/gc".to_owned(),
+    };
+    let result: GcResult = client.post_for(&path).await?;
+    if json {
+        print_json(out, &result)?;
+        return Ok(EXIT_OK);
+    }
+    if result.collected.is_empty() && result.refused.is_empty() {
+        writeln!(
+            out,
+            "nothing to collect: no terminal alloc is left without a spec"
+        )?;
+    }
+    for collected in &result.collected {
+        writeln!(out, "collected alloc {collected:?}")?;
+    }
+    for refused in &result.refused {
+        writeln!(out, "left alloc {:?}: {}", refused.name, refused.reason)?;
     }
     Ok(EXIT_OK)
 }

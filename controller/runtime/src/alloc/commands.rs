@@ -15,6 +15,10 @@ impl Worker {
     }
 
     pub(super) fn handle_command(&mut self, command: UserCommand, now: Timestamp) {
+        if let UserCommand::SetStopped { stopped, reply } = command {
+            let _ = reply.send(self.set_stopped(stopped));
+            return;
+        }
         if self.broken.is_some()
             && let UserCommand::Restart { reply, .. } = command
         {
@@ -50,6 +54,8 @@ impl Worker {
                 | UserCommand::Collect { reply } => {
                     let _ = reply.send(Err(error));
                 }
+                // Answered above.
+                UserCommand::SetStopped { .. } => {}
             }
             return;
         };
@@ -59,6 +65,8 @@ impl Worker {
                     name: self.name.to_string(),
                 }));
             }
+            // Answered above.
+            UserCommand::SetStopped { .. } => {}
             UserCommand::Restart { task, reply } => {
                 let result = current
                     .state
@@ -99,5 +107,32 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// A user's stop (`stopped`) or start: kept until the other, whatever the spec's
+    /// revisions. A start cannot overrule the spec itself: only an edit runs an alloc
+    /// whose spec says stop, or one whose spec is gone.
+    fn set_stopped(&mut self, stopped: bool) -> Result<(), CommandError> {
+        let name = self.name.to_string();
+        if !stopped {
+            match &self.target {
+                Target::Absent => return Err(CommandError::SpecGone { name }),
+                Target::Spec(spec)
+                    if spec.spec.spec.desired_status == Some(DesiredStatus::Stop) =>
+                {
+                    return Err(CommandError::SpecStops { name });
+                }
+                Target::Spec(_) => {}
+            }
+        }
+        if self.stopped_by_user != stopped {
+            self.stopped_by_user = stopped;
+            if stopped {
+                tracing::info!(alloc = %self.name, reason = "a user stopped it", "stopping");
+            } else {
+                tracing::info!(alloc = %self.name, reason = "a user started it", "starting");
+            }
+        }
+        Ok(())
     }
 }

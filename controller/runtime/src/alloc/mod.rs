@@ -262,6 +262,9 @@ pub(crate) struct Worker {
     /// The device manager still holds a replaced revision's devices for this alloc, for
     /// the current revision's first ask.
     devices_handed_on: bool,
+    /// A user stopped the alloc (`stead alloc stop`): it stays stopped, whatever revision
+    /// its spec declares, until a user starts it.
+    stopped_by_user: bool,
 }
 
 impl Worker {
@@ -295,6 +298,7 @@ impl Worker {
             store_retry: None,
             collect: None,
             devices_handed_on: false,
+            stopped_by_user: false,
         };
         match start {
             Start::Fresh(target) => worker.target = target,
@@ -317,7 +321,9 @@ impl Worker {
             handles,
             removed,
             devices,
+            stopped_by_user,
         } = restored;
+        self.stopped_by_user = stopped_by_user;
         let spec = Arc::new(spec);
         self.target = if removed {
             Target::Absent
@@ -535,7 +541,7 @@ impl Worker {
             target: match &self.target {
                 Target::Spec(spec) => TargetRevision::Spec {
                     revision: &spec.revision,
-                    stop: spec.spec.spec.desired_status == Some(DesiredStatus::Stop),
+                    stop: self.stops(spec),
                 },
                 Target::Absent => TargetRevision::Absent,
             },
@@ -576,12 +582,7 @@ impl Worker {
         }
         let keep = match (&self.target, self.shutdown) {
             (_, Some(Shutdown::Drain)) => None,
-            (Target::Spec(spec), _)
-                if spec.spec.spec.desired_status
-                    != Some(stead_schemas::spec::DesiredStatus::Stop) =>
-            {
-                Some(spec.id.to_string())
-            }
+            (Target::Spec(spec), _) if !self.stops(spec) => Some(spec.id.to_string()),
             _ => None,
         };
         let mut stops = tokio::task::JoinSet::new();
@@ -600,6 +601,12 @@ impl Worker {
             }
         }
         while stops.join_next().await.is_some() {}
+    }
+
+    /// Whether the alloc is to be stopped with `spec` as its target: its spec says so, or
+    /// a user did.
+    fn stops(&self, spec: &ValidSpec) -> bool {
+        self.stopped_by_user || spec.spec.spec.desired_status == Some(DesiredStatus::Stop)
     }
 
     fn desired_for(&self, spec: &ValidSpec) -> AllocDesired {

@@ -15,13 +15,19 @@ pub(super) struct StoreRetry {
 }
 
 /// The record of the current revision.
-pub(super) fn record_of(name: &Name, current: &Current, removed: bool) -> AllocRecord {
+pub(super) fn record_of(
+    name: &Name,
+    current: &Current,
+    removed: bool,
+    stopped_by_user: bool,
+) -> AllocRecord {
     AllocRecord {
         version: ALLOC_RECORD_VERSION,
         name: name.clone(),
         spec: current.spec.spec.clone(),
         revision: current.spec.revision.to_string(),
         removed,
+        stopped_by_user,
         state: store::state_to_record(&current.state),
         handles: current
             .handles
@@ -63,10 +69,12 @@ pub(super) fn fingerprint(
     devices: &AllocDevices,
     removed: bool,
     collectable: bool,
+    stopped_by_user: bool,
 ) -> u64 {
     use std::hash::{Hash, Hasher};
     let mut hasher = std::collections::hash_map::DefaultHasher::new();
     removed.hash(&mut hasher);
+    stopped_by_user.hash(&mut hasher);
     devices.hash(&mut hasher);
     collectable.hash(&mut hasher);
     handles.hash(&mut hasher);
@@ -133,19 +141,23 @@ pub(super) fn status_of(
     name: &Name,
     current: &Current,
     removed: bool,
+    stopped_by_user: bool,
     health: &BTreeMap<Name, Vec<Option<DeviceHealth>>>,
 ) -> AllocStatus {
-    let desired_status =
-        if removed || current.spec.spec.spec.desired_status == Some(DesiredStatus::Stop) {
-            "stop"
-        } else {
-            "run"
-        };
+    let desired_status = if removed
+        || stopped_by_user
+        || current.spec.spec.spec.desired_status == Some(DesiredStatus::Stop)
+    {
+        "stop"
+    } else {
+        "run"
+    };
     AllocStatus {
         name: name.to_string(),
         id: current.spec.id.to_string(),
         revision: current.spec.revision.to_string(),
         desired_status: desired_status.to_owned(),
+        stopped_by_user,
         client_status: current.state.client_status().as_str().to_owned(),
         spec_error: current.device_error.clone(),
         state_error: current.hand_over_error.clone(),
@@ -243,6 +255,7 @@ impl Worker {
             &current.devices,
             removed,
             collectable,
+            self.stopped_by_user,
         );
         if current.saved != Some(fingerprint) {
             let now = self.shared.clock.now();
@@ -256,7 +269,7 @@ impl Worker {
                     .as_ref()
                     .is_none_or(|retry| now >= retry.at);
             if due {
-                let record = record_of(&self.name, current, removed);
+                let record = record_of(&self.name, current, removed, self.stopped_by_user);
                 match self
                     .shared
                     .writer
@@ -302,7 +315,7 @@ impl Worker {
             return;
         }
         current.published = Some(shown);
-        let status = status_of(&self.name, current, removed, &health);
+        let status = status_of(&self.name, current, removed, self.stopped_by_user, &health);
         let running = current.spec.spec.spec.tasks.iter().filter(|task| {
             current
                 .state
@@ -339,7 +352,8 @@ impl Worker {
             name: self.name.to_string(),
             id: String::new(),
             revision: broken.revision.clone().unwrap_or_default(),
-            desired_status: "run".to_owned(),
+            desired_status: if self.stopped_by_user { "stop" } else { "run" }.to_owned(),
+            stopped_by_user: self.stopped_by_user,
             client_status: "failed".to_owned(),
             spec_error: None,
             state_error: Some(broken.reason.clone()),

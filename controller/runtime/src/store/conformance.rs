@@ -89,6 +89,7 @@ pub fn sample_record(name: &str, generation: u32) -> AllocRecord {
         revision: Revision::of(&spec).as_str().to_owned(),
         spec,
         removed: false,
+        stopped_by_user: false,
         state: state_to_record(&state),
         handles: BTreeMap::from([(task_name.to_string(), handle_to_record(&handle))]),
         devices: BTreeMap::from([(

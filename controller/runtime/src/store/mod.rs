@@ -245,6 +245,8 @@ pub struct RestoredAlloc {
     pub removed: bool,
     /// The device instances its tasks hold.
     pub devices: BTreeMap<Name, Vec<AssignedDevice>>,
+    /// A user stopped it (`stead alloc stop`).
+    pub stopped_by_user: bool,
 }
 
 /// Turns a loaded record back into what a worker runs on.
@@ -284,6 +286,7 @@ pub fn restore_record(record: AllocRecord) -> Result<RestoredAlloc, CorruptRecor
         handles,
         removed: record.removed,
         devices,
+        stopped_by_user: record.stopped_by_user,
     })
 }
 

@@ -253,6 +253,27 @@ impl Agent {
         self.token.get().map(String::as_str)
     }
 
+    /// The `stead` CLI as a process of its own against this agent, with its token file:
+    /// exit code, stdout and stderr.
+    pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        let output = Command::new(agent_binary())
+            .args(args)
+            .args(["--color", "never", "--address"])
+            .arg(format!("127.0.0.1:{}", self.port))
+            .arg("--token-file")
+            .arg(&self.token_file)
+            .env_remove("STEAD_TOKEN")
+            .env_remove("STEAD_ADDR")
+            .stdin(Stdio::null())
+            .output()
+            .expect("the CLI runs");
+        (
+            output.status.code().unwrap_or(-1),
+            String::from_utf8_lossy(&output.stdout).into_owned(),
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        )
+    }
+
     fn request(&self, method: &str, path: &str) -> Option<(u16, String)> {
         self.send(method, path, self.token())
     }
