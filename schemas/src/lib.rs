@@ -10,6 +10,7 @@ mod decode;
 pub mod device;
 pub mod diagnostic;
 pub mod duration;
+pub mod interpolate;
 pub mod normalize;
 pub mod record;
 pub mod spec;
@@ -22,7 +23,9 @@ pub use diagnostic::{Diagnostic, FieldPath, Location};
 pub use duration::Duration;
 pub use normalize::{AllocId, RestartPolicy, Revision, normalize};
 pub use time::Timestamp;
-pub use validate::{SpecDocument, SpecFile, ValidSpec, parse_spec_bytes, parse_spec_file};
+pub use validate::{
+    SpecDocument, SpecFile, ValidSpec, parse_spec_bytes, parse_spec_file, parse_stored_spec,
+};
 pub use yaml::MAX_SPEC_FILE_BYTES;
 
 /// The JSON Schema of an alloc spec document, for editors and CI.

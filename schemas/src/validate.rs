@@ -118,6 +118,37 @@ pub fn parse_spec_bytes(path: &Path, bytes: &[u8]) -> SpecFile {
 
 /// Parses and validates the spec file at `path` whose content is `source`.
 pub fn parse_spec_file(path: &Path, source: &str) -> SpecFile {
+    parse_with(
+        path,
+        source,
+        Rules {
+            interpolation: true,
+        },
+    )
+}
+
+/// Parses and validates a spec that an agent stored (`source` is its JSON), by the rules
+/// it was accepted under: a `${…}` that no variable answers, written before the agent
+/// interpolated, is not refused (it stays as written when the task starts), so an
+/// upgrade never stops an alloc that ran.
+pub fn parse_stored_spec(path: &Path, source: &str) -> SpecFile {
+    parse_with(
+        path,
+        source,
+        Rules {
+            interpolation: false,
+        },
+    )
+}
+
+/// Which of the rules that were added over time apply.
+#[derive(Debug, Clone, Copy)]
+struct Rules {
+    /// `${…}` must name a known variable.
+    interpolation: bool,
+}
+
+fn parse_with(path: &Path, source: &str, rules: Rules) -> SpecFile {
     let mut file = SpecFile {
         path: path.to_owned(),
         documents: Vec::new(),
@@ -141,7 +172,7 @@ pub fn parse_spec_file(path: &Path, source: &str) -> SpecFile {
     }
     let mut seen: BTreeMap<Name, Location> = BTreeMap::new();
     for node in &nodes {
-        let document = decode_document(path, node);
+        let document = decode_document(path, node, rules);
         if let Some(name) = &document.name {
             if let Some(first) = seen.get(name) {
                 let location = name_location(node).unwrap_or(node.location);
@@ -174,10 +205,13 @@ fn written<'n>(node: &'n Node, key: &str) -> Option<&'n Node> {
     field_node(node, key).filter(|value| value.value != Value::Null)
 }
 
-fn decode_document(path: &Path, node: &Node) -> SpecDocument {
+fn decode_document(path: &Path, node: &Node, rules: Rules) -> SpecDocument {
     let mut cx = Decoder::new(path);
     report_duplicate_keys(node, &FieldPath::root(), &mut cx);
     let spec = decode_alloc(node, &mut cx);
+    if rules.interpolation {
+        crate::interpolate::check_document(node, &mut cx);
+    }
     let name = spec.as_ref().map(|s| s.metadata.name.clone()).or_else(|| {
         let name = field_node(field_node(node, "metadata")?, "name")?;
         match &name.value {

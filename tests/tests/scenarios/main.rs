@@ -22,6 +22,7 @@ mod exec_agent;
 mod exec_driver;
 mod exec_scenarios;
 mod hardening_agent;
+mod interpolation_agent;
 mod lifecycle_agent;
 mod limits_agent;
 mod packaging;

@@ -295,7 +295,7 @@ fn revalidate(record: &AllocRecord) -> Result<ValidSpec, RecordError> {
     let source = serde_json::to_string_pretty(&record.spec)
         .expect("spec types serialize to JSON: string keys, no non-finite floats");
     let path = PathBuf::from(format!("<stored record of {}>", record.name));
-    let file = stead_schemas::parse_spec_file(&path, &source);
+    let file = stead_schemas::parse_stored_spec(&path, &source);
     let diagnostics = file.all_diagnostics();
     let mut specs = file.specs().cloned();
     match (specs.next(), specs.next()) {
@@ -804,6 +804,23 @@ mod tests {
             .map(|(task, devices)| (task.to_string(), devices))
             .collect();
         assert_eq!(devices, record.devices);
+    }
+
+    /// A spec an older agent accepted with a `${…}` no variable answers (a shell's
+    /// `${HOME}`) is restored, not refused: an upgrade stops nothing. Its task gets the
+    /// text as written.
+    #[test]
+    fn restore_record_keeps_a_spec_stored_before_interpolation_with_an_unknown_reference() {
+        let mut record = conformance::sample_record("web", 0);
+        record.spec.spec.tasks[0].env = Some(BTreeMap::from([(
+            "GREETING".parse().expect("an env name"),
+            "${HOME}".to_owned(),
+        )]));
+        let restored = restore_record(record.clone()).expect("restores");
+        assert_eq!(restored.spec.spec, record.spec);
+        let yaml = serde_json::to_string(&record.spec).expect("JSON");
+        let file = stead_schemas::parse_spec_file(std::path::Path::new("web.yaml"), &yaml);
+        assert!(!file.is_valid(), "a spec file with it is refused");
     }
 
     #[test]

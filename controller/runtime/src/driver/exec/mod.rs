@@ -751,11 +751,15 @@ impl Inner {
             &alloc_dir,
             &task_dir,
         );
-        let args = config.args.clone().unwrap_or_default();
+        let (env, command, args) = stead_schemas::interpolate::task_start(
+            &env,
+            &config.command,
+            config.args.as_deref().unwrap_or_default(),
+        );
         for (what, text) in env
             .iter()
             .flat_map(|(k, v)| [("environment", k), ("environment", v)])
-            .chain(std::iter::once(("command", &config.command)))
+            .chain(std::iter::once(("command", &command)))
             .chain(args.iter().map(|a| ("arguments", a)))
         {
             if text.contains('\0') {
@@ -764,7 +768,7 @@ impl Inner {
                 });
             }
         }
-        check_exec_size(&config.command, &args, &env, exec_size_limits())?;
+        check_exec_size(&command, &args, &env, exec_size_limits())?;
         self.clean_stale_runs(&task_dir);
 
         let limits = Limits::of(&request.resources, self.mhz_per_core);
@@ -812,7 +816,7 @@ impl Inner {
                 .flat_map(TaskCgroup::procs_files)
                 .map(|path| path_bytes(&path))
                 .collect(),
-            command: config.command.clone().into_bytes(),
+            command: command.into_bytes(),
             args: args.iter().map(|arg| arg.clone().into_bytes()).collect(),
         };
         let message = protocol::encode_request(
@@ -1416,6 +1420,8 @@ impl Driver for ExecDriver {
                 &alloc_dir,
                 &task_dir,
             );
+            let (env, command, args) =
+                stead_schemas::interpolate::task_start(&env, &request.command, &request.args);
             // The running run's cgroup, which the command joins.
             let cgroups: Vec<PathBuf> = inner
                 .runs()
@@ -1429,8 +1435,8 @@ impl Driver for ExecDriver {
                 .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::procs_files))
                 .unwrap_or_default();
             command::run(
-                &request.command,
-                &request.args,
+                &command,
+                &args,
                 &env,
                 &task_dir.dir,
                 command::AsTask {
