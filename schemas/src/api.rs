@@ -332,6 +332,10 @@ pub struct LogsQuery {
     /// Where `offset` counts from (default `start`).
     #[serde(default)]
     pub origin: LogOrigin,
+    /// Read the logs of the revision the current one replaced (kept one revision back,
+    /// until the alloc is collected); never followed.
+    #[serde(default)]
+    pub previous: bool,
 }
 
 /// The response header of a logs request saying how many bytes of the body already

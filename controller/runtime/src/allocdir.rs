@@ -36,6 +36,8 @@ use stead_schemas::spec::Name;
 pub const SHARED_DIR: &str = "alloc";
 /// The name of a task dir's directory for the agent's own records.
 pub const CONTROL_DIR: &str = ".stead";
+/// Under `alloc/logs`: the logs of the revision this one replaced.
+pub const PREVIOUS_LOGS: &str = "previous";
 
 /// A directory of an alloc dir that could not be set up or removed.
 #[derive(Debug, thiserror::Error)]
@@ -294,6 +296,28 @@ impl AllocDir {
             move_dir(&from.local, &to.local)?;
         }
         Ok(())
+    }
+
+    /// Keeps the logs of `old` (the alloc this one replaces) as this one's
+    /// `alloc/logs/previous/`: the newest replaced revision's only (what `old` kept of
+    /// the one before goes), moved with one rename. A `previous/` already here (an
+    /// earlier, interrupted hand-over) is kept.
+    pub fn keep_logs_of(&self, old: &AllocDir) -> Result<(), AllocDirError> {
+        let from = old.logs();
+        if !from.is_dir() {
+            return Ok(());
+        }
+        let older = from.join(PREVIOUS_LOGS);
+        if let Err(source) = fs::remove_dir_all(&older)
+            && source.kind() != io::ErrorKind::NotFound
+        {
+            return Err(AllocDirError::Remove {
+                path: older,
+                source,
+            });
+        }
+        self.build()?;
+        move_dir(&from, &self.logs().join(PREVIOUS_LOGS))
     }
 
     /// Removes the whole alloc dir; one that does not exist is removed already.

@@ -29,6 +29,16 @@ pub enum ApiError {
         /// The task asked for.
         task: String,
     },
+    /// No logs of a replaced revision are kept for the task.
+    #[error(
+        "no logs of a previous revision of task {task:?} of alloc {alloc:?}: none was replaced since it was created, or that revision had no such task"
+    )]
+    NoPreviousLogs {
+        /// The alloc.
+        alloc: String,
+        /// The task.
+        task: String,
+    },
     /// The command needs a running task (or, for a whole-alloc restart, some running task).
     #[error("{}", match task {
         Some(task) => format!("task {task:?} of alloc {alloc:?} is not running"),
@@ -183,6 +193,7 @@ impl ApiError {
         match self {
             ApiError::AllocNotFound { .. }
             | ApiError::TaskNotFound { .. }
+            | ApiError::NoPreviousLogs { .. }
             | ApiError::RouteNotFound { .. }
             | ApiError::MetricsDisabled => StatusCode::NOT_FOUND,
             ApiError::TaskNotRunning { .. } | ApiError::Conflict { .. } => StatusCode::CONFLICT,
@@ -207,6 +218,7 @@ impl ApiError {
         match self {
             ApiError::AllocNotFound { .. } => "alloc_not_found",
             ApiError::TaskNotFound { .. } => "task_not_found",
+            ApiError::NoPreviousLogs { .. } => "no_previous_logs",
             ApiError::TaskNotRunning { .. } => "task_not_running",
             ApiError::Conflict { source } => match source {
                 CommandError::SpecGone { .. } => "spec_gone",

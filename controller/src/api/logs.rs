@@ -449,6 +449,9 @@ pub(super) async fn alloc_logs(
         .node()
         .status(&name)
         .ok_or_else(|| ApiError::AllocNotFound { name: name.clone() })?;
+    if query.previous {
+        return previous_logs(&state, &status.id, name, task, query.stream).await;
+    }
     // Only names of the alloc's tasks reach the path: they are validated names.
     if !status.tasks.contains_key(&task) {
         return Err(ApiError::TaskNotFound { alloc: name, task });
@@ -491,6 +494,51 @@ pub(super) async fn alloc_logs(
         produce(reader, follow, state.inner.shutdown.clone()),
         span,
     ));
+    Ok((
+        StatusCode::OK,
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/plain; charset=utf-8"),
+            ),
+            (
+                HeaderName::from_static(LOG_BACKLOG_HEADER),
+                HeaderValue::from(backlog),
+            ),
+        ],
+        Body::new(ChannelBody { chunks }),
+    )
+        .into_response())
+}
+
+/// The logs of task `task` of the revision that alloc `alloc_id` replaced, whole; 404
+/// when there are none (a first revision, or a task it did not have).
+async fn previous_logs(
+    state: &ApiState,
+    alloc_id: &str,
+    name: String,
+    task: String,
+    stream: LogStream,
+) -> Result<Response, ApiError> {
+    // A task of the old revision need not be one of the current's; only a valid name
+    // reaches the path.
+    if task.parse::<stead_schemas::spec::Name>().is_err() {
+        return Err(ApiError::TaskNotFound { alloc: name, task });
+    }
+    let mut files = LogFiles::new(&state.inner.data_dir, alloc_id, &task, stream);
+    files.dir = files.dir.join(crate::allocdir::PREVIOUS_LOGS);
+    let listed = files.list().await.map_err(|source| ApiError::Logs {
+        alloc: name.clone(),
+        task: task.clone(),
+        source,
+    })?;
+    if listed.is_empty() {
+        return Err(ApiError::NoPreviousLogs { alloc: name, task });
+    }
+    let (cursor, backlog) = locate(&listed, LogOrigin::Start, 0);
+    let (tx, chunks) = mpsc::channel(4);
+    let reader = Reader { files, cursor, tx };
+    tokio::spawn(produce(reader, None, state.inner.shutdown.clone()));
     Ok((
         StatusCode::OK,
         [

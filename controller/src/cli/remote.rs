@@ -121,6 +121,10 @@ pub(crate) enum AllocCommand {
         /// Start with the last N lines instead of the whole log.
         #[arg(long, value_name = "N")]
         tail: Option<usize>,
+        /// Print the logs of the revision this one replaced (kept until the alloc is
+        /// collected, one revision back).
+        #[arg(long, conflicts_with = "follow")]
+        previous: bool,
     },
     /// Restart a task, or every running task of the alloc.
     Restart {
@@ -220,7 +224,16 @@ pub(crate) fn alloc(
                 stderr,
                 follow,
                 tail,
-            } => logs(&client, &name, &task, stderr, follow, tail, out).await,
+                previous,
+            } => {
+                let source = LogSource {
+                    name: &name,
+                    task: &task,
+                    stderr,
+                    previous,
+                };
+                logs(&client, &source, follow, tail, out).await
+            }
             AllocCommand::Restart { name, task } => restart(&client, &name, task, out).await,
             AllocCommand::Signal { name, task, signal } => {
                 send_signal(&client, &name, &task, &signal, out).await
@@ -375,19 +388,25 @@ async fn watch_status(
     }
 }
 
-fn logs_path(
-    name: &str,
-    task: &str,
+/// Which log a `stead alloc logs` reads.
+struct LogSource<'a> {
+    name: &'a str,
+    task: &'a str,
     stderr: bool,
-    follow: bool,
-    origin_end_offset: Option<u64>,
-) -> String {
-    let stream = if stderr { "stderr" } else { "stdout" };
+    /// The replaced revision's.
+    previous: bool,
+}
+
+fn logs_path(source: &LogSource<'_>, follow: bool, origin_end_offset: Option<u64>) -> String {
+    let stream = if source.stderr { "stderr" } else { "stdout" };
     let mut path = format!(
         "/v1/allocs/{}/logs/{}?type={stream}&follow={follow}",
-        encode(name),
-        encode(task)
+        encode(source.name),
+        encode(source.task)
     );
+    if source.previous {
+        path.push_str("&previous=true");
+    }
     if let Some(offset) = origin_end_offset {
         path.push_str(&format!("&origin=end&offset={offset}"));
     }
@@ -407,16 +426,14 @@ fn first_tail_window(lines: usize) -> u64 {
 /// how many bytes from the end that took.
 async fn tail_window(
     client: &Client,
-    name: &str,
-    task: &str,
-    stderr: bool,
+    source: &LogSource<'_>,
     lines: usize,
     out: Option<&mut dyn Write>,
 ) -> anyhow::Result<u64> {
     let mut window = first_tail_window(lines);
     loop {
         let response = client
-            .stream(&logs_path(name, task, stderr, false, Some(window)))
+            .stream(&logs_path(source, false, Some(window)))
             .await?;
         let bytes = response.bytes().await.context("reading the logs")?;
         let (tail, cut) = tail_lines(&bytes, lines);
@@ -434,9 +451,7 @@ async fn tail_window(
 
 async fn logs(
     client: &Client,
-    name: &str,
-    task: &str,
-    stderr: bool,
+    source: &LogSource<'_>,
     follow: bool,
     tail: Option<usize>,
     out: &mut dyn Write,
@@ -444,11 +459,11 @@ async fn logs(
     if !follow {
         match tail {
             Some(lines) => {
-                tail_window(client, name, task, stderr, lines, Some(out)).await?;
+                tail_window(client, source, lines, Some(out)).await?;
             }
             None => {
                 let mut response = client
-                    .stream(&logs_path(name, task, stderr, false, None))
+                    .stream(&logs_path(source, false, None))
                     .await?;
                 while let Some(chunk) = response.chunk().await.context("reading the logs")? {
                     out.write_all(&chunk)?;
@@ -461,11 +476,11 @@ async fn logs(
     // Following: the agent first sends what already exists (its size is in a header),
     // then new output as it is written.
     let window = match tail {
-        Some(lines) => Some(tail_window(client, name, task, stderr, lines, None).await?),
+        Some(lines) => Some(tail_window(client, source, lines, None).await?),
         None => None,
     };
     let mut response = client
-        .stream(&logs_path(name, task, stderr, true, window))
+        .stream(&logs_path(source, true, window))
         .await?;
     let mut backlog: u64 = response
         .headers()

@@ -167,3 +167,53 @@ fn stats_and_status_show_what_a_running_task_uses() {
     let (_, shown, _) = agent.cli(&["alloc", "status", "web"]);
     assert!(shown.contains("Resources:       CPU "), "{shown}");
 }
+
+/// A service that prints `said` once, then runs until stopped.
+fn saying(said: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: web}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 2s\n      config:\n        command: /bin/sh\n        args: [\"-c\", \"echo $0; trap 'exit 0' TERM; while :; do sleep 0.2; done\", \"{said}\"]\n"
+    )
+}
+
+#[test]
+fn the_replaced_revisions_logs_are_kept_one_revision_back_until_the_alloc_is_collected() {
+    let dirs = AgentDirs::new("");
+    let (first, second, third) = (unique_nap(), unique_nap(), unique_nap());
+    dirs.write_spec("web", &saying(&first));
+    let agent = dirs.start();
+    let logs = |extra: &[&str]| {
+        let mut args = vec!["alloc", "logs", "web", "main"];
+        args.extend_from_slice(extra);
+        agent.cli(&args)
+    };
+    wait_for("the first line", WITHIN, || {
+        let (_, out, err) = logs(&[]);
+        if out == format!("{first}\n") { Ok(()) } else { Err(format!("{out}{err}")) }
+    });
+    let (code, _, err) = logs(&["--previous"]);
+    assert_eq!(code, 1, "a first revision has no previous logs");
+    assert!(err.contains("no logs of a previous revision"), "{err}");
+
+    for (said, before) in [(&second, &first), (&third, &second)] {
+        dirs.write_spec("web", &saying(said));
+        wait_for("the new revision's line", WITHIN, || {
+            let (_, out, err) = logs(&[]);
+            if out == format!("{said}\n") { Ok(()) } else { Err(format!("{out}{err}")) }
+        });
+        let (code, out, err) = logs(&["--previous"]);
+        assert_eq!((code, out), (0, format!("{before}\n")), "{err}");
+    }
+    let (code, _, err) = logs(&["--previous", "-f"]);
+    assert_eq!(code, 2, "a replaced revision's logs are not followed: {err}");
+
+    let id = agent.status("web").expect("web shown").id;
+    let previous = dirs.data.join(format!("allocs/{id}/alloc/logs/previous"));
+    assert!(previous.is_dir(), "{}", previous.display());
+    dirs.remove_spec("web");
+    agent.wait_for_task("web", "web stopped", WITHIN, |t| t.state == "dead");
+    wait_for("web collected", WITHIN, || {
+        let answer = agent.cli(&["alloc", "gc", "web"]);
+        if answer.0 == 0 { Ok(()) } else { Err(format!("{answer:?}")) }
+    });
+    assert!(!previous.exists(), "collected with the alloc");
+}
