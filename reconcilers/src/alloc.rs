@@ -1249,6 +1249,7 @@ mod tests {
                 signal: Some(9),
                 error: None,
                 oom_killed: true,
+                at: None,
             }),
         );
         let main = &sim.state.tasks[&name("main")];

@@ -2,6 +2,8 @@
 
 use std::fmt;
 
+use stead_schemas::Timestamp;
+
 /// The end of one run of a task.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Default)]
 pub struct ExitResult {
@@ -14,6 +16,9 @@ pub struct ExitResult {
     /// The kernel's OOM killer killed a process of the task in this run, as its cgroup
     /// counted (never inferred from the exit code).
     pub oom_killed: bool,
+    /// When the run ended, where the driver knows it better than the moment it reports
+    /// it: a run that ended while no agent watched it. `None`: as it is reported.
+    pub at: Option<Timestamp>,
 }
 
 impl ExitResult {
@@ -51,6 +56,7 @@ mod tests {
             signal: Some(2),
             error: None,
             oom_killed: false,
+            at: None,
         };
         assert_eq!(killed.to_string(), "Exit Code: 130, Signal: 2");
         let oom = ExitResult {
@@ -58,6 +64,7 @@ mod tests {
             signal: Some(9),
             error: None,
             oom_killed: true,
+            at: None,
         };
         assert_eq!(oom.to_string(), "Exit Code: 137, Signal: 9, OOM Killed");
         assert!(!oom.successful());

@@ -614,7 +614,10 @@ impl TaskState {
     ) {
         let ran_for = self.ran_for(now);
         self.process = Process::Idle;
-        self.push_event(TaskEvent::terminated(now, result), cap);
+        // A run that ended while no agent watched shows when it ended, not when the next
+        // agent found out.
+        let ended = result.at.filter(|at| *at <= now).unwrap_or(now);
+        self.push_event(TaskEvent::terminated(ended, result), cap);
         if let Some(kill) = &self.kill {
             if !kill.reason.restarts() {
                 self.push_event(TaskEvent::killed(now), cap);

@@ -462,9 +462,7 @@ async fn logs(
                 tail_window(client, source, lines, Some(out)).await?;
             }
             None => {
-                let mut response = client
-                    .stream(&logs_path(source, false, None))
-                    .await?;
+                let mut response = client.stream(&logs_path(source, false, None)).await?;
                 while let Some(chunk) = response.chunk().await.context("reading the logs")? {
                     out.write_all(&chunk)?;
                 }
@@ -479,9 +477,7 @@ async fn logs(
         Some(lines) => Some(tail_window(client, source, lines, None).await?),
         None => None,
     };
-    let mut response = client
-        .stream(&logs_path(source, true, window))
-        .await?;
+    let mut response = client.stream(&logs_path(source, true, window)).await?;
     let mut backlog: u64 = response
         .headers()
         .get(LOG_BACKLOG_HEADER)

@@ -196,6 +196,12 @@ fn the_api_answers_while_a_drain_waits_out_a_kill_timeout() {
     // operators can watch it.
     let killing = until_killing(&mut agent);
     assert!(killing.contains("before force killing"), "{killing}");
+    // The log says why the alloc stops.
+    let log = agent.log_text();
+    assert!(
+        log.contains("stopping alloc=stubborn reason=\"the agent drains\""),
+        "{log}"
+    );
     let (code, body) = agent
         .try_get("/v1/health")
         .expect("the health endpoint answers");

@@ -1,6 +1,7 @@
-//! `stead alloc stop|start|gc|stats` through the real binary: a user's stop outlives an
-//! agent restart and a spec edit until a start clears it; garbage collection on demand;
-//! what a running task uses.
+//! An alloc's life around its revisions and the agent's restarts, through the real
+//! binary: `stead alloc stop|start|gc|stats`, a user's stop outliving an agent restart
+//! and a spec edit, garbage collection on demand, what a running task uses, the replaced
+//! revision's logs, and an exit that happened while no agent ran.
 
 use std::time::Duration;
 
@@ -188,7 +189,11 @@ fn the_replaced_revisions_logs_are_kept_one_revision_back_until_the_alloc_is_col
     };
     wait_for("the first line", WITHIN, || {
         let (_, out, err) = logs(&[]);
-        if out == format!("{first}\n") { Ok(()) } else { Err(format!("{out}{err}")) }
+        if out == format!("{first}\n") {
+            Ok(())
+        } else {
+            Err(format!("{out}{err}"))
+        }
     });
     let (code, _, err) = logs(&["--previous"]);
     assert_eq!(code, 1, "a first revision has no previous logs");
@@ -198,13 +203,20 @@ fn the_replaced_revisions_logs_are_kept_one_revision_back_until_the_alloc_is_col
         dirs.write_spec("web", &saying(said));
         wait_for("the new revision's line", WITHIN, || {
             let (_, out, err) = logs(&[]);
-            if out == format!("{said}\n") { Ok(()) } else { Err(format!("{out}{err}")) }
+            if out == format!("{said}\n") {
+                Ok(())
+            } else {
+                Err(format!("{out}{err}"))
+            }
         });
         let (code, out, err) = logs(&["--previous"]);
         assert_eq!((code, out), (0, format!("{before}\n")), "{err}");
     }
     let (code, _, err) = logs(&["--previous", "-f"]);
-    assert_eq!(code, 2, "a replaced revision's logs are not followed: {err}");
+    assert_eq!(
+        code, 2,
+        "a replaced revision's logs are not followed: {err}"
+    );
 
     let id = agent.status("web").expect("web shown").id;
     let previous = dirs.data.join(format!("allocs/{id}/alloc/logs/previous"));
@@ -213,7 +225,47 @@ fn the_replaced_revisions_logs_are_kept_one_revision_back_until_the_alloc_is_col
     agent.wait_for_task("web", "web stopped", WITHIN, |t| t.state == "dead");
     wait_for("web collected", WITHIN, || {
         let answer = agent.cli(&["alloc", "gc", "web"]);
-        if answer.0 == 0 { Ok(()) } else { Err(format!("{answer:?}")) }
+        if answer.0 == 0 {
+            Ok(())
+        } else {
+            Err(format!("{answer:?}"))
+        }
     });
     assert!(!previous.exists(), "collected with the alloc");
+}
+
+#[test]
+fn an_exit_while_the_agent_was_down_shows_when_it_happened_not_when_it_was_found() {
+    let dirs = AgentDirs::new("");
+    let marker = unique_nap();
+    dirs.write_spec("web", &service_spec("web", &marker));
+    let agent = dirs.start();
+    let task = agent.wait_for_task("web", "web running", WITHIN, |t| t.state == "running");
+    agent.kill9();
+    let pid = rustix::process::Pid::from_raw(task.pid.expect("a pid") as i32).expect("a pid");
+    rustix::process::kill_process(pid, rustix::process::Signal::TERM).expect("signalled");
+    wait_for("the task gone", WITHIN, || {
+        let left = processes_with(&marker);
+        if left.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{left:?}"))
+        }
+    });
+    let gone = stead_schemas::Timestamp::from_since_epoch(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .expect("after 1970"),
+    );
+    let agent = dirs.start();
+    let terminated = agent.wait_for_event("web", "main", "Terminated", WITHIN);
+    let (_, node) = agent.try_get("/v1/node").expect("the agent answers");
+    let node: stead_schemas::api::NodeStatus = serde_json::from_str(&node).expect("a node");
+    assert!(
+        terminated.time <= gone && terminated.time < node.started_at,
+        "Terminated at {}, the task was gone by {gone}, the agent started at {}",
+        terminated.time,
+        node.started_at
+    );
+    assert_eq!(terminated.exit_code, Some(0), "{terminated:?}");
 }

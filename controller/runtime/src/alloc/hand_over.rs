@@ -69,8 +69,12 @@ impl Worker {
         // The replaced revision's logs stay readable (`alloc logs --previous`) until the
         // alloc is collected; without them the new revision still starts.
         match new.keep_logs_of(&old) {
-            Ok(()) => tracing::info!(from = %current.spec.id, to = %next.id, "logs of the replaced revision kept"),
-            Err(error) => tracing::warn!(error = %error_chain(&error), "cannot keep the logs of the replaced revision"),
+            Ok(()) => {
+                tracing::info!(from = %current.spec.id, to = %next.id, "logs of the replaced revision kept")
+            }
+            Err(error) => {
+                tracing::warn!(error = %error_chain(&error), "cannot keep the logs of the replaced revision")
+            }
         }
         tokio::task::spawn_blocking(move || {
             if let Err(error) = old.remove() {

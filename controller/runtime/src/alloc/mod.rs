@@ -434,6 +434,15 @@ impl Worker {
                 }
             }
             Input::Shutdown(how) => {
+                let draining = how == Shutdown::Drain && self.shutdown != Some(Shutdown::Drain);
+                if draining
+                    && self
+                        .current
+                        .as_ref()
+                        .is_some_and(|c| !c.state.is_terminal())
+                {
+                    tracing::info!(alloc = %self.name, reason = "the agent drains", "stopping");
+                }
                 self.shutdown = Some(self.shutdown.map_or(how, |s| s.max(how)));
             }
             Input::Report { task, run, report } => self.apply_report(task, run, report, now),

@@ -53,6 +53,7 @@ const KILLED: ExitResult = ExitResult {
     signal: Some(9),
     error: None,
     oom_killed: false,
+    at: None,
 };
 
 /// The in-process fake driver; clones share their tasks.
@@ -362,6 +363,7 @@ async fn live(inner: Weak<Inner>, id: String, config: MockConfig, ended: Cancell
                     signal: config.exit_signal,
                     error: config.exit_err_msg.clone(),
                     oom_killed: false,
+                    at: None,
                 });
             }
         }
@@ -471,6 +473,7 @@ impl Driver for MockDriver {
                     signal: None,
                     error: Some(format!("task {} is unknown to the mock driver", handle.id)),
                     oom_killed: false,
+                    at: None,
                 };
             };
             let ended = match exit.wait_for(Option::is_some).await {
@@ -484,6 +487,7 @@ impl Driver for MockDriver {
                     signal: None,
                     error: Some(format!("task {} was destroyed", handle.id)),
                     oom_killed: false,
+                    at: None,
                 };
             };
             if ended.interrupted && inner.lock().hang_wait_after_kill {
@@ -532,6 +536,7 @@ impl Driver for MockDriver {
                 signal: Some(number),
                 error: None,
                 oom_killed: false,
+                at: None,
             };
             match task.config.kill_after.map(|d| d.get()) {
                 Some(delay) if !delay.is_zero() => {
@@ -719,6 +724,7 @@ mod tests {
                 signal: Some(6),
                 error: Some("boom".to_owned()),
                 oom_killed: false,
+                at: None,
             }
         );
         assert!(driver.running().is_empty());

@@ -965,8 +965,12 @@ impl Inner {
             return Ok(());
         }
         if let Ok(Some(status)) = protocol::read_exit_record(&task_dir.control, &id.run) {
-            // Ended while no agent watched: published as a watched run's end is.
-            let result = recorded(&task_dir.control, &id.run, status);
+            // Ended while no agent watched: published as a watched run's end is, at the
+            // time the supervisor recorded it.
+            let result = ExitResult {
+                at: recorded_at(&task_dir.control, &id.run),
+                ..recorded(&task_dir.control, &id.run, status)
+            };
             self.runs().insert(handle.id.clone(), state.clone());
             tokio::spawn(async move {
                 publish_exit(&state, result, &task_dir.control, &id.run).await;
@@ -1136,6 +1140,16 @@ fn recorded(control: &Path, run: &str, status: ExitStatus) -> ExitResult {
         oom_killed: oom_marker_path(control, run).exists(),
         ..exit_result(status)
     }
+}
+
+/// When the supervisor recorded the exit of `run`: its record's modification time, which
+/// it wrote once, as the task ended.
+fn recorded_at(control: &Path, run: &str) -> Option<stead_schemas::Timestamp> {
+    let modified = std::fs::metadata(protocol::exit_record_path(control, run))
+        .and_then(|meta| meta.modified())
+        .ok()?;
+    let since_epoch = modified.duration_since(std::time::UNIX_EPOCH).ok()?;
+    Some(stead_schemas::Timestamp::from_since_epoch(since_epoch))
 }
 
 /// The exit a supervisor recorded for `run` (with the OOM marker the driver left), or an
