@@ -31,7 +31,7 @@ pub struct Node {
 pub enum Value {
     /// `null`, `~` or an empty value.
     Null,
-    /// `true` or `false`.
+    /// `true` or `false` (YAML 1.2: `yes`, `on` and the like are strings).
     Bool(bool),
     /// A whole number.
     Integer(i128),
@@ -65,9 +65,10 @@ impl Value {
         match self {
             Value::Null => serde_json::Value::Null,
             Value::Bool(b) => serde_json::Value::Bool(*b),
-            Value::Integer(i) => match i64::try_from(*i) {
-                Ok(i) => serde_json::Value::from(i),
-                Err(_) => serde_json::Value::from(*i as f64),
+            Value::Integer(i) => match (i64::try_from(*i), u64::try_from(*i)) {
+                (Ok(i), _) => serde_json::Value::from(i),
+                (_, Ok(u)) => serde_json::Value::from(u),
+                _ => serde_json::Value::from(*i as f64),
             },
             Value::Float(f) => serde_json::Value::from(*f),
             Value::String(s) => serde_json::Value::String(s.clone()),
@@ -128,6 +129,10 @@ pub fn parse_documents(source: &str) -> Result<Vec<Node>, ParseError> {
     }
     let mut options = Options::default();
     options.duplicate_keys = DuplicateKeyPolicy::PassThrough;
+    // YAML 1.2: only `true` and `false` (any case of the first letter, or all caps) are
+    // booleans; `yes`, `on`, `y` and the like are text, as editors and the JSON Schema
+    // read them (0068).
+    options.strict_booleans = true;
     options.with_snippet = false;
     let mut budget = Budget::default();
     budget.max_events = 200_000;
