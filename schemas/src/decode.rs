@@ -12,7 +12,6 @@ use crate::duration::Duration;
 use crate::normalize::{MIN_CPU, MIN_DISK_SIZE_MB, MIN_MEMORY_MB};
 use crate::rules::ValidatorOnlyRule;
 use crate::spec::*;
-use crate::validate::RESERVED_TASK_NAME;
 use crate::yaml::{Node, Value};
 
 /// Collects diagnostics for one file.

@@ -171,7 +171,7 @@ fn task_rules_schema() -> serde_json::Value {
          "then": {"properties": {"config": {"$ref": "#/$defs/MockConfig"}}}},
         {"if": {"properties": {"leader": {"const": true}}, "required": ["leader"]},
          "then": main_task_schema()},
-        {"properties": {"name": {"not": {"const": crate::validate::RESERVED_TASK_NAME}}}},
+        {"properties": {"name": {"not": {"const": RESERVED_TASK_NAME}}}},
     ])
 }
 
@@ -660,6 +660,10 @@ macro_rules! checked_string {
         }
     };
 }
+
+/// The one valid name a task may not have: each task's dir sits beside the alloc's
+/// shared `alloc/` dir.
+pub(crate) const RESERVED_TASK_NAME: &str = "alloc";
 
 /// The pattern of alloc and task names (an RFC 1123 DNS label).
 pub const NAME_PATTERN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";

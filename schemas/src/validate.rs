@@ -12,10 +12,6 @@ use crate::rules::ValidatorOnlyRule;
 use crate::spec::*;
 use crate::yaml::{MAX_SPEC_FILE_BYTES, Node, ParseError, Value, parse_documents};
 
-/// The one valid name a task may not have: each task's dir sits beside the alloc's
-/// shared `alloc/` dir.
-pub(crate) const RESERVED_TASK_NAME: &str = "alloc";
-
 /// A spec that passed validation, with its identity.
 #[derive(Debug, Clone, PartialEq)]
 pub struct ValidSpec {
