@@ -73,12 +73,16 @@ impl Value {
             Value::Float(f) => serde_json::Value::from(*f),
             Value::String(s) => serde_json::Value::String(s.clone()),
             Value::Sequence(items) => items.iter().map(|n| n.value.to_json()).collect(),
-            Value::Mapping(entries) => serde_json::Value::Object(
-                entries
-                    .iter()
-                    .map(|(k, v)| (k.value.key_text(), v.value.to_json()))
-                    .collect(),
-            ),
+            // A repeated key keeps its first value, as the decoder reads it.
+            Value::Mapping(entries) => {
+                let mut object = serde_json::Map::new();
+                for (k, v) in entries {
+                    object
+                        .entry(k.value.key_text())
+                        .or_insert_with(|| v.value.to_json());
+                }
+                serde_json::Value::Object(object)
+            }
         }
     }
 
@@ -335,6 +339,15 @@ mod tests {
         };
         assert_eq!(inner.len(), 2);
         assert_eq!(inner[1].0.location, Location::new(2, 11));
+    }
+
+    #[test]
+    fn yes_and_on_are_strings_and_a_repeated_key_keeps_its_first_value_in_json() {
+        let docs = parse_documents("a: yes\nb: on\nc: True\nd: 1\nd: 2\n").unwrap();
+        assert_eq!(
+            docs[0].value.to_json(),
+            serde_json::json!({"a": "yes", "b": "on", "c": true, "d": 1})
+        );
     }
 
     #[test]
