@@ -830,7 +830,7 @@ checked_string!(
     CheckHost,
     json_schema!({ "type": "string", "anyOf": [
         { "pattern": "^[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*\\.*$", "maxLength": 253 },
-        { "format": "ipv6" },
+        { "pattern": "^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$", "format": "ipv6" },
     ] }),
     check_host
 );
