@@ -346,6 +346,23 @@ fn listen<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Option<St
     Option::<String>::deserialize(deserializer).map(Some)
 }
 
+/// One problem of a config file, at its line and column.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ConfigProblem {
+    /// Where, from 1.
+    pub line: u64,
+    /// Where, from 1.
+    pub column: u64,
+    /// What is wrong.
+    pub message: String,
+}
+
+impl std::fmt::Display for ConfigProblem {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{}:{}: {}", self.line, self.column, self.message)
+    }
+}
+
 /// A config file that could not be read.
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
@@ -358,17 +375,13 @@ pub enum ConfigError {
         #[source]
         source: std::io::Error,
     },
-    /// The file is not a valid agent config.
-    #[error("{}:{line}:{column}: {message}", path.display())]
+    /// The file is not a valid agent config: every problem, one per line, in file order.
+    #[error("{}", problems.iter().map(|p| format!("{}:{p}", path.display())).collect::<Vec<_>>().join("\n"))]
     Invalid {
         /// The file.
         path: PathBuf,
-        /// Where.
-        line: u64,
-        /// Where.
-        column: u64,
-        /// What is wrong.
-        message: String,
+        /// Every problem found. Invariant: not empty.
+        problems: Vec<ConfigProblem>,
     },
 }
 
@@ -382,29 +395,152 @@ impl AgentConfig {
         AgentConfig::parse(path, &text)
     }
 
-    /// Checks `text` as the config file `path`; an empty file is an empty config.
+    /// Checks `text` as the config file `path`; an empty file is an empty config. Every
+    /// problem is reported at once: each top-level key, and each key of a mapping under
+    /// one, is also checked on its own (see [`entry_problems`]).
     pub fn parse(path: &Path, text: &str) -> Result<AgentConfig, ConfigError> {
         if text.trim().is_empty() {
             return Ok(AgentConfig::default());
         }
-        serde_saphyr::from_str::<AgentConfig>(text).map_err(|error| {
-            let (line, column) = error.location().map_or((1, 1), |l| (l.line(), l.column()));
-            let message = error.without_snippet().to_string();
-            let message = message.lines().next().unwrap_or("invalid config");
-            // The location leads the message already.
-            let message = message
-                .rsplit_once(" at line ")
-                .filter(|(_, at)| at.contains(", column "))
-                .map_or(message, |(message, _)| message)
-                .to_owned();
+        let invalid = |mut problems: Vec<ConfigProblem>| {
+            problems.sort_by_key(|p| (p.line, p.column));
+            problems.dedup();
             ConfigError::Invalid {
                 path: path.to_owned(),
-                line,
-                column,
-                message,
+                problems,
             }
-        })
+        };
+        let whole = serde_saphyr::from_str::<AgentConfig>(text).map_err(|e| problem(&e, 0));
+        let mut problems = entry_problems(text);
+        match whole {
+            Ok(config) if problems.is_empty() => Ok(config),
+            Ok(_) => Err(invalid(problems)),
+            Err(first) => {
+                // The whole file's first problem is one of the entries' problems, unless
+                // checking the entries apart could not find it.
+                if !problems.iter().any(|p| p.line == first.line) {
+                    problems.push(first);
+                }
+                Err(invalid(problems))
+            }
+        }
     }
+}
+
+/// A problem from the YAML parser, its line moved down by `line_offset`.
+fn problem(error: &serde_saphyr::Error, line_offset: u64) -> ConfigProblem {
+    let (line, column) = error.location().map_or((1, 1), |l| (l.line(), l.column()));
+    let message = error.without_snippet().to_string();
+    let message = message.lines().next().unwrap_or("invalid config");
+    // The location leads the message already.
+    let message = message
+        .rsplit_once(" at line ")
+        .filter(|(_, at)| at.contains(", column "))
+        .map_or(message, |(message, _)| message)
+        .to_owned();
+    ConfigProblem {
+        line: line + line_offset,
+        column,
+        message,
+    }
+}
+
+/// The problems of each entry of the config's top-level mapping, each checked on its own,
+/// and of each entry of a block mapping under one: the parser stops at a document's first
+/// problem, so each entry is parsed alone, cut from the text by its lines (the entries
+/// of a block mapping each start a line). Keys repeated at the top level are problems
+/// too. Empty when the text is not a block mapping whose entries have lines of their own;
+/// the whole file's parse then reports its first problem.
+fn entry_problems(text: &str) -> Vec<ConfigProblem> {
+    use crate::yaml::{Value, parse_documents};
+    let Ok(documents) = parse_documents(text) else {
+        return Vec::new();
+    };
+    let [document] = &documents[..] else {
+        return Vec::new();
+    };
+    let Value::Mapping(entries) = &document.value else {
+        return Vec::new();
+    };
+    let lines: Vec<&str> = text.lines().collect();
+    let mut problems = Vec::new();
+    let mut first_at: std::collections::HashMap<String, crate::Location> =
+        std::collections::HashMap::new();
+    for (key, _) in entries {
+        let name = key.value.key_text();
+        match first_at.get(&name) {
+            Some(first) => problems.push(ConfigProblem {
+                line: u64::from(key.location.line),
+                column: u64::from(key.location.column),
+                message: format!("duplicate key {name:?} (first at {first})"),
+            }),
+            None => {
+                first_at.insert(name, key.location);
+            }
+        }
+    }
+    let Some(spans) = line_spans(entries.iter().map(|(k, _)| k), lines.len()) else {
+        return problems;
+    };
+    for ((_, value), (start, end)) in entries.iter().zip(spans) {
+        let entry = lines[start..end].join(
+            "
+",
+        );
+        let Err(error) = serde_saphyr::from_str::<AgentConfig>(&entry) else {
+            continue;
+        };
+        // A mapping under the key: its own entries, each under the key alone.
+        let nested = match &value.value {
+            Value::Mapping(inner) if !inner.is_empty() => {
+                line_spans(inner.iter().map(|(k, _)| k), end)
+                    .filter(|spans| spans.first().is_some_and(|(first, _)| *first > start))
+            }
+            _ => None,
+        };
+        let Some(nested) = nested else {
+            problems.push(problem(&error, start as u64));
+            continue;
+        };
+        for (inner_start, inner_end) in nested {
+            let inner = format!(
+                "{}\n{}",
+                lines[start],
+                lines[inner_start..inner_end].join("\n")
+            );
+            if let Err(error) = serde_saphyr::from_str::<AgentConfig>(&inner) {
+                let mut found = problem(&error, (inner_start as u64).saturating_sub(1));
+                if found.line == inner_start as u64 {
+                    // On the key's line, which sits elsewhere in the file.
+                    found.line = start as u64 + 1;
+                }
+                problems.push(found);
+            }
+        }
+    }
+    problems
+}
+
+/// The lines (0-based, end exclusive) of each entry whose keys are `keys`, in order: from
+/// its key's line to the next key's, the last one to `end`. `None` when two keys share a
+/// line (a flow mapping), or a key is not at the start of its line's text.
+fn line_spans<'n>(
+    keys: impl Iterator<Item = &'n crate::yaml::Node>,
+    end: usize,
+) -> Option<Vec<(usize, usize)>> {
+    let starts: Vec<usize> = keys
+        .map(|k| (k.location.line as usize).saturating_sub(1))
+        .collect();
+    if starts.windows(2).any(|w| w[0] >= w[1]) || starts.last().is_some_and(|l| *l >= end) {
+        return None;
+    }
+    Some(
+        starts
+            .iter()
+            .enumerate()
+            .map(|(i, start)| (*start, starts.get(i + 1).copied().unwrap_or(end)))
+            .collect(),
+    )
 }
 
 #[cfg(test)]
@@ -541,6 +677,23 @@ oomScoreAdj: -900
         let token = parse("token: s3cret\n").token.expect("a token");
         assert_eq!(format!("{token:?}"), "Bearer(<secret>)");
         assert_eq!(String::from(token), "s3cret");
+    }
+
+    #[test]
+    fn every_problem_of_a_config_is_reported_at_once_each_at_its_line_and_column() {
+        let text = "tick: 0s\nlisten_addr: x\ngc:\n  interval: 0s\n  maxAllocs: 5\n  parallelDestroys: many\nwatch: true\ntick: 1s\n";
+        let error = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap_err();
+        expect_test::expect![[r#"
+            agent.yaml:1:7: tick: a period must be longer than 0s
+            agent.yaml:2:1: unknown field `listen_addr`, expected one of specsDir, dataDir, listen, socket, token, tokenFile, tick, resync, watch, maxKillTimeout, maxTaskEvents, shutdown, allowRoot, limits, cgroupParent, gc, store, drivers, devices, logFormat, api, oomScoreAdj
+            agent.yaml:4:13: gc.interval: a period must be longer than 0s
+            agent.yaml:6:21: invalid u32
+            agent.yaml:8:1: duplicate key "tick" (first at 1:1)"#]].assert_eq(&error.to_string());
+        // A flow mapping's entries share a line: its first problem only.
+        let error =
+            AgentConfig::parse(Path::new("agent.yaml"), "{tick: 0s, resync: 0s}\n").unwrap_err();
+        expect_test::expect!["agent.yaml:1:8: tick: a period must be longer than 0s"]
+            .assert_eq(&error.to_string());
     }
 
     #[test]

@@ -10,6 +10,7 @@ use std::str::FromStr;
 use crate::diagnostic::{Diagnostic, FieldPath, Location};
 use crate::duration::Duration;
 use crate::normalize::{MIN_CPU, MIN_DISK_SIZE_MB, MIN_MEMORY_MB};
+use crate::rules::ValidatorOnlyRule;
 use crate::spec::*;
 use crate::yaml::{Node, Value};
 
@@ -36,6 +37,34 @@ impl<'a> Decoder<'a> {
     ) {
         self.diagnostics
             .push(Diagnostic::new(self.file, location, path.as_str(), message));
+    }
+
+    /// Records a problem, with the rule broken when only the validator applies it.
+    pub(crate) fn report_as(
+        &mut self,
+        rule: Option<ValidatorOnlyRule>,
+        location: Location,
+        path: &FieldPath,
+        message: impl Into<String>,
+    ) {
+        let diagnostic = Diagnostic::new(self.file, location, path.as_str(), message);
+        self.diagnostics.push(match rule {
+            Some(rule) => diagnostic.only_validator(rule),
+            None => diagnostic,
+        });
+    }
+
+    /// Records a problem with a rule that only the validator applies (see [`crate::rules`]).
+    pub(crate) fn report_only_validator(
+        &mut self,
+        rule: ValidatorOnlyRule,
+        location: Location,
+        path: &FieldPath,
+        message: impl Into<String>,
+    ) {
+        self.diagnostics.push(
+            Diagnostic::new(self.file, location, path.as_str(), message).only_validator(rule),
+        );
     }
 }
 
@@ -77,11 +106,33 @@ impl Decode for bool {
     fn decode(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Self> {
         match &node.value {
             Value::Bool(b) => Some(*b),
+            Value::String(text) if yaml11_boolean(text).is_some() => {
+                let meant = yaml11_boolean(text).expect("checked above");
+                cx.report(
+                    node.location,
+                    path,
+                    format!(
+                        "expected true or false, found the string {text:?} (YAML 1.2 reads it as text); did you mean {meant}?"
+                    ),
+                );
+                None
+            }
             _ => {
                 type_error(node, path, cx, "true or false");
                 None
             }
         }
+    }
+}
+
+/// What YAML 1.1 read `text` as, where it is one of its boolean spellings that YAML 1.2
+/// (and so stead) reads as text: `yes`, `no`, `on`, `off`, `y`, `n` in any case, and
+/// `true`/`false` in a case YAML 1.2 does not take (`tRUE`).
+fn yaml11_boolean(text: &str) -> Option<bool> {
+    match text.to_ascii_lowercase().as_str() {
+        "yes" | "y" | "on" | "true" => Some(true),
+        "no" | "n" | "off" | "false" => Some(false),
+        _ => None,
     }
 }
 
@@ -99,6 +150,16 @@ macro_rules! decode_integer {
                             None
                         }
                     },
+                    // JSON Schema counts 3.0 an integer; the validator wants it written whole.
+                    Value::Float(f) if f.fract() == 0.0 => {
+                        cx.report_only_validator(
+                            ValidatorOnlyRule::WholeNumbers,
+                            node.location,
+                            path,
+                            format!("expected {expected}, found a number with a fraction; write it as {f:.0}"),
+                        );
+                        None
+                    }
                     _ => {
                         type_error(node, path, cx, &expected);
                         None
@@ -115,6 +176,15 @@ impl Decode for Duration {
         match &node.value {
             Value::String(s) => match s.parse() {
                 Ok(d) => Some(d),
+                Err(e @ crate::duration::DurationError::Overflow(_)) => {
+                    cx.report_only_validator(
+                        ValidatorOnlyRule::DurationBounds,
+                        node.location,
+                        path,
+                        e.to_string(),
+                    );
+                    None
+                }
                 Err(e) => {
                     cx.report(node.location, path, e.to_string());
                     None
@@ -240,7 +310,16 @@ where
                     }
                 },
                 _ => {
-                    type_error(key, &entry_path, cx, "a string key");
+                    cx.report_only_validator(
+                        ValidatorOnlyRule::KeyType,
+                        key.location,
+                        &entry_path,
+                        format!(
+                            "expected a string key, found {}; quote it to use it as text: \"{}\"",
+                            key.value.kind_name(),
+                            key.value.key_text()
+                        ),
+                    );
                     None
                 }
             };
@@ -273,7 +352,8 @@ pub(crate) fn report_duplicate_keys(node: &Node, path: &FieldPath, cx: &mut Deco
     let mut reports = DuplicateReports::default();
     reports.walk(node, path, cx);
     if reports.unreported > 0 {
-        cx.report(
+        cx.report_only_validator(
+            ValidatorOnlyRule::DuplicateKey,
             node.location,
             path,
             format!(
@@ -330,27 +410,19 @@ impl DuplicateReports {
         if self.reported.len() > MAX_DUPLICATE_REPORTS {
             self.unreported += 1;
         } else {
-            cx.report(at, path, format!("duplicate key (first at {first})"));
+            cx.report_only_validator(
+                ValidatorOnlyRule::DuplicateKey,
+                at,
+                path,
+                format!("duplicate key (first at {first})"),
+            );
         }
     }
 }
 
 /// The best match for `word` among `candidates`, when one is close enough to suggest.
 pub(crate) fn did_you_mean<'c>(word: &str, candidates: &[&'c str]) -> Option<&'c str> {
-    let lower = word.to_lowercase();
-    candidates
-        .iter()
-        .map(|c| {
-            let distance = if c.to_lowercase() == lower {
-                0
-            } else {
-                strsim::damerau_levenshtein(&lower, &c.to_lowercase())
-            };
-            (distance, *c)
-        })
-        .filter(|(distance, c)| *distance <= (c.len() / 3).max(1))
-        .min_by_key(|(distance, _)| *distance)
-        .map(|(_, c)| c)
+    crate::diagnostic::closest(word, candidates.iter().copied())
 }
 
 /// The fields of one mapping, read one by one; what is left at the end is unknown.
@@ -560,8 +632,8 @@ impl Decode for ResourcesSpec {
             devices: "devices" optional,
         })?;
         let mut ok = true;
-        let mut report = |key: &str, message: String| {
-            cx.report(node_location(node, key), &path.field(key), message);
+        let mut report = |key: &str, message: String, rule: Option<ValidatorOnlyRule>| {
+            cx.report_as(rule, node_location(node, key), &path.field(key), message);
             ok = false;
         };
         for (value, key, min) in [
@@ -571,13 +643,14 @@ impl Decode for ResourcesSpec {
             (resources.pids, "pids", 1),
         ] {
             if value.is_some_and(|value| value < min) {
-                report(key, format!("must be at least {min}"));
+                report(key, format!("must be at least {min}"), None);
             }
         }
         match (resources.memory_mb, resources.memory_max_mb) {
             (None, Some(_)) => report(
                 "memoryMaxMB",
                 "needs memoryMB, the reservation below it".to_owned(),
+                None,
             ),
             (Some(memory), Some(max))
                 if max < memory && memory >= MIN_MEMORY_MB && max >= MIN_MEMORY_MB =>
@@ -585,6 +658,7 @@ impl Decode for ResourcesSpec {
                 report(
                     "memoryMaxMB",
                     format!("must be at least memoryMB ({memory})"),
+                    Some(ValidatorOnlyRule::MemoryMaxAtLeastMemory),
                 );
             }
             _ => {}
@@ -593,6 +667,7 @@ impl Decode for ResourcesSpec {
             report(
                 "cpuHardLimit",
                 "needs cpu, the MHz the task is capped at".to_owned(),
+                None,
             );
         }
         ok.then_some(resources)
@@ -726,34 +801,36 @@ impl Decode for CheckSpec {
                 ok = false;
             }
         }
-        let mut refuse = |key: &str, message: String| {
-            cx.report(node_location(node, key), &path.field(key), message);
+        let mut refuse = |key: &str, message: String, rule: Option<ValidatorOnlyRule>| {
+            cx.report_as(rule, node_location(node, key), &path.field(key), message);
             ok = false;
         };
         for (key, message) in problems {
-            refuse(key, message);
+            refuse(key, message, None);
         }
         if check.port == Some(0) {
-            refuse("port", "must be from 1 to 65535".to_owned());
+            refuse("port", "must be from 1 to 65535".to_owned(), None);
         }
         if let Some(command) = &check.command
             && command.trim().is_empty()
         {
-            refuse("command", "command is empty".to_owned());
+            refuse("command", "command is empty".to_owned(), None);
         }
+        let durations = Some(ValidatorOnlyRule::DurationBounds);
         let min = crate::normalize::MIN_CHECK_PERIOD;
         let interval = check.effective_interval();
         let timeout = check.effective_timeout();
         if interval < min {
-            refuse("interval", format!("must be at least {min}"));
+            refuse("interval", format!("must be at least {min}"), durations);
         } else if timeout < min {
-            refuse("timeout", format!("must be at least {min}"));
+            refuse("timeout", format!("must be at least {min}"), durations);
         } else if timeout > interval {
             refuse(
                 "timeout",
                 format!(
                     "timeout {timeout} is longer than the interval {interval}; a check must end before it is due again"
                 ),
+                durations,
             );
         }
         ok.then_some(check)
@@ -860,6 +937,18 @@ impl Decode for TaskSpec {
         ];
         let mut fields = Fields::new(node, path, KNOWN, cx)?;
         let name = fields.required::<Name>("name", cx);
+        if let Some(name) = &name
+            && name.as_str() == RESERVED_TASK_NAME
+        {
+            cx.report(
+                node_location(node, "name"),
+                &path.field("name"),
+                format!(
+                    "task name {RESERVED_TASK_NAME:?} is reserved: the alloc dir's shared {RESERVED_TASK_NAME}/ directory has that name"
+                ),
+            );
+            fields.fail();
+        }
         let driver = fields.required::<DriverKind>("driver", cx);
         let config = match (driver, fields.node("config")) {
             (_, None) => {
@@ -915,7 +1004,8 @@ impl Decode for TaskSpec {
                         Some(Value::Sequence(items)) => node_location(&items[i], "name"),
                         _ => node.location,
                     };
-                    cx.report(
+                    cx.report_only_validator(
+                        ValidatorOnlyRule::UniqueCheckNames,
                         at,
                         &checks_path.index(i).field("name"),
                         format!(
@@ -931,7 +1021,8 @@ impl Decode for TaskSpec {
         }
         if kill_timeout == Some(Duration::ZERO) {
             // Nomad takes 0 for its default; here it would SIGKILL right after the signal.
-            cx.report(
+            cx.report_only_validator(
+                ValidatorOnlyRule::DurationBounds,
                 node_location(node, "killTimeout"),
                 &path.field("killTimeout"),
                 "must be longer than 0s; use killSignal: SIGKILL to kill at once",

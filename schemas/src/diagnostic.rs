@@ -5,6 +5,8 @@ use std::path::{Path, PathBuf};
 
 use serde::Serialize;
 
+use crate::rules::ValidatorOnlyRule;
+
 /// A position in a source file, 1-based.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize)]
 pub struct Location {
@@ -50,6 +52,10 @@ pub struct Diagnostic {
     pub path: String,
     /// What is wrong: lowercase, no trailing period.
     pub message: String,
+    /// The rule broken, when only the validator applies it (the JSON Schema cannot);
+    /// `None` for a rule both apply. Not part of the wire format.
+    #[serde(skip)]
+    pub rule: Option<ValidatorOnlyRule>,
 }
 
 impl Diagnostic {
@@ -65,7 +71,14 @@ impl Diagnostic {
             location,
             path: path.into(),
             message: message.into(),
+            rule: None,
         }
+    }
+
+    /// This diagnostic, marked as breaking `rule`, which only the validator applies.
+    pub fn only_validator(mut self, rule: ValidatorOnlyRule) -> Self {
+        self.rule = Some(rule);
+        self
     }
 }
 
@@ -82,6 +95,23 @@ impl fmt::Display for Diagnostic {
         }
         write_escaped(f, &self.message)
     }
+}
+
+/// The candidate closest to `word`, when one is close enough to be what was meant: at
+/// most one edit (insertion, deletion, substitution or swap of two neighbours) per three
+/// characters of the candidate, and at least one, ignoring case. Ties go to the first.
+/// Spec diagnostics and the API's "not found" answers both suggest with it.
+pub fn closest<'c>(word: &str, candidates: impl IntoIterator<Item = &'c str>) -> Option<&'c str> {
+    let lower = word.to_lowercase();
+    candidates
+        .into_iter()
+        .map(|c| {
+            let distance = strsim::damerau_levenshtein(&lower, &c.to_lowercase());
+            (distance, c)
+        })
+        .filter(|(distance, c)| *distance <= (c.chars().count() / 3).max(1))
+        .min_by_key(|(distance, _)| *distance)
+        .map(|(_, c)| c)
 }
 
 /// `text` with its control characters escaped as Rust writes them (`\n`, `\u{1b}`).
@@ -151,6 +181,26 @@ impl fmt::Display for FieldPath {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn closest_suggests_a_candidate_within_one_edit_per_three_characters() {
+        let names = ["web", "worker", "db", "nightly-report"];
+        for (word, expected) in [
+            ("wbe", Some("web")),
+            ("WEB", Some("web")),
+            ("wb", Some("web")),
+            ("workr", Some("worker")),
+            ("dv", Some("db")),
+            ("nightly-reprot", Some("nightly-report")),
+            ("nightlyreport", Some("nightly-report")),
+            ("api", None),
+            ("w", None),
+            ("queue", None),
+        ] {
+            assert_eq!(closest(word, names), expected, "{word}");
+        }
+        assert_eq!(closest("web", []), None);
+    }
 
     #[test]
     fn diagnostics_display_as_file_line_column_path_message() {

@@ -78,8 +78,11 @@ pub struct AllocBody {
     /// Time between deregistration and the kill of the group's tasks.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub shutdown_delay: Option<Duration>,
-    /// The tasks; names are unique, at least one is a main task.
-    #[schemars(length(min = 1))]
+    /// The tasks; names are unique, at least one is a main task, at most one leads.
+    #[schemars(length(min = 1), extend("allOf" = [
+        {"contains": main_task_schema()},
+        {"contains": {"properties": {"leader": {"const": true}}, "required": ["leader"]}, "minContains": 0, "maxContains": 1},
+    ]))]
     pub tasks: Vec<TaskSpec>,
 }
 
@@ -150,9 +153,32 @@ pub struct EphemeralDiskSpec {
     pub migrate: Option<bool>,
 }
 
+/// A task without `lifecycle` (or with `lifecycle: null`): a main task.
+fn main_task_schema() -> serde_json::Value {
+    serde_json::json!({"anyOf": [
+        {"not": {"required": ["lifecycle"]}},
+        {"properties": {"lifecycle": {"type": "null"}}},
+    ]})
+}
+
+/// The rules of a task that relate its fields: the config follows the driver, a leader is
+/// a main task, and `alloc` names no task.
+fn task_rules_schema() -> serde_json::Value {
+    serde_json::json!([
+        {"if": {"properties": {"driver": {"const": "exec"}}, "required": ["driver"]},
+         "then": {"properties": {"config": {"$ref": "#/$defs/ExecConfig"}}}},
+        {"if": {"properties": {"driver": {"const": "mock"}}, "required": ["driver"]},
+         "then": {"properties": {"config": {"$ref": "#/$defs/MockConfig"}}}},
+        {"if": {"properties": {"leader": {"const": true}}, "required": ["leader"]},
+         "then": main_task_schema()},
+        {"properties": {"name": {"not": {"const": RESERVED_TASK_NAME}}}},
+    ])
+}
+
 /// One task of an alloc.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("allOf" = task_rules_schema()))]
 pub struct TaskSpec {
     /// Unique within the alloc.
     pub name: Name,
@@ -162,6 +188,7 @@ pub struct TaskSpec {
     pub config: DriverConfig,
     /// Environment variables.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "env_schema")]
     pub env: Option<BTreeMap<EnvName, String>>,
     /// The user the task runs as (a name or a numeric uid).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -197,10 +224,84 @@ pub struct TaskSpec {
     pub checks: Option<Vec<CheckSpec>>,
 }
 
+/// The environment: names as [`EnvName`] takes them, values a process can carry.
+fn env_schema(generator: &mut SchemaGenerator) -> Schema {
+    let name = EnvName::json_schema(generator);
+    json_schema!({
+        "type": ["object", "null"],
+        "propertyNames": name,
+        "additionalProperties": process_text_schema(),
+    })
+}
+
+/// Rust's `char::is_whitespace`, as the inside of a regular expression's class: the
+/// characters themselves, which every regex dialect reads alike.
+const WHITESPACE_CLASS: &str = "\t\n\u{b}\u{c}\r \u{85}\u{a0}\u{1680}\u{2000}-\u{200a}\u{2028}\u{2029}\u{202f}\u{205f}\u{3000}";
+
+/// Rust's `char::is_control` (Unicode's Cc), as the inside of a regular expression's class.
+const CONTROL_CLASS: &str = "\\x00-\\x1F\\x7F-\\x9F";
+
+/// An exec driver's command: not blank, no whitespace around it, no NUL byte.
+fn exec_command_schema(_: &mut SchemaGenerator) -> Schema {
+    let ws = WHITESPACE_CLASS;
+    json_schema!({
+        "type": "string",
+        "pattern": format!("^[^{ws}\\x00]([^\\x00]*[^{ws}\\x00])?$"),
+    })
+}
+
+/// An exec check's command: not blank, no NUL byte (`null` is unset).
+fn check_command_schema(_: &mut SchemaGenerator) -> Schema {
+    let ws = WHITESPACE_CLASS;
+    json_schema!({
+        "type": ["string", "null"],
+        "pattern": format!("^[^\\x00]*[^{ws}\\x00][^\\x00]*$"),
+    })
+}
+
+/// Arguments of a command: text without a NUL byte (`null` is unset).
+fn args_schema(_: &mut SchemaGenerator) -> Schema {
+    json_schema!({"type": ["array", "null"], "items": process_text_schema()})
+}
+
+/// Text a command line or an environment can carry: no NUL byte.
+fn process_text_schema() -> serde_json::Value {
+    serde_json::json!({"type": "string", "pattern": "^[^\\x00]*$"})
+}
+
+/// Which fields each check type takes: the ones it needs, and the others it may set.
+fn check_rules_schema() -> serde_json::Value {
+    let all = ["host", "port", "path", "method", "command", "args"];
+    let rule = |kind: &str, needs: &[&str], takes: &[&str]| {
+        let mut properties = serde_json::Map::new();
+        for field in all {
+            if !takes.contains(&field) {
+                properties.insert(field.to_owned(), serde_json::json!({"type": "null"}));
+            }
+        }
+        for field in needs {
+            properties.insert(
+                (*field).to_owned(),
+                serde_json::json!({"not": {"type": "null"}}),
+            );
+        }
+        serde_json::json!({
+            "if": {"properties": {"type": {"const": kind}}, "required": ["type"]},
+            "then": {"required": needs, "properties": properties},
+        })
+    };
+    serde_json::json!([
+        rule("http", &["port"], &["host", "port", "path", "method"]),
+        rule("tcp", &["port"], &["host", "port"]),
+        rule("exec", &["command"], &["command", "args"]),
+    ])
+}
+
 /// A health check of one task: an HTTP request, a TCP connect or a command, run every
 /// `interval` while the task runs.
 #[derive(Debug, Clone, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend("allOf" = check_rules_schema()))]
 pub struct CheckSpec {
     /// Unique within the task; the same rules as task names.
     pub name: Name,
@@ -222,10 +323,11 @@ pub struct CheckSpec {
     pub method: Option<HttpMethod>,
     /// The program to run (exec), in the task's dir, environment and user.
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    #[schemars(length(min = 1))]
+    #[schemars(schema_with = "check_command_schema")]
     pub command: Option<String>,
     /// Its arguments (exec).
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "args_schema")]
     pub args: Option<Vec<String>>,
     /// Time between checks, at least 1s (default 10s).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -334,10 +436,11 @@ pub enum DriverConfig {
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ExecConfig {
     /// The program: an absolute path, or a name looked up in `PATH`.
-    #[schemars(length(min = 1))]
+    #[schemars(schema_with = "exec_command_schema")]
     pub command: String,
     /// Its arguments.
     #[serde(default, skip_serializing_if = "Option::is_none")]
+    #[schemars(schema_with = "args_schema")]
     pub args: Option<Vec<String>>,
 }
 
@@ -387,6 +490,10 @@ pub struct MockConfig {
 /// When a non-main task runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize, JsonSchema)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
+#[schemars(extend(
+    "if" = {"properties": {"hook": {"const": "poststop"}}, "required": ["hook"]},
+    "then" = {"properties": {"sidecar": {"not": {"const": true}}}}
+))]
 pub struct LifecycleSpec {
     /// The stage the task belongs to.
     pub hook: LifecycleHook,
@@ -554,6 +661,10 @@ macro_rules! checked_string {
     };
 }
 
+/// The one valid name a task may not have: each task's dir sits beside the alloc's
+/// shared `alloc/` dir.
+pub(crate) const RESERVED_TASK_NAME: &str = "alloc";
+
 /// The pattern of alloc and task names (an RFC 1123 DNS label).
 pub const NAME_PATTERN: &str = "^[a-z0-9]([-a-z0-9]*[a-z0-9])?$";
 /// The longest alloc or task name.
@@ -593,7 +704,7 @@ fn check_name(s: &str) -> Result<(), String> {
 checked_string!(
     /// A label key: letters, digits, `-`, `_`, `.`, with an optional `prefix/`, at most 253 characters.
     LabelKey,
-    json_schema!({ "type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]*[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]*[A-Za-z0-9])?$", "maxLength": 253 }),
+    json_schema!({ "type": "string", "pattern": "^([a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?/)?[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$" }),
     check_label_key
 );
 
@@ -631,7 +742,7 @@ checked_string!(
     /// empty, no `=`, no NUL byte), such as `PORT` or Nomad's `discovery.type`, but not
     /// starting with `STEAD_`, which the agent sets.
     EnvName,
-    json_schema!({ "type": "string", "pattern": "^[^=\\x00]+$" }),
+    json_schema!({ "type": "string", "pattern": "^[^=\\x00]+$", "not": { "pattern": "^STEAD_" } }),
     check_env_name
 );
 
@@ -662,9 +773,24 @@ checked_string!(
     /// held to what the passwd format and a lookup can carry (systemd's relaxed rule), not
     /// to one distribution's `useradd` pattern: `john.doe` and `Svc` are real accounts.
     UserName,
-    json_schema!({ "type": "string", "pattern": "^[^-:/,\\s][^:/,\\s]{0,255}$" }),
+    user_name_schema(),
     check_user_name
 );
+
+/// A numeric uid (below 2^32, leading zeros allowed) or a name the passwd file can hold.
+fn user_name_schema() -> Schema {
+    let ws = WHITESPACE_CLASS;
+    let cc = CONTROL_CLASS;
+    let uid = "^0*([0-9]{1,9}|[1-3][0-9]{9}|4[01][0-9]{8}|42[0-8][0-9]{7}|429[0-3][0-9]{6}|4294[0-8][0-9]{5}|42949[0-5][0-9]{4}|429496[0-6][0-9]{3}|4294967[01][0-9]{2}|42949672[0-8][0-9]|429496729[0-5])$";
+    json_schema!({ "type": "string", "anyOf": [
+        { "pattern": uid },
+        { "allOf": [
+            { "pattern": format!("^[^-:/,{ws}{cc}][^:/,{ws}{cc}]{{0,255}}$") },
+            { "not": { "pattern": "^[0-9]+$" } },
+            { "not": { "pattern": "^\\.\\.?$" } },
+        ] },
+    ] })
+}
 
 fn check_user_name(s: &str) -> Result<(), String> {
     if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) {
@@ -702,7 +828,10 @@ fn check_user_name(s: &str) -> Result<(), String> {
 checked_string!(
     /// The host of an http or tcp check: an IPv4 or IPv6 address, or a DNS name.
     CheckHost,
-    json_schema!({ "type": "string", "pattern": "^[A-Za-z0-9.:-]+$", "minLength": 1, "maxLength": 253 }),
+    json_schema!({ "type": "string", "anyOf": [
+        { "pattern": "^[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?(\\.[A-Za-z0-9]([-A-Za-z0-9]{0,61}[A-Za-z0-9])?)*\\.*$", "maxLength": 253 },
+        { "pattern": "^[0-9A-Fa-f:.]*:[0-9A-Fa-f:.]*$", "format": "ipv6" },
+    ] }),
     check_host
 );
 

@@ -8,12 +8,9 @@ use crate::decode::{
 };
 use crate::diagnostic::{Diagnostic, FieldPath, Location};
 use crate::normalize::{AllocId, Revision};
+use crate::rules::ValidatorOnlyRule;
 use crate::spec::*;
 use crate::yaml::{MAX_SPEC_FILE_BYTES, Node, ParseError, Value, parse_documents};
-
-/// The one valid name a task may not have: each task's dir sits beside the alloc's
-/// shared `alloc/` dir.
-pub(crate) const RESERVED_TASK_NAME: &str = "alloc";
 
 /// A spec that passed validation, with its identity.
 #[derive(Debug, Clone, PartialEq)]
@@ -176,16 +173,19 @@ fn parse_with(path: &Path, source: &str, rules: Rules) -> SpecFile {
         if let Some(name) = &document.name {
             if let Some(first) = seen.get(name) {
                 let location = name_location(node).unwrap_or(node.location);
-                file.diagnostics.push(Diagnostic::new(
-                    path,
-                    location,
-                    "metadata.name",
-                    format!(
-                        "alloc {:?} is already declared at line {}",
-                        name.as_str(),
-                        first.line
-                    ),
-                ));
+                file.diagnostics.push(
+                    Diagnostic::new(
+                        path,
+                        location,
+                        "metadata.name",
+                        format!(
+                            "alloc {:?} is already declared at line {}",
+                            name.as_str(),
+                            first.line
+                        ),
+                    )
+                    .only_validator(ValidatorOnlyRule::DuplicateAllocName),
+                );
             } else {
                 seen.insert(name.clone(), name_location(node).unwrap_or(node.location));
             }
@@ -341,7 +341,8 @@ fn check_body(
             field_node(body_node, "restart").expect("restart decoded from this node");
         for (causes, message) in body.group_restart_policy().problems_with_causes() {
             let field = written_field(restart, causes);
-            cx.report(
+            cx.report_only_validator(
+                ValidatorOnlyRule::RestartPolicy,
                 node_location(restart_node, field),
                 &path.field("restart").field(field),
                 message,
@@ -358,22 +359,14 @@ fn check_body(
         };
         if let Some(first) = names.insert(&task.name, *index) {
             names.insert(&task.name, first);
-            cx.report(
+            cx.report_only_validator(
+                ValidatorOnlyRule::UniqueTaskNames,
                 node_location(node, "name"),
                 &task_path.field("name"),
                 format!(
                     "task name {:?} is already used by {}",
                     task.name.as_str(),
                     path.field("tasks").index(first)
-                ),
-            );
-        }
-        if task.name.as_str() == RESERVED_TASK_NAME {
-            cx.report(
-                node_location(node, "name"),
-                &task_path.field("name"),
-                format!(
-                    "task name {RESERVED_TASK_NAME:?} is reserved: the alloc dir's shared {RESERVED_TASK_NAME}/ directory has that name"
                 ),
             );
         }
@@ -395,7 +388,8 @@ fn check_body(
             let restart_node = field_node(node, "restart").expect("restart decoded from this node");
             for (causes, message) in task.restart_policy(body).problems_with_causes() {
                 let field = written_field(restart, causes);
-                cx.report(
+                cx.report_only_validator(
+                    ValidatorOnlyRule::RestartPolicy,
                     node_location(restart_node, field),
                     &task_path.field("restart").field(field),
                     message,
@@ -430,7 +424,8 @@ fn check_body(
                     None => (node.location, task_path.field("logs")),
                 },
             };
-            cx.report(
+            cx.report_only_validator(
+                ValidatorOnlyRule::LogsFitDisk,
                 location,
                 &field_path,
                 format!(

@@ -31,7 +31,7 @@ pub struct Node {
 pub enum Value {
     /// `null`, `~` or an empty value.
     Null,
-    /// `true` or `false`.
+    /// `true` or `false` (YAML 1.2: `yes`, `on` and the like are strings).
     Bool(bool),
     /// A whole number.
     Integer(i128),
@@ -65,19 +65,24 @@ impl Value {
         match self {
             Value::Null => serde_json::Value::Null,
             Value::Bool(b) => serde_json::Value::Bool(*b),
-            Value::Integer(i) => match i64::try_from(*i) {
-                Ok(i) => serde_json::Value::from(i),
-                Err(_) => serde_json::Value::from(*i as f64),
+            Value::Integer(i) => match (i64::try_from(*i), u64::try_from(*i)) {
+                (Ok(i), _) => serde_json::Value::from(i),
+                (_, Ok(u)) => serde_json::Value::from(u),
+                _ => serde_json::Value::from(*i as f64),
             },
             Value::Float(f) => serde_json::Value::from(*f),
             Value::String(s) => serde_json::Value::String(s.clone()),
             Value::Sequence(items) => items.iter().map(|n| n.value.to_json()).collect(),
-            Value::Mapping(entries) => serde_json::Value::Object(
-                entries
-                    .iter()
-                    .map(|(k, v)| (k.value.key_text(), v.value.to_json()))
-                    .collect(),
-            ),
+            // A repeated key keeps its first value, as the decoder reads it.
+            Value::Mapping(entries) => {
+                let mut object = serde_json::Map::new();
+                for (k, v) in entries {
+                    object
+                        .entry(k.value.key_text())
+                        .or_insert_with(|| v.value.to_json());
+                }
+                serde_json::Value::Object(object)
+            }
         }
     }
 
@@ -128,6 +133,10 @@ pub fn parse_documents(source: &str) -> Result<Vec<Node>, ParseError> {
     }
     let mut options = Options::default();
     options.duplicate_keys = DuplicateKeyPolicy::PassThrough;
+    // YAML 1.2: only `true` and `false` (any case of the first letter, or all caps) are
+    // booleans; `yes`, `on`, `y` and the like are text, as editors and the JSON Schema
+    // read them (0068).
+    options.strict_booleans = true;
     options.with_snippet = false;
     let mut budget = Budget::default();
     budget.max_events = 200_000;
@@ -330,6 +339,15 @@ mod tests {
         };
         assert_eq!(inner.len(), 2);
         assert_eq!(inner[1].0.location, Location::new(2, 11));
+    }
+
+    #[test]
+    fn yes_and_on_are_strings_and_a_repeated_key_keeps_its_first_value_in_json() {
+        let docs = parse_documents("a: yes\nb: on\nc: True\nd: 1\nd: 2\n").unwrap();
+        assert_eq!(
+            docs[0].value.to_json(),
+            serde_json::json!({"a": "yes", "b": "on", "c": true, "d": 1})
+        );
     }
 
     #[test]

@@ -162,6 +162,20 @@ pub enum ApiError {
 #[derive(Debug, Clone)]
 pub(crate) struct InternalErrorMessage(pub(crate) String);
 
+/// A name a request asked for that names nothing, kept in a 404's extensions with the
+/// body, for the middleware that suggests the closest name ([`super::suggest_names`]):
+/// every endpoint that answers [`ApiError::AllocNotFound`] or [`ApiError::TaskNotFound`]
+/// gets the suggestion without knowing the names itself.
+#[derive(Debug, Clone)]
+pub(crate) struct MissingName {
+    /// The alloc asked for, or the alloc whose task was asked for.
+    pub(crate) alloc: String,
+    /// The task asked for, when it is the task that is missing.
+    pub(crate) task: Option<String>,
+    /// The body as answered, before a suggestion.
+    pub(crate) body: ErrorBody,
+}
+
 impl ApiError {
     /// Maps a failed user command on alloc `alloc` (and `task`, when it named one).
     pub(crate) fn from_command(error: CommandError, alloc: &str, task: Option<&str>) -> Self {
@@ -259,7 +273,24 @@ impl IntoResponse for ApiError {
         if status.is_server_error() {
             response
                 .extensions_mut()
-                .insert(InternalErrorMessage(body.message));
+                .insert(InternalErrorMessage(body.message.clone()));
+        }
+        match &self {
+            ApiError::AllocNotFound { name } => {
+                response.extensions_mut().insert(MissingName {
+                    alloc: name.clone(),
+                    task: None,
+                    body,
+                });
+            }
+            ApiError::TaskNotFound { alloc, task } => {
+                response.extensions_mut().insert(MissingName {
+                    alloc: alloc.clone(),
+                    task: Some(task.clone()),
+                    body,
+                });
+            }
+            _ => {}
         }
         if let ApiError::Unauthorized { .. } = self {
             response.headers_mut().insert(

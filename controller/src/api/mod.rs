@@ -207,6 +207,7 @@ pub fn router(state: ApiState) -> Router {
         .fallback(route_not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
+        .layer(middleware::from_fn_with_state(state.clone(), suggest_names))
         .layer(middleware::from_fn(json_errors))
         .with_state(state)
 }
@@ -305,6 +306,33 @@ async fn json_errors(request: Request, next: Next) -> Response {
         .into_response();
     }
     response
+}
+
+/// Adds "did you mean" to a 404 for an alloc or a task that does not exist, naming the
+/// closest existing name (`stead_schemas::diagnostic::closest`), so that every endpoint
+/// and every client command gets it.
+async fn suggest_names(State(state): State<ApiState>, request: Request, next: Next) -> Response {
+    let mut response = next.run(request).await;
+    let Some(missing) = response.extensions_mut().remove::<error::MissingName>() else {
+        return response;
+    };
+    let suggestion = match &missing.task {
+        None => {
+            let statuses = state.node().statuses();
+            let names: Vec<&str> = statuses.iter().map(|s| s.name.as_str()).collect();
+            stead_schemas::diagnostic::closest(&missing.alloc, names).map(str::to_owned)
+        }
+        Some(task) => state.node().status(&missing.alloc).and_then(|status| {
+            stead_schemas::diagnostic::closest(task, status.tasks.keys().map(String::as_str))
+                .map(str::to_owned)
+        }),
+    };
+    let Some(suggestion) = suggestion else {
+        return response;
+    };
+    let mut body = missing.body;
+    body.message = format!("{}; did you mean {suggestion:?}?", body.message);
+    json_response(response.status(), &body)
 }
 
 /// Why the API could not be put on a socket.

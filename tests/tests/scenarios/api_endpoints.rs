@@ -305,6 +305,75 @@ async fn check_every_endpoint(transport: &Transport) {
 }
 
 #[tokio::test]
+async fn every_not_found_answer_names_the_closest_alloc_or_task_whatever_the_endpoint() {
+    let agent = busy_agent().await;
+    let transport = Transport::InProcess(agent.state.clone());
+    let t = Some(TOKEN);
+    for (method, path, body, message) in [
+        (
+            Method::GET,
+            "/v1/allocs/wbe",
+            None,
+            r#"alloc "wbe" not found; did you mean "web"?"#,
+        ),
+        (
+            Method::GET,
+            "/v1/allocs/wbe/stats",
+            None,
+            r#"alloc "wbe" not found; did you mean "web"?"#,
+        ),
+        (
+            Method::GET,
+            "/v1/allocs/othre/logs/main",
+            None,
+            r#"alloc "othre" not found; did you mean "other"?"#,
+        ),
+        (
+            Method::GET,
+            "/v1/allocs/web/logs/mian",
+            None,
+            r#"task "mian" not found in alloc "web"; did you mean "main"?"#,
+        ),
+        (
+            Method::POST,
+            "/v1/allocs/wbe/restart",
+            Some(json!({})),
+            r#"alloc "wbe" not found; did you mean "web"?"#,
+        ),
+        (
+            Method::POST,
+            "/v1/allocs/web/restart",
+            Some(json!({"task": "mai"})),
+            r#"task "mai" not found in alloc "web"; did you mean "main"?"#,
+        ),
+        (
+            Method::POST,
+            "/v1/allocs/web/signal",
+            Some(json!({"task": "Main", "signal": "SIGHUP"})),
+            r#"task "Main" not found in alloc "web"; did you mean "main"?"#,
+        ),
+        (
+            Method::GET,
+            "/v1/allocs/queue",
+            None,
+            r#"alloc "queue" not found"#,
+        ),
+    ] {
+        let answer = match method {
+            Method::POST => transport.post(path, t, body.expect("a body")).await,
+            _ => transport.get(path, t).await,
+        };
+        assert_eq!(
+            answer.status,
+            StatusCode::NOT_FOUND,
+            "{path}: {}",
+            answer.text()
+        );
+        assert_eq!(answer.json()["message"], message, "{path}");
+    }
+}
+
+#[tokio::test]
 async fn every_endpoint_answers_as_documented_in_process() {
     let agent = busy_agent().await;
     check_every_endpoint(&Transport::InProcess(agent.state.clone())).await;

@@ -22,9 +22,24 @@ fn fixture_paths(dir: &Path) -> Vec<String> {
 
 #[test]
 fn every_invalid_fixture_reports_exactly_its_expected_diagnostics() {
-    let dir = package_dir().join("fixtures/invalid");
+    check_fixtures("invalid", 40);
+}
+
+#[test]
+fn every_tricky_spec_reports_exactly_its_expected_diagnostics() {
+    check_fixtures("tricky", 19);
+}
+
+/// Runs `stead validate` on every fixture of `fixtures/<dir>` (at least `at_least`) and
+/// compares its output with the fixture's `.expected` snapshot.
+fn check_fixtures(dir_name: &str, at_least: usize) {
+    let dir = package_dir().join("fixtures").join(dir_name);
     let names = fixture_paths(&dir);
-    assert!(names.len() >= 40, "only {} invalid fixtures", names.len());
+    assert!(
+        names.len() >= at_least,
+        "only {} {dir_name} fixtures",
+        names.len()
+    );
     // Relative paths keep the snapshots independent of where the checkout lives: cargo
     // runs the tests in the package dir, which this test must not change for the others.
     assert_eq!(
@@ -34,7 +49,7 @@ fn every_invalid_fixture_reports_exactly_its_expected_diagnostics() {
     );
     let mut failures = Vec::new();
     for name in &names {
-        let relative = format!("fixtures/invalid/{name}");
+        let relative = format!("fixtures/{dir_name}/{name}");
         let (code, out, err) = stead(&["validate", &relative]);
         if code != 1 {
             failures.push(format!("{name}: exit code {code}, expected 1\n{out}{err}"));

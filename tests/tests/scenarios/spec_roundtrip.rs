@@ -732,7 +732,7 @@ fn group_policy(alloc_type: Option<AllocType>, restart: Option<&RestartSpec>) ->
 }
 
 /// Arbitrary valid alloc specs.
-fn alloc_spec() -> impl Strategy<Value = AllocSpec> {
+pub(crate) fn alloc_spec() -> impl Strategy<Value = AllocSpec> {
     (
         name(),
         prop::option::of(prop::collection::btree_map(label_key(), text(), 0..4)),
