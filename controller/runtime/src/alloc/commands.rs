@@ -1,4 +1,4 @@
-//! The worker's user commands: restart, signal, and garbage collection's request.
+//! The worker's user commands: restart, signal, exec, and garbage collection's request.
 
 use super::*;
 
@@ -50,6 +50,9 @@ impl Worker {
                 | UserCommand::Collect { reply } => {
                     let _ = reply.send(Err(error));
                 }
+                UserCommand::Exec { reply, .. } => {
+                    let _ = reply.send(Err(error));
+                }
             }
             return;
         };
@@ -58,6 +61,17 @@ impl Worker {
                 let _ = reply.send(Err(CommandError::NotCollectable {
                     name: self.name.to_string(),
                 }));
+            }
+            UserCommand::Exec { task, reply } => {
+                let result = current
+                    .state
+                    .may_exec(&current.desired, &task)
+                    .map_err(CommandError::from)
+                    .and_then(|()| {
+                        self.exec_target(&task)
+                            .ok_or(CommandError::Refused(CommandRefusal::TaskNotRunning))
+                    });
+                let _ = reply.send(result);
             }
             UserCommand::Restart { task, reply } => {
                 let result = current
