@@ -19,6 +19,7 @@ mod cli_proxy;
 mod cli_status;
 mod device_scenarios;
 mod exec_agent;
+mod exec_cli_agent;
 mod exec_driver;
 mod exec_scenarios;
 mod hardening_agent;
