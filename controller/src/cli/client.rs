@@ -152,7 +152,7 @@ impl Client {
             }
         })?;
         let status = response.status();
-        if status.is_success() {
+        if status.is_success() || status == StatusCode::SWITCHING_PROTOCOLS {
             return Ok(response);
         }
         let bytes = response.bytes().await.unwrap_or_default();

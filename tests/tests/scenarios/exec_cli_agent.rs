@@ -110,14 +110,24 @@ fn exec_passes_the_commands_stdout_stderr_and_exit_code_over_tcp_and_the_unix_so
         let ran = output(exec_at(
             &agent,
             &address,
-            &["web", "main", "--", "sh", "-c", "echo out; echo err >&2; exit 3"],
+            &[
+                "web",
+                "main",
+                "--",
+                "sh",
+                "-c",
+                "echo out; echo err >&2; exit 3",
+            ],
         ));
         assert_eq!(ran.status.code(), Some(3), "{address}: {}", show(&ran));
         assert_eq!(stdout(&ran), "out\n", "{address}");
         assert_eq!(stderr(&ran), "err\n", "{address}");
     }
     // A signal's end reads as a shell says it: 128 + its number.
-    let killed = output(exec(&agent, &["web", "main", "--", "sh", "-c", "kill -9 $$"]));
+    let killed = output(exec(
+        &agent,
+        &["web", "main", "--", "sh", "-c", "kill -9 $$"],
+    ));
     assert_eq!(killed.status.code(), Some(137), "{}", show(&killed));
 }
 
@@ -204,7 +214,10 @@ fn exec_with_t_runs_the_command_on_a_terminal_of_its_own() {
     let agent = dirs.start();
     task_pid(&agent, &marker);
     let script = "tty; test -t 0 && test -t 1 && test -t 2 && echo all three; stty size";
-    let ran = output(exec(&agent, &["-t", "web", "main", "--", "sh", "-c", script]));
+    let ran = output(exec(
+        &agent,
+        &["-t", "web", "main", "--", "sh", "-c", script],
+    ));
     assert_eq!(ran.status.code(), Some(0), "{}", show(&ran));
     let text = stdout(&ran).replace("\r\n", "\n");
     let lines: Vec<&str> = text.lines().collect();
@@ -232,7 +245,11 @@ fn exec_runs_in_the_tasks_cgroup_when_the_task_has_limits() {
     let marker = format!("stead-exec-cgroup-{}", std::process::id());
     dirs.write_spec(
         "web",
-        &service("web", &marker, "      resources: {memoryMB: 64, pids: 20}\n"),
+        &service(
+            "web",
+            &marker,
+            "      resources: {memoryMB: 64, pids: 20}\n",
+        ),
     );
     let agent = dirs.start();
     let pid = task_pid(&agent, &marker);
@@ -242,7 +259,10 @@ fn exec_runs_in_the_tasks_cgroup_when_the_task_has_limits() {
         own.contains(&format!("/{}/{id}.main.", dirs.cgroup_parent)),
         "the task is in its run's cgroup: {own}"
     );
-    let ran = output(exec(&agent, &["web", "main", "--", "cat", "/proc/self/cgroup"]));
+    let ran = output(exec(
+        &agent,
+        &["web", "main", "--", "cat", "/proc/self/cgroup"],
+    ));
     assert_eq!(ran.status.code(), Some(0), "{}", show(&ran));
     assert_eq!(stdout(&ran), own, "the command shares its task's cgroups");
 }
@@ -259,9 +279,12 @@ fn exec_beside_a_stopped_mock_or_unknown_task_or_of_a_missing_command_says_why()
     );
     let agent = dirs.start();
     task_pid(&agent, &marker);
-    agent.wait_for_task("done", "the batch task ended", Duration::from_secs(30), |t| {
-        t.state == "dead"
-    });
+    agent.wait_for_task(
+        "done",
+        "the batch task ended",
+        Duration::from_secs(30),
+        |t| t.state == "dead",
+    );
     agent.wait_for_task("fake", "the mock task runs", Duration::from_secs(30), |t| {
         t.state == "running"
     });
@@ -281,7 +304,11 @@ fn exec_beside_a_stopped_mock_or_unknown_task_or_of_a_missing_command_says_why()
         1,
         "error: task \"nope\" not found in alloc \"web\"",
     );
-    refused(&["ghost", "main", "--", "true"], 1, "error: alloc \"ghost\" not found");
+    refused(
+        &["ghost", "main", "--", "true"],
+        1,
+        "error: alloc \"ghost\" not found",
+    );
     refused(
         &["fake", "main", "--", "true"],
         1,
@@ -316,15 +343,27 @@ fn exec_without_the_token_is_refused_with_401_and_without_an_upgrade_with_426() 
     assert_eq!(code, 426, "{body}");
     assert!(body.contains("\"code\":\"upgrade_required\""), "{body}");
 
-    let mut command = exec(&agent, &["web", "main", "--", "true"]);
-    command.arg("--token").arg("wrong");
-    let ran = output(command);
+    let ran = output(exec(
+        &agent,
+        &["--token", "wrong", "web", "main", "--", "true"],
+    ));
     assert_eq!(ran.status.code(), Some(1), "{}", show(&ran));
     assert!(
         stderr(&ran).contains("error: invalid bearer token"),
         "{}",
         show(&ran)
     );
+}
+
+/// The `sleep` processes sleeping `nap` (not the CLI, whose arguments name it too).
+fn sleeps(nap: &str) -> Vec<u32> {
+    processes_with(nap)
+        .into_iter()
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|cmdline| cmdline.starts_with(b"sleep\0"))
+        })
+        .collect()
 }
 
 /// Waits until no process whose command line carries `marker` is left.
@@ -355,7 +394,7 @@ fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
         .spawn()
         .expect("the cli starts");
     wait_for("both sleeps run", Duration::from_secs(10), || {
-        let running = processes_with(&nap);
+        let running = sleeps(&nap);
         if running.len() == 2 {
             Ok(())
         } else {
@@ -364,13 +403,23 @@ fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
     });
     cli.kill().expect("the cli killed");
     cli.wait().expect("the cli reaped");
-    until_gone(&nap, "the command and its background child die with the client");
+    until_gone(
+        &nap,
+        "the command and its background child die with the client",
+    );
 
     // A command that ends leaves nothing it started behind either.
     let nap = unique_nap();
     let ran = output(exec(
         &agent,
-        &["web", "main", "--", "sh", "-c", &format!("sleep {nap} & echo started")],
+        &[
+            "web",
+            "main",
+            "--",
+            "sh",
+            "-c",
+            &format!("sleep {nap} & echo started"),
+        ],
     ));
     assert_eq!(ran.status.code(), Some(0), "{}", show(&ran));
     assert_eq!(stdout(&ran), "started\n");
@@ -393,7 +442,7 @@ fn execs_beyond_api_max_execs_are_refused_until_one_ends() {
         .spawn()
         .expect("the cli starts");
     wait_for("the first command runs", Duration::from_secs(10), || {
-        (!processes_with(&nap).is_empty())
+        (!sleeps(&nap).is_empty())
             .then_some(())
             .ok_or_else(String::new)
     });
