@@ -428,6 +428,37 @@ fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
 }
 
 #[test]
+fn an_agent_that_stops_takes_the_commands_it_runs_with_it() {
+    let dirs = AgentDirs::new("");
+    let marker = format!("stead-exec-stop-{}", std::process::id());
+    dirs.write_spec("web", &service("web", &marker, ""));
+    let agent = dirs.start();
+    task_pid(&agent, &marker);
+    let nap = unique_nap();
+    let mut cli = exec(&agent, &["web", "main", "--", "sleep", &nap])
+        .stdout(Stdio::null())
+        .stderr(Stdio::piped())
+        .spawn()
+        .expect("the cli starts");
+    wait_for("the command runs", Duration::from_secs(10), || {
+        (!sleeps(&nap).is_empty())
+            .then_some(())
+            .ok_or_else(String::new)
+    });
+    // Detached: the task runs on, the command does not.
+    assert!(agent.terminate().success());
+    until_gone(&nap, "the command of a stopped agent");
+    let status = cli.wait().expect("the cli ends");
+    assert_eq!(
+        status.code(),
+        Some(1),
+        "the cli says the session ended early"
+    );
+    assert!(!processes_with(&marker).is_empty(), "the task runs on");
+    agent_support::kill_all_with(&marker);
+}
+
+#[test]
 fn execs_beyond_api_max_execs_are_refused_until_one_ends() {
     let dirs = AgentDirs::new("api: {maxExecs: 1}\n");
     let marker = format!("stead-exec-cap-{}", std::process::id());
