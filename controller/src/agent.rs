@@ -13,7 +13,7 @@ use tokio::signal::unix::{SignalKind, signal};
 
 use crate::allocdir::AllocDirs;
 use crate::api::{
-    ApiState, Connections, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS,
+    ApiState, Connections, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, DEFAULT_MAX_EXECS,
     DEFAULT_MAX_LOG_STREAMS, ServeLimits, bind_tcp, bind_unix, router, serve_tcp, serve_unix,
 };
 use crate::clock::Clock;
@@ -95,6 +95,8 @@ pub struct Settings {
     pub api_limits: ServeLimits,
     /// Log streams the API follows at once.
     pub max_log_streams: usize,
+    /// Exec sessions the API runs at once.
+    pub max_execs: usize,
     /// The agent's own `oom_score_adj`.
     pub oom_score_adj: i16,
 }
@@ -370,6 +372,9 @@ impl Settings {
             max_log_streams: api
                 .max_log_streams
                 .map_or(DEFAULT_MAX_LOG_STREAMS, |n| (n as usize).max(1)),
+            max_execs: api
+                .max_execs
+                .map_or(DEFAULT_MAX_EXECS, |n| (n as usize).max(1)),
             oom_score_adj: config.oom_score_adj.unwrap_or(DEFAULT_OOM_SCORE_ADJ),
         })
     }
@@ -439,7 +444,7 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
     let mut settings = settings;
     settings.api_limits.max_connections = fit_connections(
         settings.api_limits.max_connections,
-        settings.max_log_streams,
+        settings.max_log_streams + EXEC_DESCRIPTORS * settings.max_execs,
         rustix::process::getrlimit(rustix::process::Resource::Nofile).current,
     );
     let task_oom_score_adj = lower_oom_score_adj(settings.oom_score_adj);
@@ -751,8 +756,12 @@ const DEFAULT_OOM_SCORE_ADJ: i16 = -900;
 /// specs dir's listing and watcher, the fork server's socket, device health files.
 const DESCRIPTOR_RESERVE: u64 = 256;
 
+/// Descriptors one exec session holds besides its connection: a pipe or terminal for each
+/// of its three streams, and its process's pidfd.
+const EXEC_DESCRIPTORS: usize = 4;
+
 /// The API's connection cap lowered, if need be, so that connections, followed log
-/// streams and [`DESCRIPTOR_RESERVE`] fit under the soft limit of open files `soft`
+/// streams (and exec sessions' streams, counted with them) and [`DESCRIPTOR_RESERVE`] fit under the soft limit of open files `soft`
 /// (`None`: unlimited); never below 16. Says so when it lowers it.
 fn fit_connections(configured: usize, log_streams: usize, soft: Option<u64>) -> usize {
     let Some(soft) = soft else {
@@ -1098,7 +1107,8 @@ impl Agent {
         let state = ApiState::new(node.clone(), drivers, data_dir.clone())
             .with_token(token)
             .with_metrics(Metrics::new())
-            .with_max_log_streams(settings.max_log_streams);
+            .with_max_log_streams(settings.max_log_streams)
+            .with_max_execs(settings.max_execs);
         let stop_api = state.shutdown_token();
         let connections = Connections::new(settings.api_limits);
         let api = match start_api(state, listeners, connections) {

@@ -17,6 +17,7 @@ use stead_schemas::{Diagnostic, Location, SpecFile, parse_spec_bytes};
 use crate::spec_files::{collect_spec_files, read_spec_file};
 
 mod client;
+mod exec;
 mod remote;
 mod render;
 mod token;

@@ -654,6 +654,23 @@ impl AllocState {
         Ok(())
     }
 
+    /// Whether a person may run a command beside `task` (`stead alloc exec`): the alloc
+    /// has the task and it runs, is not being killed, and the alloc is not shutting down.
+    /// Changes nothing: a command beside a task is no event of the task.
+    pub fn may_exec(&self, desired: &AllocDesired, task: &Name) -> Result<(), CommandRefusal> {
+        if desired.task(task).is_none() {
+            return Err(CommandRefusal::UnknownTask(task.clone()));
+        }
+        let running = self
+            .tasks
+            .get(task)
+            .is_some_and(|t| t.is_running() && t.kill.is_none());
+        if !running || self.shutdown.is_some() {
+            return Err(CommandRefusal::TaskNotRunning);
+        }
+        Ok(())
+    }
+
     /// A user asks to send `signal` to `task`; the effect to carry out.
     pub fn request_signal(
         &mut self,
@@ -1362,6 +1379,31 @@ mod tests {
         assert_eq!(main.events[3].message, "User requested restart");
         assert_eq!(main.events[5].message, "Task restarting in 0s");
         assert_eq!(main.restarts, 1);
+    }
+
+    #[test]
+    fn a_command_may_run_beside_a_running_task_only_and_never_beside_an_unknown_one() {
+        let mut sim = Sim::new(ONE_TASK);
+        let main = name("main");
+        assert_eq!(
+            sim.state.may_exec(&sim.desired, &main),
+            Err(CommandRefusal::TaskNotRunning),
+            "not started yet"
+        );
+        sim.settle();
+        let before = sim.state.clone();
+        assert_eq!(sim.state.may_exec(&sim.desired, &main), Ok(()));
+        assert_eq!(sim.state, before, "asking changes nothing");
+        assert_eq!(
+            sim.state.may_exec(&sim.desired, &name("other")),
+            Err(CommandRefusal::UnknownTask(name("other")))
+        );
+        sim.exit("main", 0);
+        assert_eq!(
+            sim.state.may_exec(&sim.desired, &main),
+            Err(CommandRefusal::TaskNotRunning),
+            "exited"
+        );
     }
 
     /// One service task with an http check that restarts it after `limit` failing

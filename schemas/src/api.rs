@@ -18,7 +18,9 @@ pub struct ErrorBody {
     /// What went wrong, stable across releases: `alloc_not_found`, `task_not_found`,
     /// `task_not_running`, `invalid_signal`, `invalid_request`, `unauthorized`,
     /// `body_too_large`, `not_found`, `method_not_allowed`, `metrics_disabled`,
-    /// `shutting_down`, `driver_error`, `internal`.
+    /// `shutting_down`, `driver_error`, `internal`; for exec also `upgrade_required`,
+    /// `too_many_execs`, `exec_unsupported`, `command_not_found` and
+    /// `command_not_executable`.
     pub code: String,
     /// What went wrong, for people.
     pub message: String,
@@ -282,6 +284,37 @@ pub struct SignalRequest {
     pub task: String,
     /// The signal's name, such as `SIGHUP`.
     pub signal: String,
+}
+
+/// The `Upgrade` protocol of `POST /v1/allocs/{name}/exec/{task}`: after `101 Switching
+/// Protocols` the connection carries [`crate::exec_stream`] frames both ways.
+pub const EXEC_UPGRADE_PROTOCOL: &str = "stead-exec";
+
+/// The body of `POST /v1/allocs/{name}/exec/{task}`: the command to run in the task's
+/// context, and how its input and output are wired.
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ExecRequest {
+    /// The program and its arguments; the program is an absolute path or a name looked
+    /// up in the task's `PATH`. Invariant: not empty.
+    pub command: Vec<String>,
+    /// Run it on a pseudo-terminal (its standard input, output and error), sized
+    /// `width` by `height` when given.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub tty: bool,
+    /// Forward the client's `stdin` frames; otherwise the command reads `/dev/null`
+    /// (or, with `tty`, a terminal nobody types into).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub stdin: bool,
+    /// The terminal's columns, with `tty`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub width: Option<u16>,
+    /// The terminal's rows, with `tty`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub height: Option<u16>,
+    /// `TERM` for the command, with `tty`, unless the task's env sets one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub term: Option<String>,
 }
 
 /// Which output of a task to read.

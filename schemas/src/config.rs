@@ -71,7 +71,7 @@ pub struct AgentConfig {
 }
 
 /// The API's bounds: how long a client may take to send a request's head, and how many
-/// connections and followed log streams it may hold.
+/// connections, followed log streams and exec sessions it may hold.
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields)]
 pub struct ApiConfig {
@@ -83,6 +83,8 @@ pub struct ApiConfig {
     pub max_connections: Option<u32>,
     /// Log streams followed at once (`?follow=true`; default 256); more get 503.
     pub max_log_streams: Option<u32>,
+    /// Commands run at once by `stead alloc exec` (default 16); more get 503.
+    pub max_execs: Option<u32>,
 }
 
 /// The `token` key: the API's bearer token, or `none`.
@@ -571,7 +573,7 @@ devices:
   static:
     - {vendor: acme, type: gpu, name: a1, healthDir: null, instances: [{id: gpu0}, {id: gpu1}]}
 logFormat: json
-api: {headerTimeout: 10s, maxConnections: 512, maxLogStreams: 256}
+api: {headerTimeout: 10s, maxConnections: 512, maxLogStreams: 256, maxExecs: 16}
 oomScoreAdj: -900
 "#;
         let config = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap();
@@ -586,6 +588,7 @@ oomScoreAdj: -900
                 header_timeout: Some(Duration::from_secs(10)),
                 max_connections: Some(512),
                 max_log_streams: Some(256),
+                max_execs: Some(16),
             })
         );
         assert_eq!(

@@ -10,6 +10,7 @@ mod decode;
 pub mod device;
 pub mod diagnostic;
 pub mod duration;
+pub mod exec_stream;
 pub mod interpolate;
 pub mod normalize;
 pub mod record;

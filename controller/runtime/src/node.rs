@@ -23,7 +23,7 @@ use crate::clock::Clock;
 use crate::devices::DeviceManager;
 use crate::driver::{Drivers, RecordedRuns, TaskHandle};
 use crate::metrics::{CLIENT_STATUSES, NodeLevels};
-use crate::queue::{CommandError, Mailbox, Shutdown, Target, UserCommand, ask};
+use crate::queue::{CommandError, ExecTarget, Mailbox, Shutdown, Target, UserCommand, ask};
 use crate::registry::{AllocSlot, AllocView, Registry};
 use crate::store::{self, Store, StoreError};
 
@@ -464,6 +464,13 @@ impl Node {
             reply,
         })
         .await
+    }
+
+    /// Where a command beside running task `task` of alloc `name` runs
+    /// (`stead alloc exec`): refused when the alloc has no such task or it is not running.
+    pub async fn exec_target(&self, name: &str, task: Name) -> Result<ExecTarget, CommandError> {
+        let mailbox = self.mailbox(name)?;
+        ask(&mailbox, name, |reply| UserCommand::Exec { task, reply }).await
     }
 
     /// Destroys alloc `name` for garbage collection, if it is collectable (terminal and

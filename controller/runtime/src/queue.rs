@@ -9,17 +9,17 @@
 //! - pushing never waits: the sender takes a short lock, never across an `.await`, and
 //!   the worker is woken through a `Notify` that keeps a permit, so no wake-up is lost.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::CommandRefusal;
-use stead_schemas::ValidSpec;
 use stead_schemas::spec::{Name, Signal};
+use stead_schemas::{AllocId, ValidSpec};
 use thiserror::Error;
 use tokio::sync::{Notify, oneshot};
 
-use crate::driver::DriverError;
+use crate::driver::{Driver, DriverError};
 
 /// Why a user command failed.
 #[derive(Debug, Error)]
@@ -115,6 +115,41 @@ pub enum UserCommand {
         /// The answer.
         reply: oneshot::Sender<Result<(), CommandError>>,
     },
+    /// Where a command beside a running task runs (`stead alloc exec`); answered at once,
+    /// and the caller starts the command itself.
+    Exec {
+        /// The task.
+        task: Name,
+        /// The answer.
+        reply: oneshot::Sender<Result<ExecTarget, CommandError>>,
+    },
+}
+
+/// What starting a command beside a running task takes: its driver and the task's
+/// context as the worker knows it.
+#[derive(Clone)]
+pub struct ExecTarget {
+    /// The task's driver.
+    pub driver: Arc<dyn Driver>,
+    /// The alloc revision the task runs in.
+    pub alloc_id: AllocId,
+    /// The task.
+    pub task: Name,
+    /// The task's environment as the agent gives it.
+    pub env: BTreeMap<String, String>,
+    /// The task's user; `None`: the agent's.
+    pub user: Option<String>,
+}
+
+impl std::fmt::Debug for ExecTarget {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ExecTarget")
+            .field("driver", &self.driver.kind())
+            .field("alloc_id", &self.alloc_id)
+            .field("task", &self.task)
+            .field("user", &self.user)
+            .finish_non_exhaustive()
+    }
 }
 
 /// Everything pending for a worker, taken at once.
@@ -217,11 +252,11 @@ impl Mailbox {
 pub const COMMAND_TIMEOUT: Duration = Duration::from_secs(30);
 
 /// Sends `command` built around a reply channel and waits for the answer.
-pub(crate) async fn ask(
+pub(crate) async fn ask<T>(
     mailbox: &Mailbox,
     name: &str,
-    build: impl FnOnce(oneshot::Sender<Result<(), CommandError>>) -> UserCommand,
-) -> Result<(), CommandError> {
+    build: impl FnOnce(oneshot::Sender<Result<T, CommandError>>) -> UserCommand,
+) -> Result<T, CommandError> {
     let (reply, answer) = oneshot::channel();
     mailbox.push_command(build(reply));
     let gone = || CommandError::ShuttingDown {
@@ -301,6 +336,7 @@ mod tests {
                 UserCommand::Signal { task, .. } => task.to_string(),
                 UserCommand::SetStopped { stopped, .. } => format!("stopped={stopped}"),
                 UserCommand::Collect { .. } => "collect".to_owned(),
+                UserCommand::Exec { task, .. } => task.to_string(),
             })
             .collect();
         assert_eq!(order, names);

@@ -145,6 +145,27 @@ pub enum ApiError {
         /// The cap.
         limit: usize,
     },
+    /// An exec request without `Connection: Upgrade` and `Upgrade: stead-exec`, or on a
+    /// connection that cannot be switched.
+    #[error(
+        "exec needs an HTTP/1.1 connection upgraded to stead-exec (Connection: Upgrade, Upgrade: stead-exec)"
+    )]
+    UpgradeRequired,
+    /// An exec request with no program.
+    #[error("the command is empty")]
+    EmptyCommand,
+    /// As many commands run as the agent allows (`api.maxExecs`).
+    #[error("the agent runs at most {limit} exec commands at once (api.maxExecs); try again later")]
+    TooManyExecs {
+        /// The cap.
+        limit: usize,
+    },
+    /// The task's driver has no context to run a command in (the mock driver).
+    #[error(transparent)]
+    ExecUnsupported(Box<DriverError>),
+    /// The command could not start: it is not found, or not executable.
+    #[error(transparent)]
+    CommandNotStarted(Box<DriverError>),
     /// Reading the task's log files failed.
     #[error("cannot read the logs of task {task:?} of alloc {alloc:?}")]
     Logs {
@@ -202,6 +223,26 @@ impl ApiError {
         }
     }
 
+    /// Maps a failed start of a command beside task `task` of alloc `alloc`.
+    pub(crate) fn from_exec(error: DriverError, alloc: &str, task: &str) -> Self {
+        match &error {
+            DriverError::ExecUnsupported { .. } => ApiError::ExecUnsupported(Box::new(error)),
+            DriverError::ExecStart { source, .. }
+                if matches!(
+                    source.kind(),
+                    std::io::ErrorKind::NotFound | std::io::ErrorKind::PermissionDenied
+                ) =>
+            {
+                ApiError::CommandNotStarted(Box::new(error))
+            }
+            _ => ApiError::Driver {
+                alloc: alloc.to_owned(),
+                task: task.to_owned(),
+                source: Box::new(error),
+            },
+        }
+    }
+
     /// The response status.
     pub fn status(&self) -> StatusCode {
         match self {
@@ -212,15 +253,19 @@ impl ApiError {
             | ApiError::MetricsDisabled => StatusCode::NOT_FOUND,
             ApiError::TaskNotRunning { .. } | ApiError::Conflict { .. } => StatusCode::CONFLICT,
             ApiError::InvalidSignal { .. }
+            | ApiError::EmptyCommand
+            | ApiError::ExecUnsupported(_)
+            | ApiError::CommandNotStarted(_)
             | ApiError::InvalidBody { .. }
             | ApiError::UnreadableBody { .. }
             | ApiError::InvalidQuery { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::ShuttingDown { .. } | ApiError::TooManyLogStreams { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::UpgradeRequired => StatusCode::UPGRADE_REQUIRED,
+            ApiError::ShuttingDown { .. }
+            | ApiError::TooManyLogStreams { .. }
+            | ApiError::TooManyExecs { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Driver { .. } | ApiError::Logs { .. } | ApiError::Metrics { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -242,7 +287,19 @@ impl ApiError {
             ApiError::InvalidSignal { .. } => "invalid_signal",
             ApiError::InvalidBody { .. }
             | ApiError::UnreadableBody { .. }
-            | ApiError::InvalidQuery { .. } => "invalid_request",
+            | ApiError::InvalidQuery { .. }
+            | ApiError::EmptyCommand => "invalid_request",
+            ApiError::UpgradeRequired => "upgrade_required",
+            ApiError::TooManyExecs { .. } => "too_many_execs",
+            ApiError::ExecUnsupported(_) => "exec_unsupported",
+            ApiError::CommandNotStarted(error) => match error.as_ref() {
+                DriverError::ExecStart { source, .. }
+                    if source.kind() == std::io::ErrorKind::NotFound =>
+                {
+                    "command_not_found"
+                }
+                _ => "command_not_executable",
+            },
             ApiError::Unauthorized { .. } => "unauthorized",
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::RouteNotFound { .. } => "not_found",

@@ -191,7 +191,7 @@ async fn device_stats(
 }
 
 /// Parses a JSON body; an empty body is `T::default()` when `empty` is given.
-fn parse_body<T: DeserializeOwned>(
+pub(super) fn parse_body<T: DeserializeOwned>(
     body: Result<Bytes, BytesRejection>,
     empty: Option<T>,
 ) -> Result<T, ApiError> {
@@ -330,7 +330,7 @@ pub(super) async fn signal(
 }
 
 /// A task name from a request; a name that is not even valid names no task.
-fn task_name(alloc: &str, task: &str) -> Result<Name, ApiError> {
+pub(super) fn task_name(alloc: &str, task: &str) -> Result<Name, ApiError> {
     task.parse().map_err(|_| ApiError::TaskNotFound {
         alloc: alloc.to_owned(),
         task: task.to_owned(),

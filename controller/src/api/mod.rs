@@ -17,6 +17,7 @@
 //! | `POST /v1/allocs/{name}/stop`, `…/start` | 202 | 404, 409 |
 //! | `POST /v1/allocs/{name}/gc` | 200 `GcResult` | 404, 409 |
 //! | `POST /v1/gc` | 200 `GcResult` | |
+//! | `POST /v1/allocs/{name}/exec/{task}` | 101, then exec frames | 400, 404, 409, 426, 500, 503 |
 //! | `GET /v1/node` | 200 `NodeStatus` | |
 //! | `GET /v1/health` | 200 `HealthStatus` (`ok` or `degraded`) | |
 //! | `GET /metrics` | 200 OpenMetrics text | 404 when metrics are off |
@@ -33,6 +34,7 @@
 //! any runtime.
 
 mod error;
+mod exec;
 mod handlers;
 mod logs;
 mod serve;
@@ -57,6 +59,7 @@ use tokio_util::sync::CancellationToken;
 use tower_http::limit::RequestBodyLimitLayer;
 
 pub use error::ApiError;
+pub use exec::DEFAULT_MAX_EXECS;
 pub use logs::DEFAULT_MAX_LOG_STREAMS;
 pub use serve::{Connections, DEFAULT_HEADER_TIMEOUT, DEFAULT_MAX_CONNECTIONS, ServeLimits};
 
@@ -93,6 +96,9 @@ struct Inner {
     /// One permit per followed log stream.
     log_streams: Arc<tokio::sync::Semaphore>,
     max_log_streams: usize,
+    /// One permit per exec session.
+    execs: Arc<tokio::sync::Semaphore>,
+    max_execs: usize,
     shutdown: CancellationToken,
 }
 
@@ -113,6 +119,8 @@ impl ApiState {
                 log_ticker: Arc::new(logs::LogTicker::new(DEFAULT_LOG_POLL)),
                 log_streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_LOG_STREAMS)),
                 max_log_streams: DEFAULT_MAX_LOG_STREAMS,
+                execs: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_EXECS)),
+                max_execs: DEFAULT_MAX_EXECS,
                 shutdown: CancellationToken::new(),
             }),
         }
@@ -160,7 +168,18 @@ impl ApiState {
         })
     }
 
-    /// Cancelled to end the API: followed log streams finish, so a graceful shutdown of
+    /// Runs at most `limit` exec sessions at once (default [`DEFAULT_MAX_EXECS`]; at
+    /// least 1); more get 503.
+    pub fn with_max_execs(self, limit: usize) -> Self {
+        let limit = limit.max(1);
+        self.edit(|inner| {
+            inner.max_execs = limit;
+            inner.execs = Arc::new(tokio::sync::Semaphore::new(limit));
+        })
+    }
+
+    /// Cancelled to end the API: followed log streams finish, exec sessions' commands are
+    /// killed, so a graceful shutdown of
     /// the server does not wait on them. Pass `token.cancelled_owned()` as the shutdown
     /// future of [`serve_tcp`] and [`serve_unix`], then cancel it to stop.
     pub fn shutdown_token(&self) -> CancellationToken {
@@ -198,6 +217,7 @@ pub fn router(state: ApiState) -> Router {
         .route("/v1/allocs/{name}/start", post(handlers::start))
         .route("/v1/allocs/{name}/gc", post(handlers::gc_one))
         .route("/v1/gc", post(handlers::gc_all))
+        .route("/v1/allocs/{name}/exec/{task}", post(exec::alloc_exec))
         .route("/v1/node", get(handlers::node_status))
         .route("/metrics", get(handlers::metrics))
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));

@@ -312,7 +312,11 @@ async fn serve_connection<I: AsyncRead + AsyncWrite + Unpin + Send + 'static>(
         .timer(TokioTimer::new())
         .header_read_timeout(header_timeout)
         .keep_alive(true);
-    let connection = builder.serve_connection(TokioIo::new(io), service);
+    // An upgraded connection (an exec session) leaves this loop and the connection cap;
+    // `api.maxExecs` bounds those.
+    let connection = builder
+        .serve_connection(TokioIo::new(io), service)
+        .with_upgrades();
     let mut connection = std::pin::pin!(connection);
     let mut finishing = false;
     loop {

@@ -152,7 +152,7 @@ impl Client {
             }
         })?;
         let status = response.status();
-        if status.is_success() {
+        if status.is_success() || status == StatusCode::SWITCHING_PROTOCOLS {
             return Ok(response);
         }
         let bytes = response.bytes().await.unwrap_or_default();
@@ -213,6 +213,39 @@ impl Client {
         serde_json::from_slice(&bytes).with_context(|| {
             format!(
                 "the stead agent at {} sent an unexpected document",
+                self.address
+            )
+        })
+    }
+
+    /// `POST path` with a JSON body, asking to switch the connection to `protocol`
+    /// (`Connection: Upgrade`): the switched connection, without a time limit.
+    pub(crate) async fn upgrade(
+        &self,
+        path: &str,
+        protocol: &'static str,
+        body: &impl Serialize,
+    ) -> anyhow::Result<reqwest::Upgraded> {
+        let body = serde_json::to_vec(body)?;
+        let response = self
+            .send(
+                self.request(Method::POST, path)
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .header(reqwest::header::CONNECTION, "upgrade")
+                    .header(reqwest::header::UPGRADE, protocol)
+                    .body(body),
+            )
+            .await?;
+        if response.status() != StatusCode::SWITCHING_PROTOCOLS {
+            bail!(
+                "the stead agent at {} answered {} instead of switching to {protocol}",
+                self.address,
+                response.status()
+            );
+        }
+        response.upgrade().await.with_context(|| {
+            format!(
+                "the connection to the stead agent at {} did not switch to {protocol}",
                 self.address
             )
         })

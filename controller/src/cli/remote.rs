@@ -170,6 +170,32 @@ pub(crate) enum AllocCommand {
         /// The signal, such as SIGHUP or HUP.
         signal: String,
     },
+    /// Run a command in a running task: in its dir, with its env, as its user and in its
+    /// cgroup, as its exec checks run.
+    ///
+    /// Exits with the command's exit code (128 + N when signal N ended it), 127 when the
+    /// command is not found, 126 when it cannot be run, and 1 when the agent refuses.
+    Exec {
+        /// The alloc's name.
+        name: String,
+        /// The task's name.
+        task: String,
+        /// Run the command on a pseudo-terminal (the local terminal is put in raw mode
+        /// while it runs, with -i).
+        #[arg(short = 't', long)]
+        tty: bool,
+        /// Pass this command's standard input to the command.
+        #[arg(short = 'i', long)]
+        interactive: bool,
+        /// The command and its arguments, best after `--`.
+        #[arg(
+            required = true,
+            trailing_var_arg = true,
+            allow_hyphen_values = true,
+            value_name = "CMD"
+        )]
+        command: Vec<String>,
+    },
 }
 
 /// `stead node …`
@@ -204,7 +230,7 @@ pub(crate) fn alloc(
     args: &ClientArgs,
     command: AllocCommand,
     out: &mut dyn Write,
-    _err: &mut dyn Write,
+    err: &mut dyn Write,
 ) -> anyhow::Result<u8> {
     let client = args.client()?;
     let style = args.style();
@@ -250,6 +276,16 @@ pub(crate) fn alloc(
                     out.write_all(render::alloc_stats(style, &stats).as_bytes())?;
                 }
                 Ok(EXIT_OK)
+            }
+            AllocCommand::Exec {
+                name,
+                task,
+                tty,
+                interactive,
+                command,
+            } => {
+                let wiring = super::exec::Wiring { tty, interactive };
+                super::exec::exec(&client, &name, &task, command, wiring, out, err).await
             }
         }
     })

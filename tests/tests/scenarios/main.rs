@@ -21,6 +21,7 @@ mod cli_suggest_agent;
 mod config_agent;
 mod device_scenarios;
 mod exec_agent;
+mod exec_cli_agent;
 mod exec_driver;
 mod exec_scenarios;
 mod hardening_agent;

@@ -1,4 +1,4 @@
-//! The worker's user commands: restart, signal, and garbage collection's request.
+//! The worker's user commands: restart, signal, exec, and garbage collection's request.
 
 use super::*;
 
@@ -56,6 +56,9 @@ impl Worker {
                 }
                 // Answered above.
                 UserCommand::SetStopped { .. } => {}
+                UserCommand::Exec { reply, .. } => {
+                    let _ = reply.send(Err(error));
+                }
             }
             return;
         };
@@ -67,6 +70,17 @@ impl Worker {
             }
             // Answered above.
             UserCommand::SetStopped { .. } => {}
+            UserCommand::Exec { task, reply } => {
+                let result = current
+                    .state
+                    .may_exec(&current.desired, &task)
+                    .map_err(CommandError::from)
+                    .and_then(|()| {
+                        self.exec_target(&task)
+                            .ok_or(CommandError::Refused(CommandRefusal::TaskNotRunning))
+                    });
+                let _ = reply.send(result);
+            }
             UserCommand::Restart { task, reply } => {
                 let result = current
                     .state

@@ -185,6 +185,28 @@ impl Worker {
         }
     }
 
+    /// Where a command beside `task` runs: its driver and its context, while it has a
+    /// handle.
+    pub(super) fn exec_target(&self, task: &Name) -> Option<crate::queue::ExecTarget> {
+        let current = self.current.as_ref()?;
+        let (driver, _) = self.driver_and_handle(task)?;
+        let spec = current
+            .spec
+            .spec
+            .spec
+            .tasks
+            .iter()
+            .find(|t| t.name == *task)?;
+        let agent_env = agent_env(&current.spec.id, &self.name, task);
+        Some(crate::queue::ExecTarget {
+            driver,
+            alloc_id: current.spec.id.clone(),
+            task: task.clone(),
+            env: task_env(spec, &agent_env),
+            user: spec.user.as_ref().map(ToString::to_string),
+        })
+    }
+
     pub(super) fn driver_and_handle(&self, task: &Name) -> Option<(Arc<dyn Driver>, TaskHandle)> {
         let handle = self.current.as_ref()?.handles.get(task)?.clone();
         let driver = self.shared.drivers.get(handle.driver)?;

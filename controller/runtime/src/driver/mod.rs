@@ -129,6 +129,73 @@ pub struct ExecOutput {
 /// The most output kept of a command run with [`Driver::exec`] (and of a health check).
 pub const EXEC_OUTPUT_LIMIT: usize = 4096;
 
+/// A command to run in a running task's context (its dir, environment, user and cgroup)
+/// for a person: `stead alloc exec`. Unlike [`ExecRequest`] it has no timeout and its
+/// streams are handed back to the caller.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ExecSessionRequest {
+    /// The alloc of the task.
+    pub alloc_id: AllocId,
+    /// The task.
+    pub task: Name,
+    /// The program: an absolute path, or a name looked up in the task's `PATH`.
+    pub command: String,
+    /// Its arguments.
+    pub args: Vec<String>,
+    /// The task's environment as the agent gives it (the driver adds its own paths).
+    pub env: BTreeMap<String, String>,
+    /// The task's user; `None` runs as the agent's user.
+    pub user: Option<String>,
+    /// Run it on a new pseudo-terminal of this size (its stdin, stdout and stderr, and
+    /// its controlling terminal); `None`: on pipes.
+    pub tty: Option<WindowSize>,
+    /// Give the caller its standard input; otherwise it reads `/dev/null` (with a
+    /// terminal: the terminal, which nobody writes to).
+    pub stdin: bool,
+}
+
+/// A terminal's size.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WindowSize {
+    /// Columns.
+    pub cols: u16,
+    /// Rows.
+    pub rows: u16,
+}
+
+impl Default for WindowSize {
+    /// 80 by 24, what a terminal that says nothing is taken to be.
+    fn default() -> Self {
+        WindowSize { cols: 80, rows: 24 }
+    }
+}
+
+/// A command started with [`Driver::exec_session`]: its streams, its terminal and the
+/// process itself. Dropping [`ExecSession::process`] before it ended kills the command's
+/// whole process group.
+pub struct ExecSession {
+    /// Its standard input (the terminal, with one), when the request asked for it.
+    pub stdin: Option<Pin<Box<dyn tokio::io::AsyncWrite + Send>>>,
+    /// Its standard output (the terminal, with one).
+    pub stdout: Pin<Box<dyn tokio::io::AsyncRead + Send>>,
+    /// Its standard error; `None` with a terminal, where it goes to `stdout`.
+    pub stderr: Option<Pin<Box<dyn tokio::io::AsyncRead + Send>>>,
+    /// Its terminal, to resize.
+    pub terminal: Option<exec::Terminal>,
+    /// The process.
+    pub process: exec::SessionProcess,
+}
+
+impl fmt::Debug for ExecSession {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExecSession")
+            .field("stdin", &self.stdin.is_some())
+            .field("stderr", &self.stderr.is_some())
+            .field("terminal", &self.terminal.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
 /// What a task's processes use, as a driver measures it.
 #[derive(Debug, Clone, Copy, PartialEq, Default)]
 pub struct TaskStats {
@@ -260,6 +327,26 @@ pub enum DriverError {
         /// What went wrong.
         message: String,
     },
+    /// A command could not be started in the task's context: `source` says why (not
+    /// found, not executable, ...).
+    #[error("cannot start {command:?} in task {task} of alloc {alloc_id}")]
+    ExecStart {
+        /// The alloc of the task.
+        alloc_id: AllocId,
+        /// The task.
+        task: Name,
+        /// The command.
+        command: String,
+        /// Why.
+        #[source]
+        source: std::io::Error,
+    },
+    /// The driver's tasks have no context to run a command in.
+    #[error("the {driver} driver cannot run commands in its tasks")]
+    ExecUnsupported {
+        /// The driver.
+        driver: DriverKind,
+    },
     /// A command could not be run in the task's context.
     #[error("running {command:?} in task {task} of alloc {alloc_id}: {message}")]
     Exec {
@@ -383,6 +470,19 @@ pub trait Driver: Send + Sync + 'static {
                 command: request.command,
             })
         })
+    }
+
+    /// Starts a command in a running task's context (its dir, environment, user and
+    /// cgroup, as [`Driver::exec`] does) and hands its streams to the caller, with no
+    /// timeout: `stead alloc exec`. A driver whose tasks have no such context refuses
+    /// with [`DriverError::ExecUnsupported`] (the default).
+    fn exec_session(
+        &self,
+        request: ExecSessionRequest,
+    ) -> BoxFuture<'_, Result<ExecSession, DriverError>> {
+        let _ = request;
+        let driver = self.kind();
+        Box::pin(async move { Err(DriverError::ExecUnsupported { driver }) })
     }
 
     /// Why this driver would start a task with `resources` without enforcing them; `None`

@@ -1,4 +1,5 @@
-//! Commands run beside a task, as the task: exec health checks.
+//! Commands run beside a task, as the task: exec health checks ([`run`]) and
+//! `stead alloc exec` ([`spawn_session`]).
 //!
 //! The command starts in its own process group, in the task's dir, with the task's
 //! environment, user and groups, its standard input from `/dev/null` and its output and
@@ -6,11 +7,17 @@
 //! ends, at its timeout, or when the check is abandoned (its task stopped), the whole
 //! group is killed while its leader is not yet reaped (its end is seen through a pidfd,
 //! which does not reap), so the group's id cannot belong to anyone else.
+//!
+//! A session's command gets pipes, or a new terminal that is its controlling terminal
+//! (it leads a session of its own, so its group is still its pid); no timeout. When it
+//! ends what is left of its group is killed, and dropping its [`SessionProcess`] before
+//! then (the client went away) kills the whole group.
 
 use std::collections::BTreeMap;
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
+use std::pin::Pin;
 use std::process::Stdio;
 use std::time::Duration;
 
@@ -22,7 +29,7 @@ use tokio::net::unix::pipe;
 use tokio::process::Child;
 
 use super::user::Account;
-use crate::driver::{EXEC_OUTPUT_LIMIT, ExecOutput};
+use crate::driver::{EXEC_OUTPUT_LIMIT, ExecOutput, ExecSession, WindowSize};
 
 /// The most a command's pipe is drained after it ended (a process that escaped its group
 /// may still be writing): enough for anything a pipe buffer held.
@@ -64,12 +71,14 @@ pub(super) async fn run(
         .stderr(writer)
         .process_group(0)
         .kill_on_drop(false);
-    let cgroups = cgroups
-        .iter()
-        .map(|path| std::ffi::CString::new(path.as_os_str().as_encoded_bytes()))
-        .collect::<Result<Vec<_>, _>>()
-        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a cgroup path"))?;
-    prepare_child(&mut builder, account.cloned(), cgroups, oom_score_adj);
+    let cgroups = c_paths(cgroups)?;
+    prepare_child(
+        &mut builder,
+        account.cloned(),
+        cgroups,
+        oom_score_adj,
+        false,
+    );
     let child = builder.spawn()?;
     // Our copies of the write end are gone with `builder`: the pipe ends when the
     // command's processes close it.
@@ -130,6 +139,156 @@ pub(super) async fn run(
     }
 }
 
+/// The cgroups' `cgroup.procs` paths as C strings, for the child to open.
+fn c_paths(cgroups: &[PathBuf]) -> io::Result<Vec<std::ffi::CString>> {
+    cgroups
+        .iter()
+        .map(|path| std::ffi::CString::new(path.as_os_str().as_encoded_bytes()))
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|_| io::Error::new(io::ErrorKind::InvalidInput, "a NUL byte in a cgroup path"))
+}
+
+/// Starts `command` with `args` in `dir`, with exactly `env`, as its task (`as_task`),
+/// on a new terminal of size `tty` or on pipes, its standard input handed back when
+/// `stdin` (else `/dev/null`, or with a terminal the terminal nobody writes to).
+pub(super) fn spawn_session(
+    command: &str,
+    args: &[String],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+    as_task: AsTask<'_>,
+    tty: Option<WindowSize>,
+    stdin: bool,
+) -> io::Result<ExecSession> {
+    let AsTask {
+        account,
+        cgroups,
+        oom_score_adj,
+    } = as_task;
+    let mut builder = tokio::process::Command::new(command);
+    builder
+        .args(args)
+        .env_clear()
+        .envs(env)
+        .current_dir(dir)
+        .kill_on_drop(false);
+    let terminal = match tty {
+        Some(size) => {
+            let pty = super::pty::open(size)?;
+            if let Some(account) = account.filter(|_| rustix::process::geteuid().is_root()) {
+                // Its own terminal, as a login's is, so it may change its modes.
+                rustix::fs::fchown(
+                    &pty.far,
+                    Some(rustix::process::Uid::from_raw(account.uid)),
+                    None,
+                )?;
+            }
+            builder
+                .stdin(pty.far.try_clone()?)
+                .stdout(pty.far.try_clone()?)
+                .stderr(pty.far);
+            Some(pty.near)
+        }
+        None => {
+            builder
+                .stdin(if stdin { Stdio::piped() } else { Stdio::null() })
+                .stdout(Stdio::piped())
+                .stderr(Stdio::piped())
+                .process_group(0);
+            None
+        }
+    };
+    prepare_child(
+        &mut builder,
+        account.cloned(),
+        c_paths(cgroups)?,
+        oom_score_adj,
+        terminal.is_some(),
+    );
+    let mut child = builder.spawn()?;
+    // Our copies of the terminal's far end are gone with `builder`.
+    drop(builder);
+    let session = match terminal {
+        Some(near) => {
+            let reader = super::pty::NearEnd::new(near.try_clone()?, Interest::READABLE)?;
+            let writer = if stdin {
+                let writer: Pin<Box<dyn tokio::io::AsyncWrite + Send>> = Box::pin(
+                    super::pty::NearEnd::new(near.try_clone()?, Interest::WRITABLE)?,
+                );
+                Some(writer)
+            } else {
+                None
+            };
+            ExecSession {
+                stdin: writer,
+                stdout: Box::pin(reader),
+                stderr: None,
+                terminal: Some(super::pty::Terminal::new(near)),
+                process: SessionProcess {
+                    group: Group::new(child)?,
+                },
+            }
+        }
+        None => {
+            let stdout = child
+                .stdout
+                .take()
+                .ok_or_else(|| io::Error::other("no stdout pipe"))?;
+            let stderr = child
+                .stderr
+                .take()
+                .ok_or_else(|| io::Error::other("no stderr pipe"))?;
+            let stdin = child.stdin.take().map(|stdin| {
+                let stdin: Pin<Box<dyn tokio::io::AsyncWrite + Send>> = Box::pin(stdin);
+                stdin
+            });
+            ExecSession {
+                stdin,
+                stdout: Box::pin(stdout),
+                stderr: Some(Box::pin(stderr)),
+                terminal: None,
+                process: SessionProcess {
+                    group: Group::new(child)?,
+                },
+            }
+        }
+    };
+    Ok(session)
+}
+
+/// The process of a session's command. Dropped before it ended, it kills the command's
+/// whole process group.
+pub struct SessionProcess {
+    group: Group,
+}
+
+impl std::fmt::Debug for SessionProcess {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SessionProcess")
+            .field("leader", &self.group.leader)
+            .finish_non_exhaustive()
+    }
+}
+
+impl SessionProcess {
+    /// Waits for the command to end, kills what is left of its process group, and
+    /// returns its exit code (128 + the signal's number when a signal ended it).
+    pub async fn wait(&mut self) -> io::Result<i32> {
+        use std::os::unix::process::ExitStatusExt;
+        if self.group.leader.is_some() {
+            // Ended, not yet reaped: its group id is still its own.
+            self.group.exited.readable().await?.retain_ready();
+            self.group.kill();
+        }
+        let status = self.group.child.wait().await;
+        self.group.reaped();
+        let status = status?;
+        Ok(status
+            .code()
+            .unwrap_or_else(|| 128 + status.signal().unwrap_or(0)))
+    }
+}
+
 /// Appends what fits under the output limit; the rest is read and dropped, so the
 /// command never blocks on a full pipe.
 fn keep(kept: &mut Vec<u8>, bytes: &[u8]) {
@@ -181,8 +340,9 @@ impl Drop for Group {
     }
 }
 
-/// Between fork and exec, where only the forking thread exists: joins the task's
-/// cgroups (`cgroup.procs` files: the command counts against the task's limits, as a
+/// Between fork and exec, where only the forking thread exists: with
+/// `controlling_terminal`, leads a new session whose controlling terminal is its
+/// standard input; joins the task's cgroups (`cgroup.procs` files: the command counts against the task's limits, as a
 /// probe inside a container does), asks for SIGKILL when the agent's thread that started
 /// it ends (the agent died), and switches to `account` (groups, then group, then user)
 /// when the agent may, that is when it runs as root (a non-root agent only ever runs
@@ -193,6 +353,7 @@ fn prepare_child(
     account: Option<Account>,
     cgroups: Vec<std::ffi::CString>,
     oom_score_adj: Option<i16>,
+    controlling_terminal: bool,
 ) {
     use rustix::process::{Gid, Uid};
     let switch = account
@@ -210,6 +371,12 @@ fn prepare_child(
     // parent could have held at the fork) on data moved in before the fork.
     unsafe {
         builder.pre_exec(move || {
+            if controlling_terminal {
+                rustix::process::setsid()?;
+                // SAFETY: descriptor 0 is the terminal, set up before this runs.
+                let terminal = std::os::fd::BorrowedFd::borrow_raw(0);
+                rustix::process::ioctl_tiocsctty(terminal)?;
+            }
             stead_supervisor::cgroup::join(&cgroups)?;
             // While still the agent's user: raising it back needs no privilege, but
             // writing the file after the switch may need access the user lacks.

@@ -30,6 +30,7 @@ mod cgroup;
 mod command;
 mod fingerprint;
 mod process;
+mod pty;
 mod run;
 mod user;
 mod zygote;
@@ -53,13 +54,17 @@ use tokio::io::{AsyncBufReadExt, BufReader};
 use tokio::net::unix::pipe;
 use tokio::sync::watch;
 
+pub use self::command::SessionProcess;
+pub use self::pty::Terminal;
+
 use self::cgroup::{Cgroups, Limits, TaskCgroup, Unavailable};
 use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
 use super::{
-    BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, Fingerprint, Health, RecordedRuns,
-    StartRequest, TaskHandle, TaskResources, TaskStats, UnrecordedRun, signal_number,
+    BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, ExecSession, ExecSessionRequest,
+    Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle, TaskResources, TaskStats,
+    UnrecordedRun, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -1420,48 +1425,125 @@ impl Driver for ExecDriver {
                 command: request.command.clone(),
                 message,
             };
-            let inner = &self.inner;
-            let account = inner
-                .account_for(request.user.as_deref())
-                .map_err(|error| failed(crate::errors::error_chain(&error)))?;
-            let alloc_dir = inner.dirs.alloc(&request.alloc_id);
-            let task_dir = alloc_dir
-                .task(&request.task)
-                .map_err(|error| failed(crate::errors::error_chain(&error)))?;
-            let env = Inner::environment(
-                request.env.clone(),
-                &request.alloc_id,
-                &alloc_dir,
-                &task_dir,
+            let context = self
+                .inner
+                .command_context(
+                    &request.alloc_id,
+                    &request.task,
+                    request.user.as_deref(),
+                    request.env.clone(),
+                )
+                .map_err(failed)?;
+            let (env, command, args) = stead_schemas::interpolate::task_start(
+                &context.env,
+                &request.command,
+                &request.args,
             );
-            let (env, command, args) =
-                stead_schemas::interpolate::task_start(&env, &request.command, &request.args);
-            // The running run's cgroup, which the command joins.
-            let cgroups: Vec<PathBuf> = inner
-                .runs()
-                .values()
-                .filter(|state| {
-                    state.id.alloc_id == request.alloc_id.as_str()
-                        && state.id.task == request.task
-                        && state.exit.borrow().is_none()
-                        && !state.releasing.load(Ordering::Acquire)
-                })
-                .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::procs_files))
-                .unwrap_or_default();
             command::run(
                 &command,
                 &args,
                 &env,
-                &task_dir.dir,
-                command::AsTask {
-                    account: account.as_ref(),
-                    cgroups: &cgroups,
-                    oom_score_adj: inner.config.task_oom_score_adj,
-                },
+                &context.dir,
+                context.as_task(self.inner.config.task_oom_score_adj),
                 request.timeout,
             )
             .await
             .map_err(|error| failed(error.to_string()))
+        })
+    }
+
+    fn exec_session(
+        &self,
+        request: ExecSessionRequest,
+    ) -> BoxFuture<'_, Result<ExecSession, DriverError>> {
+        Box::pin(async move {
+            let context = self
+                .inner
+                .command_context(
+                    &request.alloc_id,
+                    &request.task,
+                    request.user.as_deref(),
+                    request.env.clone(),
+                )
+                .map_err(|message| DriverError::Exec {
+                    alloc_id: request.alloc_id.clone(),
+                    task: request.task.clone(),
+                    command: request.command.clone(),
+                    message,
+                })?;
+            command::spawn_session(
+                &request.command,
+                &request.args,
+                &context.env,
+                &context.dir,
+                context.as_task(self.inner.config.task_oom_score_adj),
+                request.tty,
+                request.stdin,
+            )
+            .map_err(|source| DriverError::ExecStart {
+                alloc_id: request.alloc_id.clone(),
+                task: request.task.clone(),
+                command: request.command.clone(),
+                source,
+            })
+        })
+    }
+}
+
+/// Where and as whom a command beside a task runs: what its exec checks and
+/// `stead alloc exec` share.
+struct CommandContext {
+    account: Option<Account>,
+    dir: PathBuf,
+    env: BTreeMap<String, String>,
+    /// The `cgroup.procs` files of the running run's cgroups, which the command joins.
+    cgroups: Vec<PathBuf>,
+}
+
+impl CommandContext {
+    fn as_task(&self, oom_score_adj: Option<i16>) -> command::AsTask<'_> {
+        command::AsTask {
+            account: self.account.as_ref(),
+            cgroups: &self.cgroups,
+            oom_score_adj,
+        }
+    }
+}
+
+impl Inner {
+    /// The context of a command beside task `task` of `alloc_id` run as `user` with the
+    /// task's `env`; why not, for people.
+    fn command_context(
+        &self,
+        alloc_id: &AllocId,
+        task: &Name,
+        user: Option<&str>,
+        env: BTreeMap<String, String>,
+    ) -> Result<CommandContext, String> {
+        let account = self
+            .account_for(user)
+            .map_err(|error| crate::errors::error_chain(&error))?;
+        let alloc_dir = self.dirs.alloc(alloc_id);
+        let task_dir = alloc_dir
+            .task(task)
+            .map_err(|error| crate::errors::error_chain(&error))?;
+        let env = Inner::environment(env, alloc_id, &alloc_dir, &task_dir);
+        let cgroups: Vec<PathBuf> = self
+            .runs()
+            .values()
+            .filter(|state| {
+                state.id.alloc_id == alloc_id.as_str()
+                    && state.id.task == *task
+                    && state.exit.borrow().is_none()
+                    && !state.releasing.load(Ordering::Acquire)
+            })
+            .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::procs_files))
+            .unwrap_or_default();
+        Ok(CommandContext {
+            account,
+            dir: task_dir.dir,
+            env,
+            cgroups,
         })
     }
 }
