@@ -96,6 +96,9 @@ pub enum ApiError {
     /// The agent was started without metrics.
     #[error("metrics are not enabled on this agent")]
     MetricsDisabled,
+    /// The metrics were not rendered: the agent is shutting down.
+    #[error("the metrics were not rendered: the agent is shutting down")]
+    MetricsInterrupted,
     /// The metrics could not be rendered.
     #[error("cannot render the metrics")]
     Metrics {
@@ -188,9 +191,9 @@ impl ApiError {
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
-            ApiError::ShuttingDown { .. } | ApiError::TooManyLogStreams { .. } => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::ShuttingDown { .. }
+            | ApiError::MetricsInterrupted
+            | ApiError::TooManyLogStreams { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Driver { .. } | ApiError::Logs { .. } | ApiError::Metrics { .. } => {
                 StatusCode::INTERNAL_SERVER_ERROR
             }
@@ -212,7 +215,7 @@ impl ApiError {
             ApiError::RouteNotFound { .. } => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::MetricsDisabled => "metrics_disabled",
-            ApiError::ShuttingDown { .. } => "shutting_down",
+            ApiError::ShuttingDown { .. } | ApiError::MetricsInterrupted => "shutting_down",
             ApiError::TooManyLogStreams { .. } => "too_many_log_streams",
             ApiError::Driver { .. } => "driver_error",
             ApiError::Logs { .. } | ApiError::Metrics { .. } => "internal",

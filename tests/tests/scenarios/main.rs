@@ -23,6 +23,7 @@ mod exec_driver;
 mod exec_scenarios;
 mod hardening_agent;
 mod limits_agent;
+mod metrics_agent;
 mod packaging;
 mod spec_fixtures;
 mod spec_revision;
