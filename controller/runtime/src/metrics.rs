@@ -187,8 +187,8 @@ pub const OPENMETRICS_CONTENT_TYPE: &str =
 /// The content type of the Prometheus text format's rendering.
 pub const PROMETHEUS_CONTENT_TYPE: &str = "text/plain; version=0.0.4; charset=utf-8";
 
-/// A metric family's name: a counter's series carry `_total` after it, and a family with
-/// a unit ends with the unit.
+/// A metric family's name as `prometheus-client` takes it: a counter's series carry
+/// `_total` after it, and the encoder appends a family's unit.
 fn family<'a>(series: &'a str, suffix: &str) -> &'a str {
     series.strip_suffix(suffix).unwrap_or(series)
 }
@@ -394,7 +394,10 @@ impl Collector for TaskFamilies {
         )?;
         Self::encode_family(
             &mut encoder,
-            ("stead_task_cpu", Some(&Unit::Seconds)),
+            (
+                family(TASK_CPU_SECONDS, "_seconds_total"),
+                Some(&Unit::Seconds),
+            ),
             "CPU time of the task's current run, from its cgroup.",
             tasks.iter().filter_map(|t| {
                 let cgroup = t.cgroup?;
@@ -404,7 +407,7 @@ impl Collector for TaskFamilies {
         )?;
         Self::encode_family(
             &mut encoder,
-            ("stead_task_memory", Some(&Unit::Bytes)),
+            (family(TASK_MEMORY_BYTES, "_bytes"), Some(&Unit::Bytes)),
             "Memory the task's cgroup is charged now.",
             tasks.iter().filter_map(|t| {
                 let bytes = t.cgroup?.memory_bytes?;
