@@ -6,8 +6,11 @@ set -euo pipefail
 # gcc/libc6-dev: the linker and C runtime for rustc and crates that build C;
 # g++: RocksDB's C++ sources; libclang-dev: bindgen, for RocksDB's bindings;
 # pkg-config: locating system libraries from build scripts; procps: the `kill`
-# program the tests signal processes with.
-packages=(gcc g++ libc6-dev libclang-dev pkg-config procps)
+# program the tests signal processes with; prometheus: `promtool`, which the metrics
+# tests lint the Prometheus text format with; python3-prometheus-client: the reference
+# OpenMetrics parser, which they check the OpenMetrics format with (promtool reads only
+# the Prometheus text format).
+packages=(gcc g++ libc6-dev libclang-dev pkg-config procps prometheus python3-prometheus-client)
 
 missing=()
 for package in "${packages[@]}"; do

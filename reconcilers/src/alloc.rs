@@ -1277,10 +1277,29 @@ mod tests {
             .expect("a Terminated event");
         assert_eq!(terminated.message, "Exit Code: 137, Signal: 9, OOM Killed");
         assert!(terminated.oom_killed);
+        assert_eq!(main.oom_kills, 1, "the run is counted");
         assert_eq!(
             main.events.back().map(|e| e.event_type),
             Some(TaskEventType::Restarting)
         );
+    }
+
+    #[test]
+    fn a_sigkill_that_is_not_an_oom_kill_is_not_counted_as_one() {
+        let mut sim = Sim::new(ONE_TASK);
+        sim.step();
+        sim.observe(&name("main"), Observation::Started);
+        sim.observe(
+            &name("main"),
+            Observation::Exited(ExitResult {
+                exit_code: 137,
+                signal: Some(9),
+                error: None,
+                oom_killed: false,
+                at: None,
+            }),
+        );
+        assert_eq!(sim.state.tasks[&name("main")].oom_kills, 0);
     }
 
     #[test]

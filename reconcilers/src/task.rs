@@ -244,6 +244,8 @@ pub struct TaskState {
     pub failed: bool,
     /// How many times the task was restarted.
     pub restarts: u32,
+    /// How many of its runs the kernel's OOM killer ended (never reset: a counter).
+    pub oom_kills: u32,
     /// When it last restarted.
     pub last_restart: Option<Timestamp>,
     /// When it last started in the alloc's current run (cleared by a run in place).
@@ -274,6 +276,7 @@ impl TaskState {
             phase: TaskPhase::Pending,
             failed: false,
             restarts: 0,
+            oom_kills: 0,
             last_restart: None,
             started_at: None,
             finished_at: None,
@@ -614,6 +617,9 @@ impl TaskState {
     ) {
         let ran_for = self.ran_for(now);
         self.process = Process::Idle;
+        if result.oom_killed {
+            self.oom_kills = self.oom_kills.saturating_add(1);
+        }
         // A run that ended while no agent watched shows when it ended, not when the next
         // agent found out.
         let ended = result.at.filter(|at| *at <= now).unwrap_or(now);

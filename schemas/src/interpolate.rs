@@ -15,6 +15,7 @@ use thiserror::Error;
 
 use crate::decode::{Decoder, field_node};
 use crate::diagnostic::FieldPath;
+use crate::rules::ValidatorOnlyRule;
 use crate::yaml::{Node, Value};
 
 /// The variables the agent sets in every task's environment, which `${NAME}` names.
@@ -261,7 +262,12 @@ pub(crate) fn check_document(document: &Node, cx: &mut Decoder<'_>) {
         for (node, field) in strings {
             if let Value::String(text) = &node.value {
                 for problem in check(text, &in_env) {
-                    cx.report(node.location, &field, problem.to_string());
+                    cx.report_only_validator(
+                        ValidatorOnlyRule::Interpolation,
+                        node.location,
+                        &field,
+                        problem.to_string(),
+                    );
                 }
             }
         }

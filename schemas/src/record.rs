@@ -100,6 +100,10 @@ pub struct TaskStateRecord {
     pub failed: bool,
     /// How many times the task was restarted.
     pub restarts: u32,
+    /// How many of its runs the kernel's OOM killer ended; left out when none, so the
+    /// records written before it existed read as zero.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub oom_kills: u32,
     /// When it last restarted.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub last_restart: Option<Timestamp>,
@@ -344,6 +348,11 @@ pub enum RecordError {
     },
 }
 
+/// Whether a count is zero, so that it is left out of a record (serde's predicate).
+fn is_zero(count: &u32) -> bool {
+    *count == 0
+}
+
 fn join_diagnostics(diagnostics: &[Diagnostic]) -> String {
     let messages: Vec<String> = diagnostics.iter().map(ToString::to_string).collect();
     messages.join("; ")
@@ -439,6 +448,7 @@ mod tests {
             phase: TaskPhaseRecord::Running,
             failed: false,
             restarts: 0,
+            oom_kills: 0,
             last_restart: None,
             started_at: Some(at(1_795_306_201)),
             finished_at: None,

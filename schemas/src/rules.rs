@@ -39,11 +39,15 @@ pub enum ValidatorOnlyRule {
     LogsFitDisk,
     /// `memoryMaxMB` is at least `memoryMB`: two numbers compared.
     MemoryMaxAtLeastMemory,
+    /// Each `${…}` in a command, an argument, an env value or an exec check names a known
+    /// variable, `${env.NAME}` one of the task's own environment (another field), and is
+    /// closed.
+    Interpolation,
 }
 
 impl ValidatorOnlyRule {
     /// Every rule, in the order the schema's description lists them.
-    pub const ALL: [ValidatorOnlyRule; 10] = [
+    pub const ALL: [ValidatorOnlyRule; 11] = [
         ValidatorOnlyRule::DuplicateKey,
         ValidatorOnlyRule::KeyType,
         ValidatorOnlyRule::WholeNumbers,
@@ -54,6 +58,7 @@ impl ValidatorOnlyRule {
         ValidatorOnlyRule::RestartPolicy,
         ValidatorOnlyRule::LogsFitDisk,
         ValidatorOnlyRule::MemoryMaxAtLeastMemory,
+        ValidatorOnlyRule::Interpolation,
     ];
 
     /// The rule, for people: one clause, lowercase.
@@ -79,6 +84,9 @@ impl ValidatorOnlyRule {
                 "each task's logs (maxFiles times maxFileSizeMB, defaults included) are smaller than the ephemeral disk"
             }
             ValidatorOnlyRule::MemoryMaxAtLeastMemory => "memoryMaxMB is at least memoryMB",
+            ValidatorOnlyRule::Interpolation => {
+                "each ${…} names a known variable (${STEAD_ALLOC_DIR} and the agent's others, or ${env.NAME} of the task's environment) and is closed; $${ is a literal ${"
+            }
         }
     }
 

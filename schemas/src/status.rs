@@ -51,6 +51,9 @@ pub struct TaskStatus {
     pub failed: bool,
     /// Restarts so far.
     pub restarts: u32,
+    /// Runs the kernel's OOM killer ended, so far; left out when none.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub oom_kills: u32,
     /// When it last restarted.
     pub last_restart: Option<Timestamp>,
     /// When it last started.
@@ -140,4 +143,9 @@ pub struct TaskEventStatus {
     /// when not.
     #[serde(skip_serializing_if = "std::ops::Not::not", default)]
     pub oom_killed: bool,
+}
+
+/// Whether a count is zero, so that it is left out of a document (serde's predicate).
+fn is_zero(count: &u32) -> bool {
+    *count == 0
 }

@@ -8,7 +8,7 @@ use std::alloc::{GlobalAlloc, Layout, System};
 use std::cell::Cell;
 
 use api_support::{agent, alloc, forever};
-use stead_controller::metrics::{self, Metrics};
+use stead_controller::metrics::{self, Format, Metrics};
 use stead_controller::node::NodeConfig;
 
 thread_local! {
@@ -45,7 +45,7 @@ fn live_bytes() -> i64 {
 
 fn reconciles(agent: &api_support::TestAgent) -> f64 {
     let text = Metrics::new()
-        .render(&agent.node.metrics_levels())
+        .render(agent.node.metrics_levels(), Format::Prometheus)
         .expect("renders");
     text.lines()
         .find_map(|line| line.strip_prefix(&format!("{} ", metrics::RECONCILES)))

@@ -113,6 +113,9 @@ pub enum ApiError {
     /// The agent was started without metrics.
     #[error("metrics are not enabled on this agent")]
     MetricsDisabled,
+    /// The metrics were not rendered: the agent is shutting down.
+    #[error("the metrics were not rendered: the agent is shutting down")]
+    MetricsInterrupted,
     /// The metrics could not be rendered.
     #[error("cannot render the metrics")]
     Metrics {
@@ -264,6 +267,7 @@ impl ApiError {
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UpgradeRequired => StatusCode::UPGRADE_REQUIRED,
             ApiError::ShuttingDown { .. }
+            | ApiError::MetricsInterrupted
             | ApiError::TooManyLogStreams { .. }
             | ApiError::TooManyExecs { .. } => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Driver { .. } | ApiError::Logs { .. } | ApiError::Metrics { .. } => {
@@ -305,7 +309,7 @@ impl ApiError {
             ApiError::RouteNotFound { .. } => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",
             ApiError::MetricsDisabled => "metrics_disabled",
-            ApiError::ShuttingDown { .. } => "shutting_down",
+            ApiError::ShuttingDown { .. } | ApiError::MetricsInterrupted => "shutting_down",
             ApiError::TooManyLogStreams { .. } => "too_many_log_streams",
             ApiError::Driver { .. } => "driver_error",
             ApiError::Logs { .. } | ApiError::Metrics { .. } => "internal",

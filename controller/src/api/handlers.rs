@@ -18,7 +18,7 @@ use stead_schemas::status::AllocStatus;
 
 use super::{ApiError, ApiState, FINGERPRINT_TIMEOUT, MAX_BODY_BYTES, json_response};
 use crate::driver::{Fingerprint, Health};
-use crate::metrics::CLIENT_STATUSES;
+use crate::metrics::{CLIENT_STATUSES, Format};
 
 /// `GET /v1/allocs`: every alloc, by name.
 pub(super) async fn list_allocs(State(state): State<ApiState>) -> Response {
@@ -483,20 +483,35 @@ pub(super) async fn health(State(state): State<ApiState>, headers: HeaderMap) ->
     json_response(StatusCode::OK, &body)
 }
 
-/// `GET /metrics`: the OpenMetrics text format, which Prometheus asks for and reads.
-pub(super) async fn metrics(State(state): State<ApiState>) -> Result<Response, ApiError> {
-    let metrics = state
+/// `GET /metrics`: the Prometheus text format (0.0.4), or OpenMetrics when `Accept`
+/// prefers it. Rendered on the blocking pool: it reads each running task's cgroup counters.
+pub(super) async fn metrics(
+    State(state): State<ApiState>,
+    headers: HeaderMap,
+) -> Result<Response, ApiError> {
+    let metrics = *state
         .inner
         .metrics
         .as_ref()
         .ok_or(ApiError::MetricsDisabled)?;
-    let text = metrics
-        .render(&state.node().metrics_levels())
-        .map_err(|source| ApiError::Metrics { source })?;
+    let format = Format::negotiate(
+        headers
+            .get(header::ACCEPT)
+            .and_then(|accept| accept.to_str().ok()),
+    );
+    let node = state.node_arc();
+    let rendered =
+        tokio::task::spawn_blocking(move || metrics.render(node.metrics_levels(), format))
+            .await
+            .map_err(|joined| match joined.try_into_panic() {
+                Ok(panic) => std::panic::resume_unwind(panic),
+                Err(_) => ApiError::MetricsInterrupted,
+            })?;
+    let text = rendered.map_err(|source| ApiError::Metrics { source })?;
     Ok((
         [(
             header::CONTENT_TYPE,
-            HeaderValue::from_static(crate::metrics::CONTENT_TYPE),
+            HeaderValue::from_static(format.content_type()),
         )],
         text,
     )

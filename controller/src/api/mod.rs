@@ -20,7 +20,7 @@
 //! | `POST /v1/allocs/{name}/exec/{task}` | 101, then exec frames | 400, 404, 409, 426, 500, 503 |
 //! | `GET /v1/node` | 200 `NodeStatus` | |
 //! | `GET /v1/health` | 200 `HealthStatus` (`ok` or `degraded`) | |
-//! | `GET /metrics` | 200 OpenMetrics text | 404 when metrics are off |
+//! | `GET /metrics` | 200 Prometheus text, or OpenMetrics if `Accept` prefers it | 404 when metrics are off |
 //!
 //! With a token set, every endpoint but `/v1/health` answers 401 without
 //! `Authorization: Bearer <token>`, and `/v1/health` without it says only the status and

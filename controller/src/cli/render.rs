@@ -625,6 +625,7 @@ mod tests {
             state: "dead".to_owned(),
             failed: true,
             restarts: 0,
+            oom_kills: 1,
             last_restart: None,
             started_at: None,
             finished_at: None,

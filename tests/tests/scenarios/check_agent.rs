@@ -74,6 +74,13 @@ fn an_http_check_that_starts_failing_restarts_its_task_with_the_healthcheck_even
         "{task:#?}"
     );
     assert_eq!(task.restarts, 0);
+    let (_, metrics) = agent.try_get("/metrics").expect("metrics");
+    for series in [
+        r#"stead_check_status{alloc="web",task="main",check="alive",status="passing"} 1"#,
+        r#"stead_check_status{alloc="web",task="main",check="alive",status="critical"} 0"#,
+    ] {
+        assert!(metrics.contains(series), "{series} in {metrics}");
+    }
 
     std::fs::write(&flag, "").expect("flag written");
     let signaled = agent.wait_for_event("web", "main", "Restart Signaled", Duration::from_secs(30));

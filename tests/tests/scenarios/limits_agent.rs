@@ -136,13 +136,21 @@ fn a_task_over_its_memory_limit_is_oom_killed_and_says_so_and_one_killed_from_ou
     assert!(last.oom_killed && last.exit_code == 137 && last.signal == Some(9));
     let (_, metrics) = agent.try_get("/metrics").expect("metrics");
     assert!(
-        metrics.contains("stead_task_oom_kills_total 1"),
+        metrics.contains(r#"stead_task_oom_kills_total{alloc="greedy",task="main"} 1"#),
         "{metrics}"
     );
 
     let modest = task(&agent, "modest", "the modest task runs", |t| {
         t.state == "running" && t.pid.is_some()
     });
+    let (_, metrics) = agent.try_get("/metrics").expect("metrics");
+    for series in [
+        r#"stead_task_oom_kills_total{alloc="modest",task="main"} 0"#,
+        r#"stead_task_cpu_seconds_total{alloc="modest",task="main"} "#,
+        r#"stead_task_memory_bytes{alloc="modest",task="main"} "#,
+    ] {
+        assert!(metrics.contains(series), "{series} in {metrics}");
+    }
     let pid = rustix::process::Pid::from_raw(modest.pid.expect("a pid") as i32).expect("a pid");
     rustix::process::kill_process(pid, rustix::process::Signal::KILL).expect("killed");
     let modest = task(&agent, "modest", "the modest task died", |t| {

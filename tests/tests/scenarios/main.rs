@@ -28,6 +28,7 @@ mod hardening_agent;
 mod interpolation_agent;
 mod lifecycle_agent;
 mod limits_agent;
+mod metrics_agent;
 mod packaging;
 mod spec_agreement;
 mod spec_fixtures;

@@ -156,8 +156,8 @@ struct Current {
     saved: Option<u64>,
     /// A hash of what was last published.
     published: Option<u64>,
-    /// Restarts and failed tasks already counted in the metrics.
-    counted: (u64, u64),
+    /// Failed tasks already counted in the metrics.
+    counted_failures: u64,
     /// The device instances each task holds (all tasks' or none, from the node's device
     /// manager; released once the revision is terminal).
     devices: AllocDevices,
@@ -172,10 +172,10 @@ struct Current {
 }
 
 impl Current {
-    /// A revision with no handles yet, nothing persisted or published, and the restarts
-    /// and failures its state already holds counted.
+    /// A revision with no handles yet, nothing persisted or published, and the failures
+    /// its state already holds counted.
     fn new(spec: Arc<ValidSpec>, desired: AllocDesired, state: AllocState) -> Self {
-        let counted = outcomes(&state);
+        let counted_failures = failures(&state);
         let mut current = Current {
             spec,
             desired,
@@ -183,7 +183,7 @@ impl Current {
             handles: BTreeMap::new(),
             saved: None,
             published: None,
-            counted,
+            counted_failures,
             needs_devices: false,
             devices: AllocDevices::new(),
             device_error: None,

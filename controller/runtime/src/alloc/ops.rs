@@ -386,9 +386,6 @@ impl Worker {
                     oom_killed = result.oom_killed,
                     "task exited"
                 );
-                if result.oom_killed {
-                    crate::metrics::task_oom_killed();
-                }
                 self.ops.remove(&task);
                 if let Some(handle) = current.handles.remove(&task)
                     && let Some(driver) = self.shared.drivers.get(handle.driver)

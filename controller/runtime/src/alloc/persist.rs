@@ -123,17 +123,14 @@ pub(super) fn checks_shown(state: &AllocState) -> u64 {
     hasher.finish()
 }
 
-/// Restarts over all tasks, and how many tasks failed: what the metrics count.
-pub(super) fn outcomes(state: &AllocState) -> (u64, u64) {
+/// How many tasks failed: what `stead_task_failures_total` counts. (Restarts and OOM
+/// kills are per task, read from the published status when `/metrics` is rendered.)
+pub(super) fn failures(state: &AllocState) -> u64 {
     state
         .tasks
         .values()
-        .fold((0, 0), |(restarts, failures), task| {
-            (
-                restarts + u64::from(task.restarts),
-                failures + u64::from(task.failed),
-            )
-        })
+        .map(|task| u64::from(task.failed))
+        .sum()
 }
 
 /// The API's view of the current revision.
@@ -171,6 +168,7 @@ pub(super) fn status_of(
                     state: state.phase.as_str().to_owned(),
                     failed: state.failed,
                     restarts: state.restarts,
+                    oom_kills: state.oom_kills,
                     last_restart: state.last_restart,
                     started_at: state.started_at,
                     finished_at: state.finished_at,
@@ -241,12 +239,9 @@ impl Worker {
         let Some(current) = &mut self.current else {
             return;
         };
-        let (restarts, failures) = outcomes(&current.state);
-        crate::metrics::task_outcomes(
-            restarts.saturating_sub(current.counted.0),
-            failures.saturating_sub(current.counted.1),
-        );
-        current.counted = (restarts, failures);
+        let failures = failures(&current.state);
+        crate::metrics::task_failures(failures.saturating_sub(current.counted_failures));
+        current.counted_failures = failures;
         let collectable =
             removed && !current.desired.run && current.state.is_terminal() && self.ops.is_empty();
         let fingerprint = fingerprint(

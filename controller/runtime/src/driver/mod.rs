@@ -236,6 +236,15 @@ pub struct CgroupUsage {
     pub oom_kills: u64,
 }
 
+/// What a task's cgroup counts that `/metrics` shows.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CgroupCounters {
+    /// CPU time used, in microseconds.
+    pub cpu_usec: u64,
+    /// Memory charged now, in bytes; `None` without the memory controller.
+    pub memory_bytes: Option<u64>,
+}
+
 /// A started task, as the driver identifies it; persisted so a later agent can recover it.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct TaskHandle {
@@ -499,6 +508,14 @@ pub trait Driver: Send + Sync + 'static {
     fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {
         let _ = handle;
         Box::pin(async { Ok(None) })
+    }
+
+    /// What the task's cgroup counts now, for `/metrics`. Blocking, and cheap on purpose:
+    /// two or three small control files read, no scan of processes. `None` for a task
+    /// without a cgroup, one that is gone, or a driver without cgroups (the default).
+    fn cgroup_counters(&self, handle: &TaskHandle) -> Option<CgroupCounters> {
+        let _ = handle;
+        None
     }
 }
 

@@ -278,7 +278,32 @@ impl Agent {
         self.send(method, path, self.token())
     }
 
+    /// A GET of `path` with the token and `Accept: accept`: status code, `Content-Type`
+    /// and body.
+    pub fn get_accepting(&self, path: &str, accept: &str) -> Option<(u16, String, String)> {
+        let accept = format!("Accept: {accept}\r\n");
+        let (code, head, body) = self.exchange("GET", path, self.token(), &accept)?;
+        let content_type = head.lines().find_map(|line| {
+            let (name, value) = line.split_once(':')?;
+            name.eq_ignore_ascii_case("content-type")
+                .then(|| value.trim().to_owned())
+        })?;
+        Some((code, content_type, body))
+    }
+
     fn send(&self, method: &str, path: &str, token: Option<&str>) -> Option<(u16, String)> {
+        let (code, _, body) = self.exchange(method, path, token, "")?;
+        Some((code, body))
+    }
+
+    /// Sends one request with `headers` (whole lines) added: status code, head and body.
+    fn exchange(
+        &self,
+        method: &str,
+        path: &str,
+        token: Option<&str>,
+        headers: &str,
+    ) -> Option<(u16, String, String)> {
         let mut stream = TcpStream::connect(("127.0.0.1", self.port)).ok()?;
         stream
             .set_read_timeout(Some(Duration::from_secs(10)))
@@ -288,7 +313,7 @@ impl Agent {
             token.map_or(String::new(), |t| format!("Authorization: Bearer {t}\r\n"));
         write!(
             stream,
-            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{authorization}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
+            "{method} {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n{authorization}{headers}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n{body}",
             body.len()
         )
         .ok()?;
@@ -305,7 +330,7 @@ impl Agent {
         } else {
             body.to_owned()
         };
-        Some((code, body))
+        Some((code, head.to_owned(), body))
     }
 
     /// Task `main` of alloc `name`, once `condition` holds of it, within `within`.

@@ -62,9 +62,9 @@ use self::process::ProcessId;
 use self::run::RunId;
 use self::user::Account;
 use super::{
-    BoxFuture, Driver, DriverError, ExecOutput, ExecRequest, ExecSession, ExecSessionRequest,
-    Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle, TaskResources, TaskStats,
-    UnrecordedRun, signal_number,
+    BoxFuture, CgroupCounters, Driver, DriverError, ExecOutput, ExecRequest, ExecSession,
+    ExecSessionRequest, Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle,
+    TaskResources, TaskStats, UnrecordedRun, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
@@ -1415,6 +1415,10 @@ impl Driver for ExecDriver {
     fn stats(&self, handle: &TaskHandle) -> BoxFuture<'_, Result<Option<TaskStats>, DriverError>> {
         let handle = handle.clone();
         Box::pin(async move { self.inner.stats(&handle).map(Some) })
+    }
+
+    fn cgroup_counters(&self, handle: &TaskHandle) -> Option<CgroupCounters> {
+        self.inner.run_state(handle)?.cgroup.as_ref()?.counters()
     }
 
     fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, DriverError>> {

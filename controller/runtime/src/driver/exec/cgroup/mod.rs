@@ -23,6 +23,7 @@ use std::time::Duration;
 
 use stead_schemas::config::AGENT_CGROUP_LEAF;
 
+use crate::driver::CgroupCounters;
 use crate::driver::CgroupUsage as Usage;
 
 /// The CPU quota's period, in microseconds (the kernel's default).
@@ -723,6 +724,15 @@ impl TaskCgroup {
         match self {
             TaskCgroup::V2 { dir } => v2::oom_kills(dir),
             TaskCgroup::V1(dirs) => v1::oom_kills(dirs.memory.as_deref()?),
+        }
+    }
+
+    /// Its CPU time and memory now, for `/metrics`: two control files read (three on v1
+    /// without `cpuacct`); `None` when it is gone.
+    pub(crate) fn counters(&self) -> Option<CgroupCounters> {
+        match self {
+            TaskCgroup::V2 { dir } => v2::counters(dir),
+            TaskCgroup::V1(dirs) => v1::counters(dirs),
         }
     }
 

@@ -5,6 +5,7 @@ use std::io;
 use std::path::Path;
 
 use super::{Limits, V1Dirs, read_keyed, read_number, write_file};
+use crate::driver::CgroupCounters;
 
 /// The kernel's "no limit" in `memory.limit_in_bytes` (`PAGE_COUNTER_MAX` in bytes) and
 /// anything above it reads as none.
@@ -51,11 +52,19 @@ pub(super) fn oom_kills(memory: &Path) -> Option<u64> {
 }
 
 /// What the kernel counts for the task's cgroups; `None` when they are gone.
-pub(super) fn usage(dirs: &V1Dirs) -> Option<super::Usage> {
+/// CPU time and memory now; `None` when the cgroup is gone.
+pub(super) fn counters(dirs: &V1Dirs) -> Option<CgroupCounters> {
     let memory = dirs.memory.as_deref()?;
     let memory_bytes = read_number(&memory.join("memory.usage_in_bytes"))?;
-    let cpu_usec = dirs
-        .cpuacct
+    Some(CgroupCounters {
+        cpu_usec: cpu_usec(dirs),
+        memory_bytes: Some(memory_bytes),
+    })
+}
+
+/// CPU time used, from `cpuacct` or else the unified hierarchy's `cpu.stat`.
+fn cpu_usec(dirs: &V1Dirs) -> u64 {
+    dirs.cpuacct
         .as_ref()
         .and_then(|dir| read_number(&dir.join("cpuacct.usage")))
         .map(|ns| ns / 1_000)
@@ -63,7 +72,13 @@ pub(super) fn usage(dirs: &V1Dirs) -> Option<super::Usage> {
             let unified = dirs.unified.as_ref()?;
             read_keyed(&unified.join("cpu.stat"), "usage_usec")
         })
-        .unwrap_or(0);
+        .unwrap_or(0)
+}
+
+pub(super) fn usage(dirs: &V1Dirs) -> Option<super::Usage> {
+    let memory = dirs.memory.as_deref()?;
+    let memory_bytes = read_number(&memory.join("memory.usage_in_bytes"))?;
+    let cpu_usec = cpu_usec(dirs);
     let throttled_usec = dirs
         .cpu
         .as_ref()

@@ -4,7 +4,7 @@
 use std::io;
 use std::path::Path;
 
-use super::{Limits, Usage, read_keyed, read_number, write_file};
+use super::{CgroupCounters, Limits, Usage, read_keyed, read_number, write_file};
 
 /// The controllers a task's limits need, as `cgroup.controllers` names them.
 pub(super) const CONTROLLERS: [&str; 3] = ["cpu", "memory", "pids"];
@@ -85,6 +85,14 @@ fn limit(path: &Path) -> Option<u64> {
 }
 
 /// What the kernel counts for the cgroup `dir`; `None` when it is gone.
+/// CPU time and memory now; `None` when the cgroup is gone.
+pub(super) fn counters(dir: &Path) -> Option<CgroupCounters> {
+    Some(CgroupCounters {
+        cpu_usec: read_keyed(&dir.join("cpu.stat"), "usage_usec")?,
+        memory_bytes: read_number(&dir.join("memory.current")),
+    })
+}
+
 pub(super) fn usage(dir: &Path) -> Option<Usage> {
     let cpu_stat = dir.join("cpu.stat");
     // `cpu.stat` exists in every v2 cgroup, with or without the cpu controller.
