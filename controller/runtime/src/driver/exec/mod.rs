@@ -63,8 +63,8 @@ use self::run::RunId;
 use self::user::Account;
 use super::{
     BoxFuture, CgroupCounters, Driver, DriverError, ExecOutput, ExecRequest, ExecSession,
-    ExecSessionRequest, Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle,
-    TaskResources, TaskStats, UnrecordedRun, signal_number,
+    ExecSessionRequest, Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle, TaskResources,
+    TaskStats, UnrecordedRun, signal_number,
 };
 use crate::allocdir::{AllocDir, AllocDirError, AllocDirs, TaskDir};
 use crate::clock::Clock;
