@@ -494,7 +494,12 @@ pub(super) async fn alloc_logs(
         produce(reader, follow, state.inner.shutdown.clone()),
         span,
     ));
-    Ok((
+    Ok(streamed(backlog, chunks))
+}
+
+/// The answer that streams `chunks`, `backlog` bytes of which existed when it was asked.
+fn streamed(backlog: u64, chunks: mpsc::Receiver<std::io::Result<Bytes>>) -> Response {
+    (
         StatusCode::OK,
         [
             (
@@ -508,7 +513,7 @@ pub(super) async fn alloc_logs(
         ],
         Body::new(ChannelBody { chunks }),
     )
-        .into_response())
+        .into_response()
 }
 
 /// The logs of task `task` of the revision that alloc `alloc_id` replaced, whole; 404
@@ -539,21 +544,7 @@ async fn previous_logs(
     let (tx, chunks) = mpsc::channel(4);
     let reader = Reader { files, cursor, tx };
     tokio::spawn(produce(reader, None, state.inner.shutdown.clone()));
-    Ok((
-        StatusCode::OK,
-        [
-            (
-                header::CONTENT_TYPE,
-                HeaderValue::from_static("text/plain; charset=utf-8"),
-            ),
-            (
-                HeaderName::from_static(LOG_BACKLOG_HEADER),
-                HeaderValue::from(backlog),
-            ),
-        ],
-        Body::new(ChannelBody { chunks }),
-    )
-        .into_response())
+    Ok(streamed(backlog, chunks))
 }
 
 #[cfg(test)]

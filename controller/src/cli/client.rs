@@ -175,8 +175,13 @@ impl Client {
 
     /// `GET path`, decoded from JSON.
     pub(crate) async fn get<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
+        self.json(Method::GET, path).await
+    }
+
+    /// `method path` without a body, its answer decoded from JSON.
+    async fn json<T: DeserializeOwned>(&self, method: Method, path: &str) -> anyhow::Result<T> {
         let response = self
-            .send(self.request(Method::GET, path).timeout(REQUEST_TIMEOUT))
+            .send(self.request(method, path).timeout(REQUEST_TIMEOUT))
             .await?;
         let bytes = response.bytes().await.with_context(|| {
             format!("reading the answer of the stead agent at {}", self.address)
@@ -204,18 +209,7 @@ impl Client {
 
     /// `POST path` with no body, reading the JSON answer.
     pub(crate) async fn post_for<T: DeserializeOwned>(&self, path: &str) -> anyhow::Result<T> {
-        let response = self
-            .send(self.request(Method::POST, path).timeout(REQUEST_TIMEOUT))
-            .await?;
-        let bytes = response.bytes().await.with_context(|| {
-            format!("reading the answer of the stead agent at {}", self.address)
-        })?;
-        serde_json::from_slice(&bytes).with_context(|| {
-            format!(
-                "the stead agent at {} sent an unexpected document",
-                self.address
-            )
-        })
+        self.json(Method::POST, path).await
     }
 
     /// `POST path` with a JSON body, asking to switch the connection to `protocol`

@@ -32,6 +32,17 @@ fn task_pid(agent: &Agent, marker: &str) -> u32 {
 
 /// `stead alloc exec ARGS…` against the agent at `address`, with its token file and
 /// none of the CLI's environment variables.
+/// An agent with config `config` running alloc `web`, whose task's command line carries
+/// the returned marker (`stead-exec-<label>-<pid>`), once it runs.
+fn running_web(config: &str, label: &str) -> (AgentDirs, Agent, String) {
+    let dirs = AgentDirs::new(config);
+    let marker = format!("stead-exec-{label}-{}", std::process::id());
+    dirs.write_spec("web", &service("web", &marker, ""));
+    let agent = dirs.start();
+    task_pid(&agent, &marker);
+    (dirs, agent, marker)
+}
+
 fn exec_at(agent: &Agent, address: &str, args: &[&str]) -> Command {
     let mut command = Command::new(agent_binary());
     command
@@ -165,11 +176,7 @@ fn exec_runs_in_the_tasks_dir_with_its_env_and_as_its_user() {
 
 #[test]
 fn exec_with_i_passes_stdin_on_and_without_it_the_command_reads_nothing() {
-    let dirs = AgentDirs::new("");
-    let marker = format!("stead-exec-stdin-{}", std::process::id());
-    dirs.write_spec("web", &service("web", &marker, ""));
-    let agent = dirs.start();
-    task_pid(&agent, &marker);
+    let (_dirs, agent, _marker) = running_web("", "stdin");
 
     let mut command = exec(&agent, &["-i", "web", "main", "--", "cat"]);
     let mut child = command
@@ -208,11 +215,7 @@ fn exec_with_i_passes_stdin_on_and_without_it_the_command_reads_nothing() {
 
 #[test]
 fn exec_with_t_runs_the_command_on_a_terminal_of_its_own() {
-    let dirs = AgentDirs::new("");
-    let marker = format!("stead-exec-tty-{}", std::process::id());
-    dirs.write_spec("web", &service("web", &marker, ""));
-    let agent = dirs.start();
-    task_pid(&agent, &marker);
+    let (_dirs, agent, _marker) = running_web("", "tty");
     let script = "tty; test -t 0 && test -t 1 && test -t 2 && echo all three; stty size";
     let ran = output(exec(
         &agent,
@@ -328,11 +331,7 @@ fn exec_beside_a_stopped_mock_or_unknown_task_or_of_a_missing_command_says_why()
 
 #[test]
 fn exec_without_the_token_is_refused_with_401_and_without_an_upgrade_with_426() {
-    let dirs = AgentDirs::new("");
-    let marker = format!("stead-exec-token-{}", std::process::id());
-    dirs.write_spec("web", &service("web", &marker, ""));
-    let agent = dirs.start();
-    task_pid(&agent, &marker);
+    let (_dirs, agent, _marker) = running_web("", "token");
     let (code, body) = agent
         .post_without_token("/v1/allocs/web/exec/main")
         .expect("the agent answers");
@@ -380,11 +379,7 @@ fn until_gone(marker: &str, what: &str) {
 
 #[test]
 fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
-    let dirs = AgentDirs::new("");
-    let marker = format!("stead-exec-gone-{}", std::process::id());
-    dirs.write_spec("web", &service("web", &marker, ""));
-    let agent = dirs.start();
-    task_pid(&agent, &marker);
+    let (_dirs, agent, marker) = running_web("", "gone");
 
     let nap = unique_nap();
     let script = format!("sleep {nap} & sleep {nap}");
@@ -429,11 +424,7 @@ fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
 
 #[test]
 fn an_agent_that_stops_takes_the_commands_it_runs_with_it() {
-    let dirs = AgentDirs::new("");
-    let marker = format!("stead-exec-stop-{}", std::process::id());
-    dirs.write_spec("web", &service("web", &marker, ""));
-    let agent = dirs.start();
-    task_pid(&agent, &marker);
+    let (_dirs, agent, marker) = running_web("", "stop");
     let nap = unique_nap();
     let mut cli = exec(&agent, &["web", "main", "--", "sleep", &nap])
         .stdout(Stdio::null())
@@ -460,11 +451,7 @@ fn an_agent_that_stops_takes_the_commands_it_runs_with_it() {
 
 #[test]
 fn execs_beyond_api_max_execs_are_refused_until_one_ends() {
-    let dirs = AgentDirs::new("api: {maxExecs: 1}\n");
-    let marker = format!("stead-exec-cap-{}", std::process::id());
-    dirs.write_spec("web", &service("web", &marker, ""));
-    let agent = dirs.start();
-    task_pid(&agent, &marker);
+    let (_dirs, agent, _marker) = running_web("api: {maxExecs: 1}\n", "cap");
 
     let nap = unique_nap();
     let mut first = exec(&agent, &["web", "main", "--", "sleep", &nap])

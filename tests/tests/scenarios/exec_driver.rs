@@ -496,7 +496,15 @@ async fn an_oom_kill_is_still_reported_by_an_agent_that_finds_the_run_over_after
         .await
         .expect("the run's record is found");
     let again = restarted.wait(handle.clone()).await;
-    assert_eq!(again, exit);
+    // Found ended, it also says when it ended: when the supervisor recorded it.
+    assert!(again.at.is_some(), "{again:?}");
+    assert_eq!(
+        stead_reconcilers::exit::ExitResult {
+            at: None,
+            ..again.clone()
+        },
+        exit
+    );
     restarted.destroy(&handle).await;
 
     // A run reattached by a restarted agent is read from its cgroup, re-derived: it
