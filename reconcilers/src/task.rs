@@ -615,14 +615,14 @@ impl TaskState {
         now: Timestamp,
         cap: usize,
     ) {
-        let ran_for = self.ran_for(now);
+        // A run that ended while no agent watched shows when it ended, not when the next
+        // agent found out, and ran only until then.
+        let ended = result.at.filter(|at| *at <= now).unwrap_or(now);
+        let ran_for = self.ran_for(ended);
         self.process = Process::Idle;
         if result.oom_killed {
             self.oom_kills = self.oom_kills.saturating_add(1);
         }
-        // A run that ended while no agent watched shows when it ended, not when the next
-        // agent found out.
-        let ended = result.at.filter(|at| *at <= now).unwrap_or(now);
         self.push_event(TaskEvent::terminated(ended, result), cap);
         if let Some(kill) = &self.kill {
             if !kill.reason.restarts() {

@@ -4,7 +4,9 @@
 //! `${STEAD_ALLOC_DIR}`, `${STEAD_TASK_DIR}`, `${STEAD_SECRETS_DIR}`, `${STEAD_ALLOC_ID}`,
 //! `${STEAD_ALLOC_NAME}` and `${STEAD_TASK_NAME}` are what the agent sets in the task's
 //! environment; `${env.NAME}` is a variable of the task's own environment (its `env`, the
-//! agent's variables, `PATH`); `$${` is a literal `${`. Anything else in `${…}` is an
+//! agent's variables, `PATH`), except in an env value, where it reads what the spec's `env`
+//! is laid over (the agent's variables and the default `PATH`: `PATH:
+//! "/opt/bin:${env.PATH}"`), so no value depends on another; `$${` is a literal `${`. Anything else in `${…}` is an
 //! error when the spec is read, so a mistyped name never reaches a process. The spec is
 //! stored as written and its revision is of what was written: substitution happens when
 //! a task starts, with that run's paths.
@@ -54,6 +56,15 @@ pub enum InterpolationError {
         "`${{env.{name}}}` names no variable of the task's environment (its `env`, the agent's STEAD_ variables and PATH)"
     )]
     NotInEnv {
+        /// The name after `env.`.
+        name: String,
+    },
+    /// `${env.NAME}` in an env value, of a variable the spec's `env` sets: an env value
+    /// reads the environment the spec's `env` is laid over.
+    #[error(
+        "`${{env.{name}}}` in an env value reads only what the task's env starts from (the agent's STEAD_ variables and PATH), not the spec's other env values"
+    )]
+    EnvInEnv {
         /// The name after `env.`.
         name: String,
     },
@@ -185,35 +196,44 @@ fn written(variable: Variable<'_>) -> String {
     }
 }
 
-/// A task's start with its references substituted: the environment `env` (the agent's
-/// variables and the spec's, the spec's values holding references), then the command
-/// and its arguments. An env value's `${env.NAME}` reads the environment as written
-/// (references are not followed twice); the command's and arguments' read it substituted.
-pub fn task_start(
-    env: &BTreeMap<String, String>,
-    command: &str,
-    args: &[String],
-) -> (BTreeMap<String, String>, String, Vec<String>) {
-    let from = |env: &BTreeMap<String, String>, variable: Variable<'_>| match variable {
-        Variable::Agent(name) | Variable::Env(name) => env.get(name).cloned(),
+/// A task's environment with the references of the spec's values substituted: `env` is
+/// the agent's variables (`STEAD_…`) and the spec's values, merged. An env value's
+/// `${env.NAME}` reads what the spec's `env` is laid over: the agent's variables, and
+/// `PATH` as `default_path` (so `PATH: "/opt/bin:${env.PATH}"` extends the default).
+pub fn task_env(env: &BTreeMap<String, String>, default_path: &str) -> BTreeMap<String, String> {
+    let base = |variable: Variable<'_>| match variable {
+        Variable::Env("PATH") => Some(default_path.to_owned()),
+        Variable::Agent(name) | Variable::Env(name) if name.starts_with("STEAD_") => {
+            env.get(name).cloned()
+        }
+        Variable::Agent(_) | Variable::Env(_) => None,
     };
-    let written = env;
-    let env: BTreeMap<String, String> = written
-        .iter()
+    env.iter()
         .map(|(key, value)| {
             let value = if key.starts_with("STEAD_") {
                 value.clone()
             } else {
-                interpolate(value, &|v| from(written, v))
+                interpolate(value, &base)
             };
             (key.clone(), value)
         })
-        .collect();
-    let command = interpolate(command, &|v| from(&env, v));
-    let args = args
-        .iter()
-        .map(|arg| interpolate(arg, &|v| from(&env, v)))
-        .collect();
+        .collect()
+}
+
+/// A task's start with its references substituted: the environment ([`task_env`]), then
+/// the command and its arguments, which read that environment.
+pub fn task_start(
+    env: &BTreeMap<String, String>,
+    default_path: &str,
+    command: &str,
+    args: &[String],
+) -> (BTreeMap<String, String>, String, Vec<String>) {
+    let env = task_env(env, default_path);
+    let from = |variable: Variable<'_>| match variable {
+        Variable::Agent(name) | Variable::Env(name) => env.get(name).cloned(),
+    };
+    let command = interpolate(command, &from);
+    let args = args.iter().map(|arg| interpolate(arg, &from)).collect();
     (env, command, args)
 }
 
@@ -246,6 +266,14 @@ pub(crate) fn check_document(document: &Node, cx: &mut Decoder<'_>) {
         if let Some(config) = field_node(task, "config") {
             command_and_args(config, &path.field("config"), &mut strings);
         }
+        if let Some(Value::Sequence(checks)) = field_node(task, "checks").map(|n| &n.value) {
+            for (check_index, check) in checks.iter().enumerate() {
+                let check_path = path.field("checks").index(check_index);
+                command_and_args(check, &check_path, &mut strings);
+            }
+        }
+        // An env value reads what the spec's env is laid over, not the spec's other values.
+        let env_values = strings.len();
         if let Some(Value::Mapping(entries)) = env_node.map(|n| &n.value) {
             for (key, value) in entries {
                 if let Value::String(key) = &key.value {
@@ -253,22 +281,30 @@ pub(crate) fn check_document(document: &Node, cx: &mut Decoder<'_>) {
                 }
             }
         }
-        if let Some(Value::Sequence(checks)) = field_node(task, "checks").map(|n| &n.value) {
-            for (check_index, check) in checks.iter().enumerate() {
-                let check_path = path.field("checks").index(check_index);
-                command_and_args(check, &check_path, &mut strings);
-            }
-        }
-        for (node, field) in strings {
-            if let Value::String(text) = &node.value {
-                for problem in check(text, &in_env) {
-                    cx.report_only_validator(
-                        ValidatorOnlyRule::Interpolation,
-                        node.location,
-                        &field,
-                        problem.to_string(),
-                    );
-                }
+        for (index, (node, field)) in strings.into_iter().enumerate() {
+            let Value::String(text) = &node.value else {
+                continue;
+            };
+            let problems: Vec<InterpolationError> = if index >= env_values {
+                check(text, &|_| false)
+                    .into_iter()
+                    .map(|problem| match problem {
+                        InterpolationError::NotInEnv { name } => {
+                            InterpolationError::EnvInEnv { name }
+                        }
+                        problem => problem,
+                    })
+                    .collect()
+            } else {
+                check(text, &in_env)
+            };
+            for problem in problems {
+                cx.report_only_validator(
+                    ValidatorOnlyRule::Interpolation,
+                    node.location,
+                    &field,
+                    problem.to_string(),
+                );
             }
         }
     }
@@ -303,7 +339,7 @@ mod tests {
             ("STEAD_TASK_NAME".to_owned(), "main".to_owned()),
             ("PORT".to_owned(), "8080".to_owned()),
             ("CONF".to_owned(), "${STEAD_TASK_DIR}/nginx.conf".to_owned()),
-            ("PATH".to_owned(), "/usr/bin".to_owned()),
+            ("PATH".to_owned(), "/opt/bin:${env.PATH}".to_owned()),
         ])
     }
 
@@ -311,6 +347,7 @@ mod tests {
     fn references_are_replaced_and_everything_else_is_kept_as_written() {
         let (env, command, args) = task_start(
             &env(),
+            "/usr/bin",
             "${STEAD_TASK_DIR}/bin/server",
             &[
                 "--listen=:${env.PORT}".to_owned(),
@@ -334,6 +371,7 @@ mod tests {
             ]
         );
         assert_eq!(env["CONF"], "/data/allocs/web-1/main/nginx.conf");
+        assert_eq!(env["PATH"], "/opt/bin:/usr/bin", "PATH extends the default");
     }
 
     #[test]

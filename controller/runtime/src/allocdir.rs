@@ -307,8 +307,10 @@ impl AllocDir {
         if !from.is_dir() {
             return Ok(());
         }
+        // The revision before goes with `old`'s dir: renamed out of the way here, removed
+        // with the rest later, off the worker.
         let older = from.join(PREVIOUS_LOGS);
-        if let Err(source) = fs::remove_dir_all(&older)
+        if let Err(source) = fs::rename(&older, old.path().join(".previous-logs"))
             && source.kind() != io::ErrorKind::NotFound
         {
             return Err(AllocDirError::Remove {

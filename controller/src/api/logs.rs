@@ -450,7 +450,7 @@ pub(super) async fn alloc_logs(
         .status(&name)
         .ok_or_else(|| ApiError::AllocNotFound { name: name.clone() })?;
     if query.previous {
-        return previous_logs(&state, &status.id, name, task, query.stream).await;
+        return previous_logs(&state, &status.id, name, task, &query).await;
     }
     // Only names of the alloc's tasks reach the path: they are validated names.
     if !status.tasks.contains_key(&task) {
@@ -516,21 +516,22 @@ fn streamed(backlog: u64, chunks: mpsc::Receiver<std::io::Result<Bytes>>) -> Res
         .into_response()
 }
 
-/// The logs of task `task` of the revision that alloc `alloc_id` replaced, whole; 404
+/// The logs of task `task` of the revision that alloc `alloc_id` replaced, from `offset`
+/// and `origin` as a current log is read, never followed; 404
 /// when there are none (a first revision, or a task it did not have).
 async fn previous_logs(
     state: &ApiState,
     alloc_id: &str,
     name: String,
     task: String,
-    stream: LogStream,
+    query: &LogsQuery,
 ) -> Result<Response, ApiError> {
     // A task of the old revision need not be one of the current's; only a valid name
     // reaches the path.
     if task.parse::<stead_schemas::spec::Name>().is_err() {
         return Err(ApiError::TaskNotFound { alloc: name, task });
     }
-    let mut files = LogFiles::new(&state.inner.data_dir, alloc_id, &task, stream);
+    let mut files = LogFiles::new(&state.inner.data_dir, alloc_id, &task, query.stream);
     files.dir = files.dir.join(crate::allocdir::PREVIOUS_LOGS);
     let listed = files.list().await.map_err(|source| ApiError::Logs {
         alloc: name.clone(),
@@ -540,7 +541,7 @@ async fn previous_logs(
     if listed.is_empty() {
         return Err(ApiError::NoPreviousLogs { alloc: name, task });
     }
-    let (cursor, backlog) = locate(&listed, LogOrigin::Start, 0);
+    let (cursor, backlog) = locate(&listed, query.origin, query.offset);
     let (tx, chunks) = mpsc::channel(4);
     let reader = Reader { files, cursor, tx };
     tokio::spawn(produce(reader, None, state.inner.shutdown.clone()));

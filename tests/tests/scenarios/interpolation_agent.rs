@@ -20,6 +20,7 @@ spec:
       env:
         PORT: "8080"
         GREETING: "hello ${{STEAD_ALLOC_NAME}}"
+        PATH: "/opt/stead-test/bin:${{env.PATH}}"
       config:
         command: /bin/sh
         args:
@@ -64,6 +65,16 @@ fn interpolated_arguments_reach_the_process_and_an_unknown_variable_is_a_diagnos
         "{args:?}"
     );
 
+    // `alloc exec` sees the environment as the task has it, the PATH extended.
+    let (code, out, err) = agent.cli(&[
+        "alloc", "exec", "web", "main", "--", "printenv", "GREETING", "PATH",
+    ]);
+    assert_eq!(code, 0, "{err}");
+    assert_eq!(
+        out,
+        "hello web\n/opt/stead-test/bin:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin\n"
+    );
+
     // An edit naming an unknown variable is refused where it is written; the running
     // revision stays.
     dirs.write_spec("web", &spec(&marker, "--home=${HOME}"));
@@ -76,7 +87,7 @@ fn interpolated_arguments_reach_the_process_and_an_unknown_variable_is_a_diagnos
     });
     let error = status.spec_error.expect("a spec error");
     assert!(
-        error.contains("web.yaml:21:13: spec.tasks[0].config.args[7]: unknown variable `${HOME}`"),
+        error.contains("web.yaml:22:13: spec.tasks[0].config.args[7]: unknown variable `${HOME}`"),
         "{error}"
     );
     assert_eq!(

@@ -256,12 +256,15 @@ impl Agent {
     /// The `stead` CLI as a process of its own against this agent, with its token file:
     /// exit code, stdout and stderr.
     pub fn cli(&self, args: &[&str]) -> (i32, String, String) {
+        // The client's flags go right after the subcommand, before any `--` that ends them.
+        let (command, rest) = args.split_at(args.len().min(2));
         let output = Command::new(agent_binary())
-            .args(args)
+            .args(command)
             .args(["--color", "never", "--address"])
             .arg(format!("127.0.0.1:{}", self.port))
             .arg("--token-file")
             .arg(&self.token_file)
+            .args(rest)
             .env_remove("STEAD_TOKEN")
             .env_remove("STEAD_ADDR")
             .stdin(Stdio::null())

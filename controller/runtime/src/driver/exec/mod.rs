@@ -758,6 +758,7 @@ impl Inner {
         );
         let (env, command, args) = stead_schemas::interpolate::task_start(
             &env,
+            DEFAULT_PATH,
             &config.command,
             config.args.as_deref().unwrap_or_default(),
         );
@@ -1440,6 +1441,7 @@ impl Driver for ExecDriver {
                 .map_err(failed)?;
             let (env, command, args) = stead_schemas::interpolate::task_start(
                 &context.env,
+                DEFAULT_PATH,
                 &request.command,
                 &request.args,
             );
@@ -1475,10 +1477,11 @@ impl Driver for ExecDriver {
                     command: request.command.clone(),
                     message,
                 })?;
+            // The task's environment as the task has it; the command is as typed.
             command::spawn_session(
                 &request.command,
                 &request.args,
-                &context.env,
+                &stead_schemas::interpolate::task_env(&context.env, DEFAULT_PATH),
                 &context.dir,
                 context.as_task(self.inner.config.task_oom_score_adj),
                 request.tty,
