@@ -30,8 +30,6 @@ fn task_pid(agent: &Agent, marker: &str) -> u32 {
     })
 }
 
-/// `stead alloc exec ARGS…` against the agent at `address`, with its token file and
-/// none of the CLI's environment variables.
 /// An agent with config `config` running alloc `web`, whose task's command line carries
 /// the returned marker (`stead-exec-<label>-<pid>`), once it runs.
 fn running_web(config: &str, label: &str) -> (AgentDirs, Agent, String) {
@@ -43,6 +41,8 @@ fn running_web(config: &str, label: &str) -> (AgentDirs, Agent, String) {
     (dirs, agent, marker)
 }
 
+/// `stead alloc exec ARGS…` against the agent at `address`, with its token file and
+/// none of the CLI's environment variables.
 fn exec_at(agent: &Agent, address: &str, args: &[&str]) -> Command {
     let mut command = Command::new(agent_binary());
     command
