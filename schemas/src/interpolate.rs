@@ -221,7 +221,7 @@ pub fn task_env(env: &BTreeMap<String, String>, default_path: &str) -> BTreeMap<
 }
 
 /// A task's start with its references substituted: the environment ([`task_env`]), then
-/// the command and its arguments, which read that environment.
+/// the command and its arguments ([`command_line`]).
 pub fn task_start(
     env: &BTreeMap<String, String>,
     default_path: &str,
@@ -229,12 +229,23 @@ pub fn task_start(
     args: &[String],
 ) -> (BTreeMap<String, String>, String, Vec<String>) {
     let env = task_env(env, default_path);
+    let (command, args) = command_line(&env, command, args);
+    (env, command, args)
+}
+
+/// `command` and `args` with their references substituted from `env`, a task's finished
+/// environment ([`task_env`]).
+pub fn command_line(
+    env: &BTreeMap<String, String>,
+    command: &str,
+    args: &[String],
+) -> (String, Vec<String>) {
     let from = |variable: Variable<'_>| match variable {
         Variable::Agent(name) | Variable::Env(name) => env.get(name).cloned(),
     };
     let command = interpolate(command, &from);
     let args = args.iter().map(|arg| interpolate(arg, &from)).collect();
-    (env, command, args)
+    (command, args)
 }
 
 /// Reports every bad reference in the fields of `document` that are substituted: each

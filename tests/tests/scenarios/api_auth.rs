@@ -45,18 +45,6 @@ fn text(output: &Output) -> String {
     )
 }
 
-/// Waits for the agent to exit on its own and returns its log.
-fn exits_refusing(mut agent: agent_support::Agent) -> (std::process::ExitStatus, String) {
-    let status = wait_for("the agent exits", Duration::from_secs(20), || {
-        agent
-            .child
-            .try_wait()
-            .expect("wait")
-            .ok_or_else(|| agent.log_text())
-    });
-    (status, agent.log_text())
-}
-
 #[test]
 fn a_fresh_agent_without_a_token_generates_one_and_wants_it_everywhere_but_health() {
     let dirs = AgentDirs::new("shutdown: drain\n");
@@ -186,7 +174,7 @@ fn token_none_on_a_listen_address_off_loopback_refuses_to_start_naming_the_keys(
     let config = std::fs::read_to_string(&dirs.config).expect("config");
     let open = config.replace("listen: 127.0.0.1:", "listen: 0.0.0.0:");
     std::fs::write(&dirs.config, open).expect("config written");
-    let (status, log) = exits_refusing(dirs.launch());
+    let (status, log) = dirs.launch().until_exit(Duration::from_secs(20));
     assert!(!status.success(), "{log}");
     assert!(
         log.contains(&format!(

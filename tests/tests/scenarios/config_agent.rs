@@ -3,7 +3,7 @@
 
 use std::time::Duration;
 
-use crate::agent_support::{AgentDirs, wait_for};
+use crate::agent_support::AgentDirs;
 
 #[test]
 fn an_agent_config_with_three_problems_reports_all_three_with_their_locations_and_exits() {
@@ -16,15 +16,7 @@ fn an_agent_config_with_three_problems_reports_all_three_with_their_locations_an
         format!("{config}maxTaskEvents: many\nlisten_addr: 127.0.0.1:1\ngc:\n  maxAllocs: 5\n  interval: 0s\n"),
     )
     .expect("config written");
-    let mut agent = dirs.launch();
-    let status = wait_for("the agent exits", Duration::from_secs(20), || {
-        agent
-            .child
-            .try_wait()
-            .expect("wait")
-            .ok_or_else(|| agent.log_text())
-    });
-    let log = agent.log_text();
+    let (status, log) = dirs.launch().until_exit(Duration::from_secs(20));
     assert!(!status.success(), "{log}");
     let path = dirs.config.display();
     for (line, column, message) in [

@@ -366,6 +366,26 @@ fn sleeps(nap: &str) -> Vec<u32> {
 }
 
 /// Waits until no process whose command line carries `marker` is left.
+/// A CLI running `stead alloc exec` of a shell that sleeps `nap` in the background and
+/// in the foreground, once both sleeps run; its stderr goes to `stderr`.
+fn sleeping(agent: &Agent, nap: &str, stderr: Stdio) -> Child {
+    let script = format!("sleep {nap} & sleep {nap}");
+    let cli = exec(agent, &["web", "main", "--", "sh", "-c", &script])
+        .stdout(Stdio::null())
+        .stderr(stderr)
+        .spawn()
+        .expect("the cli starts");
+    wait_for("both sleeps run", Duration::from_secs(10), || {
+        let running = sleeps(nap);
+        if running.len() == 2 {
+            Ok(())
+        } else {
+            Err(format!("{running:?}"))
+        }
+    });
+    cli
+}
+
 fn until_gone(marker: &str, what: &str) {
     wait_for(what, Duration::from_secs(10), || {
         let left = processes_with(marker);
@@ -382,20 +402,7 @@ fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
     let (_dirs, agent, marker) = running_web("", "gone");
 
     let nap = unique_nap();
-    let script = format!("sleep {nap} & sleep {nap}");
-    let mut cli = exec(&agent, &["web", "main", "--", "sh", "-c", &script])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the cli starts");
-    wait_for("both sleeps run", Duration::from_secs(10), || {
-        let running = sleeps(&nap);
-        if running.len() == 2 {
-            Ok(())
-        } else {
-            Err(format!("{running:?}"))
-        }
-    });
+    let mut cli = sleeping(&agent, &nap, Stdio::null());
     cli.kill().expect("the cli killed");
     cli.wait().expect("the cli reaped");
     until_gone(
@@ -426,16 +433,9 @@ fn a_command_dies_with_its_whole_group_when_its_client_goes_away_or_it_ends() {
 fn an_agent_that_stops_takes_the_commands_it_runs_with_it() {
     let (_dirs, agent, marker) = running_web("", "stop");
     let nap = unique_nap();
-    let mut cli = exec(&agent, &["web", "main", "--", "sleep", &nap])
-        .stdout(Stdio::null())
-        .stderr(Stdio::piped())
-        .spawn()
-        .expect("the cli starts");
-    wait_for("the command runs", Duration::from_secs(10), || {
-        (!sleeps(&nap).is_empty())
-            .then_some(())
-            .ok_or_else(String::new)
-    });
+    // A background child too: the task's death signal reaches only the direct child,
+    // so only the agent's own clean-up ends the other.
+    let mut cli = sleeping(&agent, &nap, Stdio::piped());
     // Detached: the task runs on, the command does not.
     assert!(agent.terminate().success());
     until_gone(&nap, "the command of a stopped agent");
@@ -454,16 +454,7 @@ fn execs_beyond_api_max_execs_are_refused_until_one_ends() {
     let (_dirs, agent, _marker) = running_web("api: {maxExecs: 1}\n", "cap");
 
     let nap = unique_nap();
-    let mut first = exec(&agent, &["web", "main", "--", "sleep", &nap])
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .expect("the cli starts");
-    wait_for("the first command runs", Duration::from_secs(10), || {
-        (!sleeps(&nap).is_empty())
-            .then_some(())
-            .ok_or_else(String::new)
-    });
+    let mut first = sleeping(&agent, &nap, Stdio::null());
     let second = output(exec(&agent, &["web", "main", "--", "true"]));
     assert_eq!(second.status.code(), Some(1), "{}", show(&second));
     assert!(

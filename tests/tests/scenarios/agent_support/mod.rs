@@ -219,6 +219,18 @@ impl Agent {
         self.child.wait().expect("agent reaped")
     }
 
+    /// Waits up to `within` for the agent to exit by itself (refusing to start, say);
+    /// its exit status and log.
+    pub fn until_exit(mut self, within: Duration) -> (std::process::ExitStatus, String) {
+        let status = wait_for("the agent exits", within, || {
+            self.child
+                .try_wait()
+                .expect("the agent's state")
+                .ok_or_else(|| self.log_text())
+        });
+        (status, self.log_text())
+    }
+
     /// The agent's log so far.
     pub fn log_text(&self) -> String {
         std::fs::read_to_string(&self.log).unwrap_or_default()

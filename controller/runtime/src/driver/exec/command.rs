@@ -60,12 +60,8 @@ pub(super) async fn run(
         oom_score_adj,
     } = as_task;
     let (reader, writer) = std::io::pipe()?;
-    let mut builder = tokio::process::Command::new(command);
+    let mut builder = command_in(command, args, env, dir);
     builder
-        .args(args)
-        .env_clear()
-        .envs(env)
-        .current_dir(dir)
         .stdin(Stdio::null())
         .stdout(writer.try_clone()?)
         .stderr(writer)
@@ -139,6 +135,18 @@ pub(super) async fn run(
     }
 }
 
+/// `command` with `args`, to run in `dir` with exactly `env`.
+fn command_in(
+    command: &str,
+    args: &[String],
+    env: &BTreeMap<String, String>,
+    dir: &Path,
+) -> tokio::process::Command {
+    let mut builder = tokio::process::Command::new(command);
+    builder.args(args).env_clear().envs(env).current_dir(dir);
+    builder
+}
+
 /// The cgroups' `cgroup.procs` paths as C strings, for the child to open.
 fn c_paths(cgroups: &[PathBuf]) -> io::Result<Vec<std::ffi::CString>> {
     cgroups
@@ -165,13 +173,8 @@ pub(super) fn spawn_session(
         cgroups,
         oom_score_adj,
     } = as_task;
-    let mut builder = tokio::process::Command::new(command);
-    builder
-        .args(args)
-        .env_clear()
-        .envs(env)
-        .current_dir(dir)
-        .kill_on_drop(false);
+    let mut builder = command_in(command, args, env, dir);
+    builder.kill_on_drop(false);
     let terminal = match tty {
         Some(size) => {
             let pty = super::pty::open(size)?;

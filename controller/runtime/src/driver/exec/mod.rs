@@ -1424,12 +1424,7 @@ impl Driver for ExecDriver {
 
     fn exec(&self, request: ExecRequest) -> BoxFuture<'_, Result<ExecOutput, DriverError>> {
         Box::pin(async move {
-            let failed = |message: String| DriverError::Exec {
-                alloc_id: request.alloc_id.clone(),
-                task: request.task.clone(),
-                command: request.command.clone(),
-                message,
-            };
+            let failed = exec_failed(&request.alloc_id, &request.task, &request.command);
             let context = self
                 .inner
                 .command_context(
@@ -1438,17 +1433,17 @@ impl Driver for ExecDriver {
                     request.user.as_deref(),
                     request.env.clone(),
                 )
-                .map_err(failed)?;
-            let (env, command, args) = stead_schemas::interpolate::task_start(
+                .map_err(&failed)?;
+            // A check's command is the spec's: its references are substituted.
+            let (command, args) = stead_schemas::interpolate::command_line(
                 &context.env,
-                DEFAULT_PATH,
                 &request.command,
                 &request.args,
             );
             command::run(
                 &command,
                 &args,
-                &env,
+                &context.env,
                 &context.dir,
                 context.as_task(self.inner.config.task_oom_score_adj),
                 request.timeout,
@@ -1471,17 +1466,16 @@ impl Driver for ExecDriver {
                     request.user.as_deref(),
                     request.env.clone(),
                 )
-                .map_err(|message| DriverError::Exec {
-                    alloc_id: request.alloc_id.clone(),
-                    task: request.task.clone(),
-                    command: request.command.clone(),
-                    message,
-                })?;
-            // The task's environment as the task has it; the command is as typed.
+                .map_err(exec_failed(
+                    &request.alloc_id,
+                    &request.task,
+                    &request.command,
+                ))?;
+            // A session's command is as typed.
             command::spawn_session(
                 &request.command,
                 &request.args,
-                &stead_schemas::interpolate::task_env(&context.env, DEFAULT_PATH),
+                &context.env,
                 &context.dir,
                 context.as_task(self.inner.config.task_oom_score_adj),
                 request.tty,
@@ -1517,9 +1511,23 @@ impl CommandContext {
     }
 }
 
+/// How a command beside task `task` of `alloc_id` failed to run, from why, for people.
+fn exec_failed<'a>(
+    alloc_id: &'a AllocId,
+    task: &'a Name,
+    command: &'a str,
+) -> impl Fn(String) -> DriverError + 'a {
+    move |message| DriverError::Exec {
+        alloc_id: alloc_id.clone(),
+        task: task.clone(),
+        command: command.to_owned(),
+        message,
+    }
+}
+
 impl Inner {
     /// The context of a command beside task `task` of `alloc_id` run as `user` with the
-    /// task's `env`; why not, for people.
+    /// task's `env` (as the task has it: references substituted); why not, for people.
     fn command_context(
         &self,
         alloc_id: &AllocId,
@@ -1534,7 +1542,10 @@ impl Inner {
         let task_dir = alloc_dir
             .task(task)
             .map_err(|error| crate::errors::error_chain(&error))?;
-        let env = Inner::environment(env, alloc_id, &alloc_dir, &task_dir);
+        let env = stead_schemas::interpolate::task_env(
+            &Inner::environment(env, alloc_id, &alloc_dir, &task_dir),
+            DEFAULT_PATH,
+        );
         let cgroups: Vec<PathBuf> = self
             .runs()
             .values()
