@@ -1090,6 +1090,9 @@ pub(crate) struct DecodedTasks {
     pub(crate) tasks: Vec<(usize, TaskSpec)>,
     /// Whether every task decoded.
     pub(crate) complete: bool,
+    /// Whether a task that did not decode writes no lifecycle, so would be a main task:
+    /// the rule that an alloc has one cannot be judged without it.
+    pub(crate) failed_main: bool,
 }
 
 pub(crate) fn decode_tasks(
@@ -1106,12 +1109,19 @@ pub(crate) fn decode_tasks(
         return None;
     }
     let mut tasks = Vec::new();
-    let mut complete = true;
+    let (mut complete, mut failed_main) = (true, false);
     for (i, item) in items.iter().enumerate() {
         match TaskSpec::decode(item, &path.index(i), cx) {
             Some(task) => tasks.push((i, task)),
-            None => complete = false,
+            None => {
+                complete = false;
+                failed_main |= field_node(item, "lifecycle").is_none_or(|l| l.value == Value::Null);
+            }
         }
     }
-    Some(DecodedTasks { tasks, complete })
+    Some(DecodedTasks {
+        tasks,
+        complete,
+        failed_main,
+    })
 }

@@ -311,7 +311,7 @@ fn decode_body(node: &Node, path: &FieldPath, cx: &mut Decoder<'_>) -> Option<Al
         shutdown_delay,
         tasks: tasks.tasks.iter().map(|(_, t)| t.clone()).collect(),
     };
-    let group_ok = check_body(node, path, &body, &tasks.tasks, tasks.complete, cx);
+    let group_ok = check_body(node, path, &body, &tasks.tasks, tasks.failed_main, cx);
     if !(valid_fields && tasks.complete && group_ok) {
         return None;
     }
@@ -325,7 +325,7 @@ fn check_body(
     path: &FieldPath,
     body: &AllocBody,
     tasks: &[(usize, TaskSpec)],
-    complete: bool,
+    failed_main: bool,
     cx: &mut Decoder<'_>,
 ) -> bool {
     let before = cx.diagnostics.len();
@@ -435,7 +435,9 @@ fn check_body(
             );
         }
     }
-    if complete && !tasks.iter().any(|(_, t)| t.is_main()) {
+    // A task that did not decode counts as main when it writes no lifecycle: the rule is
+    // judged whatever else is wrong, as the schema judges it.
+    if !failed_main && !tasks.iter().any(|(_, t)| t.is_main()) {
         cx.report(
             tasks_node.map_or(body_node.location, |t| t.location),
             &path.field("tasks"),

@@ -1208,7 +1208,13 @@ async fn watch_run(
 /// Watches a supervisor an earlier agent started, until it exits.
 async fn watch_pid(supervisor: ProcessId, state: Arc<RunState>, control: PathBuf, run: String) {
     wait_for_exit(supervisor).await;
-    publish_exit(&state, recorded_exit(&control, &run), &control, &run).await;
+    // Reattached: the run may have ended before this agent watched it (its supervisor
+    // still finishing up), so it says when it did.
+    let result = ExitResult {
+        at: recorded_at(&control, &run),
+        ..recorded_exit(&control, &run)
+    };
+    publish_exit(&state, result, &control, &run).await;
 }
 
 /// Tells the run's waiters how it ended, with whether the OOM killer killed a process of
