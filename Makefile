@@ -8,7 +8,7 @@ SHELL := bash
 CARGO ?= cargo
 SPECS ?= deploy/examples
 
-.PHONY: run test deps fmt-check clippy unit release bench soak fuzz
+.PHONY: run test deps fmt-check clippy unit release bench soak fuzz screenshots
 
 # The same build as `make test` (every target of the workspace), so the two share one
 # compile of RocksDB's C++; a narrower selection unifies features differently and
@@ -39,6 +39,13 @@ clippy:
 
 unit:
 	scripts/cargo-test-summary.sh --locked --workspace
+
+# The status page at 1280x800 (docs/ui-node.png, docs/ui-alloc.png), taken by headless
+# Chromium from an agent running deploy/examples; for people to look at, not a test.
+screenshots: deps
+	$(CARGO) build --locked --workspace --all-targets
+	STEAD_BUILD_PROFILE=dev CARGO="$(CARGO)" scripts/build-release.sh target/debug stead-supervisor
+	scripts/ui-screenshots.sh docs
 
 # The shipped binaries, `stead` and its supervisor (a static executable without a C
 # library), in one directory: target/dist.

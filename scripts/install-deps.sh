@@ -9,8 +9,10 @@ set -euo pipefail
 # program the tests signal processes with; prometheus: `promtool`, which the metrics
 # tests lint the Prometheus text format with; python3-prometheus-client: the reference
 # OpenMetrics parser, which they check the OpenMetrics format with (promtool reads only
-# the Prometheus text format).
-packages=(gcc g++ libc6-dev libclang-dev pkg-config procps prometheus python3-prometheus-client)
+# the Prometheus text format); chromium and chromium-driver: the headless browser and
+# its WebDriver server, which the status page's tests drive.
+packages=(gcc g++ libc6-dev libclang-dev pkg-config procps prometheus python3-prometheus-client
+  chromium chromium-driver)
 
 missing=()
 for package in "${packages[@]}"; do

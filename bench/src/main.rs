@@ -16,6 +16,7 @@ mod parse;
 mod peers;
 mod procwatch;
 mod store;
+mod ui;
 
 use std::sync::Arc;
 use std::time::Duration;
@@ -218,6 +219,7 @@ fn main() -> anyhow::Result<()> {
     match what.as_str() {
         "core" => runtime.block_on(core(allocs, idle, tick)),
         "api" => api::run(&runtime),
+        "ui" => ui::run(&runtime),
         "exec" => exec::run(&runtime),
         "checks" => checks::run(),
         "store" => store::run(&runtime),
@@ -243,7 +245,7 @@ fn main() -> anyhow::Result<()> {
             )
         }
         other => bail!(
-            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `checks [TASKS] [WINDOW_SECONDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]` or `logfollow [STREAMS] [WINDOW_SECONDS]`"
+            "unknown benchmark {other:?}; try `core [ALLOCS] [IDLE_SECONDS] [TICK_MS]` or `api [ALLOCS] [CLIENTS] [POLL_MS] [ROUNDS]` or `ui [ALLOCS] [ROUNDS]` or `exec [TASKS] [RESTARTS] [ROUNDS]` or `checks [TASKS] [WINDOW_SECONDS]` or `store [ALLOCS] [WINDOW_SECONDS] [ROUNDS]` or `peers [ROUNDS] [IDLE_SECONDS] [RESTARTS]` or `devices [TASKS] [HOST_DEVICES] [ROUNDS]` or `parse [ROUNDS]` or `logfollow [STREAMS] [WINDOW_SECONDS]`"
         ),
     }
 }

@@ -30,7 +30,7 @@ pub struct ErrorBody {
 }
 
 /// One alloc in `GET /v1/allocs` and `stead alloc list`.
-#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
 pub struct AllocListItem {
     /// The alloc's name.
@@ -51,6 +51,39 @@ pub struct AllocListItem {
     pub modified_at: Option<Timestamp>,
     /// Whether a broken edit of the spec is waiting while the last good revision runs.
     pub spec_error: bool,
+    /// The newest event of any of its tasks; left out before the first.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub last_event: Option<AllocEvent>,
+    /// What its running tasks use now, summed over those the node measures; only with
+    /// `?usage=true`, and left out when none is measured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub usage: Option<AllocUsage>,
+}
+
+/// One task event of an alloc, with the task it happened to.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocEvent {
+    /// The task's name.
+    pub task: String,
+    /// Nomad's event type string, such as `Terminated`.
+    #[serde(rename = "type")]
+    pub event_type: String,
+    /// When it happened.
+    pub time: Timestamp,
+    /// Nomad's description.
+    pub message: String,
+}
+
+/// What an alloc's running tasks use now, from their cgroups.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocUsage {
+    /// CPU used since the node's previous measurement of the alloc (at least a second
+    /// earlier), in percent of one core; `null` on the first.
+    pub cpu_percent: Option<f64>,
+    /// Memory charged now, in bytes; `null` without the memory controller.
+    pub memory_bytes: Option<u64>,
 }
 
 /// The node, as `GET /v1/node` and `stead node status` show it.
@@ -369,6 +402,16 @@ pub struct LogsQuery {
     /// until the alloc is collected); never followed.
     #[serde(default)]
     pub previous: bool,
+}
+
+/// The query of `GET /v1/allocs`.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct AllocsQuery {
+    /// Measure what each alloc's running tasks use now (`usage=true`): a few small
+    /// reads per running task.
+    #[serde(default)]
+    pub usage: bool,
 }
 
 /// The response header of a logs request saying how many bytes of the body already

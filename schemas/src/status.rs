@@ -33,6 +33,10 @@ pub struct AllocStatus {
     /// yet (the stopped old revision is shown meanwhile).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub state_error: Option<String>,
+    /// The file (or key) the running revision's spec was read from; left out when the
+    /// agent has not read it since it started (a restored alloc before the first pass).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub spec_file: Option<String>,
     /// Whether every task with health checks that is not dead runs and passes all of
     /// them; `null` when no task has checks.
     #[serde(default)]
@@ -47,6 +51,10 @@ pub struct AllocStatus {
 pub struct TaskStatus {
     /// `pending`, `running` or `dead`.
     pub state: String,
+    /// Its lifecycle stage, as Nomad shows it: `prestart`, `poststart` or `poststop`,
+    /// with ` sidecar` after a sidecar's; left out for a main task.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub lifecycle: Option<String>,
     /// Whether the task failed.
     pub failed: bool,
     /// Restarts so far.

@@ -508,6 +508,14 @@ impl Node {
             .update_view(name, |view| view.spec_error = error.map(Arc::from));
     }
 
+    /// Records the file (or key) alloc `name`'s spec was last read from; its status
+    /// document shows it as `specFile`.
+    pub fn set_spec_file(&self, name: &Name, file: &str) {
+        self.shared
+            .registry
+            .update_view(name, |view| view.spec_file = Some(Arc::from(file)));
+    }
+
     /// The node's devices.
     pub fn devices(&self) -> &Arc<DeviceManager> {
         &self.shared.config.devices
@@ -522,6 +530,11 @@ impl Node {
     /// The published status of alloc `name`.
     pub fn status(&self, name: &str) -> Option<Arc<AllocStatus>> {
         self.view(name)?.status()
+    }
+
+    /// The status document of alloc `name`: its published status with the spec's file.
+    pub fn full_status(&self, name: &str) -> Option<Arc<AllocStatus>> {
+        self.view(name)?.full_status()
     }
 
     /// The driver handles of alloc `name`'s started tasks, as last published.

@@ -59,6 +59,8 @@ pub struct AllocView {
     pub facts: AllocFacts,
     /// The diagnostics of its spec, while that spec is broken.
     pub spec_error: Option<Arc<str>>,
+    /// The file (or key) its spec was last read from.
+    pub spec_file: Option<Arc<str>>,
     /// Whether its latest state is not yet stored (its writes are being retried).
     pub store_behind: bool,
 }
@@ -74,6 +76,19 @@ impl AllocView {
             }),
             None => status.clone(),
         })
+    }
+
+    /// The status as one alloc's document shows it: with the spec error and the
+    /// spec's file (a copy when there is a file; lists leave the file out).
+    pub fn full_status(&self) -> Option<Arc<AllocStatus>> {
+        let status = self.status()?;
+        let Some(file) = &self.spec_file else {
+            return Some(status);
+        };
+        Some(Arc::new(AllocStatus {
+            spec_file: Some(file.to_string()),
+            ..AllocStatus::clone(&status)
+        }))
     }
 }
 

@@ -328,6 +328,7 @@ impl Syncer {
             }
             let name = &spec.spec.metadata.name;
             if self.sources.get(name) != Some(path) {
+                node.set_spec_file(name, &path.display().to_string());
                 self.sources.insert(name.clone(), path.clone());
             }
         }

@@ -90,6 +90,13 @@ pub enum ApiError {
         /// Whether no token was sent at all.
         missing: bool,
     },
+    /// A browser sent the request from a page of another origin (its `Origin` header
+    /// names another host than `Host`): a page elsewhere must not act on the agent.
+    #[error("cross-origin request from {origin} refused")]
+    CrossOrigin {
+        /// The `Origin` header.
+        origin: String,
+    },
     /// The request body is larger than the agent accepts.
     #[error("request body larger than {limit} bytes")]
     BodyTooLarge {
@@ -263,6 +270,7 @@ impl ApiError {
             | ApiError::UnreadableBody { .. }
             | ApiError::InvalidQuery { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized { .. } => StatusCode::UNAUTHORIZED,
+            ApiError::CrossOrigin { .. } => StatusCode::FORBIDDEN,
             ApiError::BodyTooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::MethodNotAllowed { .. } => StatusCode::METHOD_NOT_ALLOWED,
             ApiError::UpgradeRequired => StatusCode::UPGRADE_REQUIRED,
@@ -305,6 +313,7 @@ impl ApiError {
                 _ => "command_not_executable",
             },
             ApiError::Unauthorized { .. } => "unauthorized",
+            ApiError::CrossOrigin { .. } => "cross_origin",
             ApiError::BodyTooLarge { .. } => "body_too_large",
             ApiError::RouteNotFound { .. } => "not_found",
             ApiError::MethodNotAllowed { .. } => "method_not_allowed",

@@ -3,35 +3,62 @@
 use std::collections::BTreeMap;
 
 use axum::body::Bytes;
-use axum::extract::rejection::BytesRejection;
-use axum::extract::{Path, State};
+use axum::extract::rejection::{BytesRejection, QueryRejection};
+use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use serde::de::DeserializeOwned;
 use stead_schemas::api::{
-    AllocListItem, AllocStats, CgroupStats, ComponentHealth, DeviceGroupStats, DeviceStatsEntry,
-    DriverStatus, GcRefusal, GcResult, HealthStatus, NodeResources, NodeStatus, RestartRequest,
-    SignalRequest, TaskStats,
+    AllocEvent, AllocListItem, AllocStats, AllocsQuery, CgroupStats, ComponentHealth,
+    DeviceGroupStats, DeviceStatsEntry, DriverStatus, GcRefusal, GcResult, HealthStatus,
+    NodeResources, NodeStatus, RestartRequest, SignalRequest, TaskStats,
 };
 use stead_schemas::spec::{Name, Signal};
 use stead_schemas::status::AllocStatus;
 
+use super::usage::UsageSampler;
 use super::{ApiError, ApiState, FINGERPRINT_TIMEOUT, MAX_BODY_BYTES, json_response};
 use crate::driver::{Fingerprint, Health};
 use crate::metrics::{CLIENT_STATUSES, Format};
 
-/// `GET /v1/allocs`: every alloc, by name.
-pub(super) async fn list_allocs(State(state): State<ApiState>) -> Response {
-    let items: Vec<AllocListItem> = state
-        .node()
-        .statuses()
+/// `GET /v1/allocs`: every alloc, by name; with `?usage=true`, what each uses now.
+pub(super) async fn list_allocs(
+    State(state): State<ApiState>,
+    query: Result<Query<AllocsQuery>, QueryRejection>,
+) -> Result<Response, ApiError> {
+    let Query(query) = query.map_err(|source| ApiError::InvalidQuery { source })?;
+    let statuses = state.node().statuses();
+    let mut usage = match query.usage {
+        true => UsageSampler::measure(&state, &statuses, true).await,
+        false => Default::default(),
+    };
+    let items: Vec<AllocListItem> = statuses
         .iter()
-        .map(|status| list_item(status))
+        .map(|status| {
+            let mut item = list_item(status);
+            item.usage = usage.remove(&status.name);
+            item
+        })
         .collect();
-    json_response(StatusCode::OK, &items)
+    Ok(json_response(StatusCode::OK, &items))
 }
 
-fn list_item(status: &AllocStatus) -> AllocListItem {
+/// The newest event of any task of `status`.
+pub(super) fn last_event(status: &AllocStatus) -> Option<AllocEvent> {
+    status
+        .tasks
+        .iter()
+        .filter_map(|(task, shown)| shown.events.last().map(|event| (task, event)))
+        .max_by_key(|(_, event)| event.time)
+        .map(|(task, event)| AllocEvent {
+            task: task.clone(),
+            event_type: event.event_type.clone(),
+            time: event.time,
+            message: event.message.clone(),
+        })
+}
+
+pub(super) fn list_item(status: &AllocStatus) -> AllocListItem {
     let count = |pred: &dyn Fn(&stead_schemas::status::TaskStatus) -> bool| {
         u32::try_from(status.tasks.values().filter(|t| pred(t)).count()).unwrap_or(u32::MAX)
     };
@@ -49,6 +76,8 @@ fn list_item(status: &AllocStatus) -> AllocListItem {
             .filter_map(|t| t.events.last().map(|e| e.time))
             .max(),
         spec_error: status.spec_error.is_some(),
+        last_event: last_event(status),
+        usage: None,
     }
 }
 
@@ -59,7 +88,7 @@ pub(super) async fn alloc_status(
 ) -> Result<Response, ApiError> {
     let status = state
         .node()
-        .status(&name)
+        .full_status(&name)
         .ok_or(ApiError::AllocNotFound { name })?;
     Ok(json_response(StatusCode::OK, status.as_ref()))
 }
@@ -71,10 +100,19 @@ pub(super) async fn alloc_stats(
     State(state): State<ApiState>,
     Path(name): Path<String>,
 ) -> Result<Response, ApiError> {
+    let stats = measure_stats(&state, &name)
+        .await
+        .ok_or(ApiError::AllocNotFound { name })?;
+    Ok(json_response(StatusCode::OK, &stats))
+}
+
+/// What alloc `name`'s running tasks use, measured now by their drivers; `None` when
+/// there is no such alloc.
+pub(super) async fn measure_stats(state: &ApiState, name: &str) -> Option<AllocStats> {
     let (Some(status), Some(handles)) =
-        (state.node().status(&name), state.node().task_handles(&name))
+        (state.node().status(name), state.node().task_handles(name))
     else {
-        return Err(ApiError::AllocNotFound { name });
+        return None;
     };
     let mut set = tokio::task::JoinSet::new();
     for (task, handle) in handles.iter() {
@@ -128,16 +166,15 @@ pub(super) async fn alloc_stats(
             }
         }
     }
-    let (task_devices, device_groups) = device_stats(&state, &status.name).await;
-    let stats = AllocStats {
+    let (task_devices, device_groups) = device_stats(state, &status.name).await;
+    Some(AllocStats {
         name: status.name.clone(),
         id: status.id.clone(),
         time: state.node().clock().now(),
         tasks,
         task_devices,
         device_groups,
-    };
-    Ok(json_response(StatusCode::OK, &stats))
+    })
 }
 
 /// The alloc's device stats, per task and per group, looked up by instance.
@@ -338,7 +375,7 @@ pub(super) fn task_name(alloc: &str, task: &str) -> Result<Name, ApiError> {
 }
 
 /// Every driver's fingerprint, taken concurrently, each within [`FINGERPRINT_TIMEOUT`].
-async fn fingerprints(state: &ApiState) -> BTreeMap<String, Fingerprint> {
+pub(super) async fn fingerprints(state: &ApiState) -> BTreeMap<String, Fingerprint> {
     let mut set = tokio::task::JoinSet::new();
     for (kind, driver) in state.inner.drivers.iter() {
         let driver = driver.clone();
@@ -370,6 +407,11 @@ async fn fingerprints(state: &ApiState) -> BTreeMap<String, Fingerprint> {
 
 /// `GET /v1/node`: the node, its drivers and devices, and its allocs by status.
 pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
+    json_response(StatusCode::OK, &node_document(&state).await)
+}
+
+/// The node's status document, with its drivers' fingerprints taken now.
+pub(super) async fn node_document(state: &ApiState) -> NodeStatus {
     let mut allocs: BTreeMap<String, u32> = CLIENT_STATUSES
         .iter()
         .map(|s| ((*s).to_owned(), 0))
@@ -377,7 +419,7 @@ pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
     for status in state.node().statuses() {
         *allocs.entry(status.client_status.clone()).or_default() += 1;
     }
-    let drivers = fingerprints(&state)
+    let drivers = fingerprints(state)
         .await
         .into_iter()
         .map(|(name, fingerprint)| {
@@ -389,7 +431,7 @@ pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
             (name, status)
         })
         .collect();
-    let node = NodeStatus {
+    NodeStatus {
         name: state.inner.node_name.clone(),
         version: env!("CARGO_PKG_VERSION").to_owned(),
         started_at: state.inner.started_at,
@@ -409,8 +451,7 @@ pub(super) async fn node_status(State(state): State<ApiState>) -> Response {
                 reserved_memory_mb,
             }
         }),
-    };
-    json_response(StatusCode::OK, &node)
+    }
 }
 
 /// `GET /v1/health`: which parts work. Always 200 while the API answers: the body says

@@ -161,6 +161,47 @@ impl LogFiles {
     }
 }
 
+/// The end of one output of a task, as the status page shows it: at most `max` of its
+/// last bytes, from the start of a line when cut, and the whole log's length now (where
+/// following it goes on from).
+pub(super) async fn tail(
+    data_dir: &Path,
+    alloc_id: &str,
+    task: &str,
+    stream: LogStream,
+    max: u64,
+) -> std::io::Result<(Vec<u8>, u64)> {
+    let files = LogFiles::new(data_dir, alloc_id, task, stream);
+    let listed = files.list().await?;
+    let total: u64 = listed.iter().map(|f| f.len).sum();
+    let mut parts = Vec::new();
+    let mut wanted = max;
+    for file in listed.iter().rev() {
+        if wanted == 0 {
+            break;
+        }
+        let take = file.len.min(wanted);
+        let mut opened = match tokio::fs::File::open(files.path(file.index)).await {
+            Ok(opened) => opened,
+            // Rotated away since the listing: older output, past what is shown.
+            Err(error) if error.kind() == std::io::ErrorKind::NotFound => break,
+            Err(error) => return Err(error),
+        };
+        opened.seek(SeekFrom::Start(file.len - take)).await?;
+        let mut part = Vec::new();
+        opened.take(take).read_to_end(&mut part).await?;
+        wanted -= take;
+        parts.push(part);
+    }
+    let mut bytes: Vec<u8> = parts.into_iter().rev().flatten().collect();
+    if (bytes.len() as u64) < total
+        && let Some(newline) = bytes.iter().position(|b| *b == b'\n')
+    {
+        bytes.drain(..=newline);
+    }
+    Ok((bytes, total))
+}
+
 /// Where `offset` from `origin` falls in `files`, and how many bytes follow it now.
 fn locate(files: &[LogFile], origin: LogOrigin, offset: u64) -> (Option<Cursor>, u64) {
     let total: u64 = files.iter().map(|f| f.len).sum();

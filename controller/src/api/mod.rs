@@ -21,8 +21,13 @@
 //! | `GET /v1/node` | 200 `NodeStatus` | |
 //! | `GET /v1/health` | 200 `HealthStatus` (`ok` or `degraded`) | |
 //! | `GET /metrics` | 200 Prometheus text, or OpenMetrics if `Accept` prefers it | 404 when metrics are off |
+//! | `GET /ui`, `GET /ui/allocs/{name}` | 200 the status page ([`ui`]) | 401 (a page asking for the token), 404 |
 //!
-//! With a token set, every endpoint but `/v1/health` answers 401 without
+//! `GET /v1/allocs?usage=true` adds what each alloc's running tasks use now. A request
+//! that changes something is refused (403) when a browser sends it from a page of
+//! another origin.
+//!
+//! With a token set, every endpoint but `/v1/health` and the page's assets answers 401 without
 //! `Authorization: Bearer <token>`, and `/v1/health` without it says only the status and
 //! each part's name and health, not the messages (which name allocs); bodies over
 //! [`MAX_BODY_BYTES`] get 413.
@@ -38,6 +43,8 @@ mod exec;
 mod handlers;
 mod logs;
 mod serve;
+mod ui;
+mod usage;
 
 use std::future::Future;
 use std::path::{Path, PathBuf};
@@ -99,6 +106,8 @@ struct Inner {
     /// One permit per exec session.
     execs: Arc<tokio::sync::Semaphore>,
     max_execs: usize,
+    /// The previous measurement of each alloc's use, for CPU percent.
+    usage: Arc<usage::UsageSampler>,
     shutdown: CancellationToken,
 }
 
@@ -121,6 +130,7 @@ impl ApiState {
                 max_log_streams: DEFAULT_MAX_LOG_STREAMS,
                 execs: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_EXECS)),
                 max_execs: DEFAULT_MAX_EXECS,
+                usage: Arc::default(),
                 shutdown: CancellationToken::new(),
             }),
         }
@@ -223,13 +233,46 @@ pub fn router(state: ApiState) -> Router {
         .route_layer(middleware::from_fn_with_state(state.clone(), require_token));
     Router::new()
         .merge(guarded)
+        .merge(ui::routes())
         .route("/v1/health", get(handlers::health))
         .fallback(route_not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(RequestBodyLimitLayer::new(MAX_BODY_BYTES))
         .layer(middleware::from_fn_with_state(state.clone(), suggest_names))
+        .layer(middleware::from_fn(same_origin))
         .layer(middleware::from_fn(json_errors))
         .with_state(state)
+}
+
+/// Refuses (403) a request that changes something when a browser sent it from a page of
+/// another origin: with no token set, any web page the operator visits could otherwise
+/// post to the agent on loopback. Browsers send `Origin` on every such request; the CLI
+/// and other programs send none, and are not affected.
+async fn same_origin(request: Request, next: Next) -> Result<Response, ApiError> {
+    use axum::http::Method;
+    if matches!(
+        *request.method(),
+        Method::GET | Method::HEAD | Method::OPTIONS
+    ) {
+        return Ok(next.run(request).await);
+    }
+    let headers = request.headers();
+    if let Some(origin) = headers.get(header::ORIGIN) {
+        let host = headers
+            .get(header::HOST)
+            .and_then(|host| host.to_str().ok());
+        let authority = origin
+            .to_str()
+            .ok()
+            .and_then(|origin| origin.split_once("://"))
+            .map(|(_, authority)| authority);
+        if host.is_none() || authority != host {
+            return Err(ApiError::CrossOrigin {
+                origin: String::from_utf8_lossy(origin.as_bytes()).into_owned(),
+            });
+        }
+    }
+    Ok(next.run(request).await)
 }
 
 /// A JSON response with `status`.

@@ -623,6 +623,7 @@ mod tests {
         );
         let task = TaskStatus {
             state: "dead".to_owned(),
+            lifecycle: None,
             failed: true,
             restarts: 0,
             oom_kills: 1,

@@ -41,3 +41,5 @@ mod state_crash;
 mod state_restore;
 mod state_store;
 mod tidy;
+mod ui_browser;
+mod ui_page;

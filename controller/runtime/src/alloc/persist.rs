@@ -158,14 +158,17 @@ pub(super) fn status_of(
         client_status: current.state.client_status().as_str().to_owned(),
         spec_error: current.device_error.clone(),
         state_error: current.hand_over_error.clone(),
+        spec_file: None,
         healthy: current.state.healthy(&current.desired),
         tasks: current
             .state
             .tasks
             .iter()
             .map(|(task, state)| {
+                let settings = current.desired.task(task);
                 let status = TaskStatus {
                     state: state.phase.as_str().to_owned(),
+                    lifecycle: settings.and_then(lifecycle),
                     failed: state.failed,
                     restarts: state.restarts,
                     oom_kills: state.oom_kills,
@@ -190,9 +193,7 @@ pub(super) fn status_of(
                         .zip(health.get(task))
                         .map(|(held, health)| task_devices(held, health))
                         .unwrap_or_default(),
-                    checks: current
-                        .desired
-                        .task(task)
+                    checks: settings
                         .map(|settings| task_checks(settings, state))
                         .unwrap_or_default(),
                     events: state
@@ -212,6 +213,15 @@ pub(super) fn status_of(
             })
             .collect(),
     }
+}
+
+/// A task's lifecycle stage as shown (`prestart sidecar`, say); `None` for a main task.
+fn lifecycle(settings: &TaskSettings) -> Option<String> {
+    let hook = settings.hook?.as_str();
+    Some(match settings.sidecar {
+        true => format!("{hook} sidecar"),
+        false => hook.to_owned(),
+    })
 }
 
 /// The checks of a task as shown: each in spec order, pending until its first result.
@@ -352,6 +362,7 @@ impl Worker {
             client_status: "failed".to_owned(),
             spec_error: None,
             state_error: Some(broken.reason.clone()),
+            spec_file: None,
             healthy: None,
             tasks: BTreeMap::new(),
         })
