@@ -11,8 +11,7 @@ set -euo pipefail
 # OpenMetrics parser, which they check the OpenMetrics format with (promtool reads only
 # the Prometheus text format); chromium and chromium-driver: the headless browser and
 # its WebDriver server, which the status page's tests drive.
-packages=(gcc g++ libc6-dev libclang-dev pkg-config procps prometheus python3-prometheus-client
-  chromium chromium-driver)
+packages=(gcc g++ libc6-dev libclang-dev pkg-config procps prometheus python3-prometheus-client chromium chromium-driver)
 
 missing=()
 for package in "${packages[@]}"; do

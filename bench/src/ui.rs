@@ -41,7 +41,7 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
 /// One request through the router: its time and body size.
 async fn time(state: &ApiState, path: &str) -> anyhow::Result<(Duration, usize)> {
     let request = Request::get(path).body(Body::empty())?;
-    let start = std::time::Instant::now();
+    let start = crate::measure::now();
     let response = api::router(state.clone()).oneshot(request).await?;
     let status = response.status();
     let body = axum::body::to_bytes(response.into_body(), usize::MAX).await?;
@@ -72,7 +72,7 @@ async fn bench(allocs: usize, rounds: usize) -> anyhow::Result<()> {
         let spec = file.specs().next().context("a valid bench spec")?.clone();
         node.apply(spec);
     }
-    let start = std::time::Instant::now();
+    let start = crate::measure::now();
     loop {
         let statuses = node.statuses();
         if statuses.len() == allocs

@@ -414,6 +414,14 @@ pub struct AllocsQuery {
     pub usage: bool,
 }
 
+/// The query of the status page's node view (`GET /ui`).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct UiQuery {
+    /// Only allocs whose name contains it are listed (`q=web`).
+    #[serde(default)]
+    pub q: String,
+}
+
 /// The response header of a logs request saying how many bytes of the body already
 /// existed when the request was served (the rest arrived while following).
 pub const LOG_BACKLOG_HEADER: &str = "stead-log-backlog";

@@ -4,7 +4,9 @@
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, PoisonError};
-use std::time::{Duration, Instant};
+use std::time::Duration;
+
+use tokio::time::Instant;
 
 use stead_schemas::api::AllocUsage;
 use stead_schemas::status::AllocStatus;
@@ -56,10 +58,10 @@ impl UsageSampler {
                 (!running.is_empty()).then(|| (status.name.clone(), running))
             })
             .collect();
+        let now = state.node().clock().instant();
         let state = state.clone();
         // Each task's counters are two or three small reads of its cgroup's files.
         let measured = tokio::task::spawn_blocking(move || {
-            let now = Instant::now();
             let counted: Vec<(String, u64, Option<u64>)> = running
                 .into_iter()
                 .filter_map(|(alloc, handles)| {
@@ -153,7 +155,7 @@ mod tests {
     #[test]
     fn cpu_percent_is_measured_over_at_least_a_second_and_repeated_within_it() {
         let sampler = UsageSampler::default();
-        let start = Instant::now();
+        let start = crate::clock::Clock::system().instant();
         let at = |ms: u64| start + Duration::from_millis(ms);
         let one = |cpu_usec: u64| vec![("web".to_owned(), cpu_usec, Some(4096))];
 
@@ -180,7 +182,7 @@ mod tests {
     #[test]
     fn a_measurement_of_every_alloc_forgets_the_allocs_that_are_gone() {
         let sampler = UsageSampler::default();
-        let now = Instant::now();
+        let now = crate::clock::Clock::system().instant();
         sampler.record(vec![("old".to_owned(), 5, None)], now, true);
         sampler.record(vec![("web".to_owned(), 5, None)], now, false);
         assert_eq!(sampler.last.lock().unwrap().len(), 2);

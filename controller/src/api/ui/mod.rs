@@ -22,8 +22,7 @@ use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Redirect, Response};
 use axum::routing::get;
 use maud::Markup;
-use serde::Deserialize;
-use stead_schemas::api::LogStream;
+use stead_schemas::api::{LogStream, UiQuery};
 
 use super::ApiState;
 use super::handlers::{measure_stats, node_document};
@@ -52,19 +51,11 @@ pub(super) fn routes() -> Router<ApiState> {
         .route("/ui/static/stead.js", get(script))
 }
 
-/// The query of the node view.
-#[derive(Debug, Default, Deserialize)]
-struct NodeQuery {
-    /// Only allocs whose name contains it.
-    #[serde(default)]
-    q: String,
-}
-
 /// `GET /ui`: the node view.
 async fn node_page(
     State(state): State<ApiState>,
     headers: HeaderMap,
-    query: Result<Query<NodeQuery>, QueryRejection>,
+    query: Result<Query<UiQuery>, QueryRejection>,
 ) -> Response {
     if state.authorize(&headers).is_err() {
         return locked(&state, "/ui");
