@@ -2,7 +2,7 @@
 # Screenshots of the status page at 1280x800, for people to look at: the node view and
 # alloc `web`'s view of an agent running deploy/examples (`token: none`, on a free
 # loopback port, with a data dir of its own that is removed afterwards). Headless
-# Chromium takes them once every example alloc has settled.
+# Chromium takes them once every example alloc has settled and web's checks pass.
 # `scripts/ui-screenshots.sh [OUT_DIR]` writes OUT_DIR/ui-node.png and OUT_DIR/ui-alloc.png
 # (default docs/); `make screenshots` builds the agent first.
 set -euo pipefail
@@ -43,6 +43,17 @@ for _ in $(seq 1 300); do
   fi
   sleep 0.2
 done
+
+# Until web's checks pass (its server takes a moment), for at most 20 s.
+for _ in $(seq 1 100); do
+  if curl -fsS "$base/v1/allocs/web" 2>/dev/null | python3 -c 'import json, sys; sys.exit(0 if json.load(sys.stdin).get("healthy") else 1)'; then
+    break
+  fi
+  sleep 0.2
+done
+# A first measurement of what allocs use, so the page shows CPU over the second since.
+curl -fsS "$base/v1/allocs?usage=true" >/dev/null
+sleep 1.5
 
 mkdir -p "$out"
 shoot() {

@@ -267,7 +267,9 @@ fn alloc_row(status: &AllocStatus, usage: Option<&AllocUsage>, now: Timestamp) -
         tr data-alloc=(status.name) data-rank=(rank(status)) {
             td {
                 a href=(alloc_href(&status.name)) { (status.name) }
-                @if status.spec_error.is_some() { " " span.badge.b-error data-f="spec-error" title="A broken edit of the spec waits; the last good revision runs" { "spec error" } }
+                @if let Some(error) = &status.spec_error {
+                    " " span.badge.b-error data-f="spec-error" title=(error.lines().next().unwrap_or_default()) { "spec error" }
+                }
                 @if status.stopped_by_user { " " span.badge { "stopped by a user" } }
             }
             // Rows are kept small: 2,000 of them stay under a megabyte.
