@@ -32,6 +32,23 @@ use tokio::runtime::Runtime;
 
 use crate::measure::median;
 
+/// A node on the system clock with the mock driver and an in-memory store, and its API
+/// over a data dir named after `bench` (not created).
+pub(crate) fn served_mock_node(bench: &str) -> (Clock, Arc<Node>, ApiState, std::path::PathBuf) {
+    let clock = Clock::system();
+    let mock = MockDriver::new(clock);
+    let drivers = Drivers::new([Arc::new(mock) as Arc<dyn Driver>]);
+    let node = Arc::new(Node::new(
+        NodeConfig::default(),
+        drivers.clone(),
+        Arc::new(MemoryStore::default()),
+        clock,
+    ));
+    let data_dir = std::env::temp_dir().join(format!("stead-bench-{bench}-{}", std::process::id()));
+    let state = ApiState::new(node.clone(), drivers, &data_dir);
+    (clock, node, state, data_dir)
+}
+
 fn spec(name: &str, generation: u32) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
         "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - {{name: main, driver: mock, config: {{}}, env: {{GENERATION: \"{generation}\"}}}}\n    - {{name: side, driver: mock, config: {{}}}}\n"
@@ -188,17 +205,7 @@ async fn bench(
     pause: Duration,
     rounds: usize,
 ) -> anyhow::Result<()> {
-    let clock = Clock::system();
-    let mock = MockDriver::new(clock);
-    let drivers = Drivers::new([Arc::new(mock) as Arc<dyn Driver>]);
-    let node = Arc::new(Node::new(
-        NodeConfig::default(),
-        drivers.clone(),
-        Arc::new(MemoryStore::default()),
-        clock,
-    ));
-    let data_dir = std::env::temp_dir().join(format!("stead-bench-api-{}", std::process::id()));
-    let state = ApiState::new(node.clone(), drivers, &data_dir);
+    let (clock, node, state, data_dir) = served_mock_node("api");
     let shutdown = state.shutdown_token();
     let (bound, address) = tokio::sync::oneshot::channel();
     let stopped = shutdown.clone().cancelled_owned();

@@ -7,18 +7,12 @@
 //! median and the slowest of ROUNDS rounds (default 30) of each, the node view's size,
 //! and its ratio to the baseline.
 
-use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{Context, bail};
 use axum::body::Body;
 use axum::http::Request;
 use stead_controller::api::{self, ApiState};
-use stead_controller::clock::Clock;
-use stead_controller::driver::mock::MockDriver;
-use stead_controller::driver::{Driver, Drivers};
-use stead_controller::node::{Node, NodeConfig};
-use stead_controller::store::MemoryStore;
 use tokio::runtime::Runtime;
 use tower::ServiceExt;
 
@@ -53,17 +47,7 @@ async fn time(state: &ApiState, path: &str) -> anyhow::Result<(Duration, usize)>
 }
 
 async fn bench(allocs: usize, rounds: usize) -> anyhow::Result<()> {
-    let clock = Clock::system();
-    let mock = MockDriver::new(clock);
-    let drivers = Drivers::new([Arc::new(mock) as Arc<dyn Driver>]);
-    let node = Arc::new(Node::new(
-        NodeConfig::default(),
-        drivers.clone(),
-        Arc::new(MemoryStore::default()),
-        clock,
-    ));
-    let data_dir = std::env::temp_dir().join(format!("stead-bench-ui-{}", std::process::id()));
-    let state = ApiState::new(node.clone(), drivers, &data_dir);
+    let (_, node, state, data_dir) = crate::api::served_mock_node("ui");
     for i in 0..allocs {
         let yaml = format!(
             "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: alloc-{i}}}\nspec:\n  tasks:\n    - {{name: main, driver: mock, config: {{}}}}\n    - {{name: side, driver: mock, config: {{}}, lifecycle: {{hook: prestart, sidecar: true}}}}\n"

@@ -211,6 +211,21 @@ fn agent_with_a_failing_alloc(
     (dirs, agent)
 }
 
+/// Waits until the agent shows web's task restarted once, then until the page's cell
+/// `restarts` does, within one poll.
+async fn until_restarted_once(agent: &Agent, browser: &Browser, restarts: &str) {
+    agent.wait_for_task("web", "web's restart", Duration::from_secs(20), |t| {
+        t.restarts == 1 && t.state == "running"
+    });
+    browser
+        .until(
+            "web's restart",
+            ONE_POLL,
+            &format!("document.querySelector('{restarts}').innerText === '1'"),
+        )
+        .await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_page_lists_every_alloc_as_the_api_does_failing_first_and_shows_a_restart_within_one_poll()
  {
@@ -257,16 +272,7 @@ async fn the_page_lists_every_alloc_as_the_api_does_failing_first_and_shows_a_re
         rustix::process::Signal::KILL,
     )
     .expect("killed");
-    agent.wait_for_task("web", "web's restart", Duration::from_secs(20), |t| {
-        t.restarts == 1 && t.state == "running"
-    });
-    browser
-        .until(
-            "web's restart",
-            ONE_POLL,
-            "document.querySelector('tr[data-alloc=web] [data-f=restarts]').innerText === '1'",
-        )
-        .await;
+    until_restarted_once(&agent, &browser, "tr[data-alloc=web] [data-f=restarts]").await;
     // Still sorted as the API ranks it, and nothing restarted but web.
     assert_eq!(
         browser
@@ -296,16 +302,13 @@ async fn the_restart_button_restarts_the_task_with_the_token_and_changes_nothing
     browser
         .click_and_confirm("button[data-action=restart][data-task=main]")
         .await;
-    agent.wait_for_task("web", "web's restart", Duration::from_secs(20), |t| {
-        t.restarts == 1 && t.state == "running"
-    });
-    browser
-        .until(
-            "the accepted restart",
-            ONE_POLL,
-            "document.getElementById('notice').innerText.includes('accepted') && document.querySelector('tr[data-task=main] [data-f=restarts]').innerText === '1'",
-        )
-        .await;
+    until_restarted_once(&agent, &browser, "tr[data-task=main] [data-f=restarts]").await;
+    assert!(
+        browser
+            .text("#notice")
+            .await
+            .contains("Restart of task main: accepted")
+    );
     // The restarted run's first line arrives in the open log.
     browser
         .until(
