@@ -58,7 +58,7 @@ async fn node_page(
     query: Result<Query<UiQuery>, QueryRejection>,
 ) -> Response {
     if state.authorize(&headers).is_err() {
-        return locked(&state, "/ui");
+        return locked(&state);
     }
     // A query that does not parse filters nothing.
     let query = query.map(|Query(query)| query).unwrap_or_default();
@@ -83,7 +83,7 @@ async fn alloc_page(
     Path(name): Path<String>,
 ) -> Response {
     if state.authorize(&headers).is_err() {
-        return locked(&state, &format!("/ui/allocs/{name}"));
+        return locked(&state);
     }
     let Some(status) = state.node().full_status(&name) else {
         return html(
@@ -130,15 +130,13 @@ async fn alloc_page(
     )
 }
 
-/// 401 with the page that asks for the token.
-fn locked(state: &ApiState, path: &str) -> Response {
-    let mut response = html(
+/// 401 with the page that asks for the token (no `WWW-Authenticate`: a browser would
+/// not know the bearer scheme; the page asks instead).
+fn locked(state: &ApiState) -> Response {
+    html(
         StatusCode::UNAUTHORIZED,
-        page::locked(&state.inner.node_name, path),
-    );
-    // No `WWW-Authenticate: Bearer`: browsers would not know the scheme; the page asks.
-    response.headers_mut().remove(header::WWW_AUTHENTICATE);
-    response
+        page::locked(&state.inner.node_name),
+    )
 }
 
 /// A page's response, with the headers every page carries.

@@ -121,7 +121,7 @@ fn document(
 
 /// The page an agent with a token shows a request without it: no data, a form for the
 /// token (kept in the browser's session storage by the page's script).
-pub(crate) fn locked(node_name: &str, path: &str) -> Markup {
+pub(crate) fn locked(node_name: &str) -> Markup {
     let main = html! {
         section.locked {
             h1 { "This agent requires its API token" }
@@ -130,7 +130,7 @@ pub(crate) fn locked(node_name: &str, path: &str) -> Markup {
                 code { "api.token" } " in the agent's config). It is kept in this tab's "
                 "session storage only, and sent with each request the page makes."
             }
-            form #login data-path=(path) {
+            form #login {
                 label for="token" { "Token" }
                 input #token type="password" name="token" autocomplete="off" required;
                 button type="submit" { "Show the node" }
