@@ -259,6 +259,10 @@ async fn the_page_lists_every_alloc_as_the_api_does_failing_first_and_shows_a_re
         listed[0].0, "broken",
         "the failing alloc sorts first: {listed:?}"
     );
+    // The file each alloc was read from, as its page shows it.
+    let file = agent.status("web").expect("web").spec_file;
+    let expected = dirs.specs.join("web.yaml").display().to_string();
+    assert_eq!(file.as_deref(), Some(expected.as_str()));
 
     // A task killed from outside: the page shows the restart within one poll of the API
     // showing it.
