@@ -31,6 +31,8 @@ pub(crate) struct AllocSlot {
     pub(crate) worker_done: bool,
     /// What the alloc shows, swapped whole: every read sees one publish.
     pub(crate) view: Mutex<Arc<AllocView>>,
+    /// Which slice of the tick period reaches this slot (see [`Registry::tick`]).
+    pub(crate) phase: u32,
 }
 
 impl AllocSlot {
@@ -104,6 +106,9 @@ pub(crate) struct Registry {
     pub(crate) store_failures: AtomicU64,
     /// Drivers whose last fingerprint was not healthy, with why.
     pub(crate) unavailable_drivers: RwLock<BTreeMap<DriverKind, String>>,
+    /// Slots made so far: the next slot's phase, so that slots spread evenly over the
+    /// tick's slices.
+    slots_made: AtomicU64,
 }
 
 impl Registry {
@@ -116,6 +121,7 @@ impl Registry {
             version,
             store_failures: AtomicU64::new(0),
             unavailable_drivers: RwLock::new(BTreeMap::new()),
+            slots_made: AtomicU64::new(0),
         }
     }
 
@@ -178,11 +184,28 @@ impl Registry {
         self.update_view(name, |view| view.store_behind = false);
     }
 
-    /// Wakes every worker for a level re-check.
+    /// Wakes every worker: something every alloc reads changed (a driver's or a
+    /// device's health).
     pub(crate) fn wake_all(&self) {
         for slot in self.slots().values() {
             slot.mailbox.wake();
         }
+    }
+
+    /// The phase of the next slot, out of `slices`: slots take them in turn.
+    pub(crate) fn next_phase(&self, slices: u32) -> u32 {
+        let made = self.slots_made.fetch_add(1, Ordering::Relaxed);
+        u32::try_from(made % u64::from(slices.max(1))).unwrap_or(0)
+    }
+
+    /// One slice of the level re-check: the workers of the slots in `phase` are woken
+    /// when an input reached them since their last pass, their due time has come, or
+    /// `sweep`. How many were woken.
+    pub(crate) fn tick(&self, phase: u32, now: Timestamp, sweep: bool) -> usize {
+        self.slots()
+            .values()
+            .filter(|slot| slot.phase == phase && slot.mailbox.tick(now, sweep))
+            .count()
     }
 
     /// A destroyed alloc's worker leaves the registry, unless new input arrived for it

@@ -373,6 +373,7 @@ impl Worker {
     pub(crate) async fn run(mut self) {
         loop {
             let now = self.shared.clock.now();
+            self.mailbox.begin_pass();
             for input in self.take_inputs() {
                 self.handle(input, now);
             }
@@ -390,9 +391,10 @@ impl Worker {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            // The node's ticker wakes every worker once per tick through its mailbox, so
-            // an idle worker holds no timer of its own; a timer is armed only when the
-            // reconciler has something due.
+            // An idle worker holds no timer of its own; one is armed only when something
+            // is due, and the node's tick, which reads the due time noted here, wakes the
+            // worker too should that timer be lost.
+            self.mailbox.set_due(wake_at);
             let clock = self.shared.clock;
             let due = async move {
                 match wake_at {
@@ -520,8 +522,8 @@ impl Worker {
                     self.persist_and_publish().await;
                     if let Err(error) = self.hand_over_alloc_dir(&spec) {
                         // The new revision waits, rather than start without the data it
-                        // should have: the old alloc dir stays, and every tick tries
-                        // the hand-over again.
+                        // should have: the old alloc dir stays, and the hand-over is
+                        // tried again every `HAND_OVER_RETRY` (or on any input).
                         let reason = format!(
                             "revision {} waits for the sticky disk: {}",
                             spec.id,
@@ -533,7 +535,7 @@ impl Worker {
                             current.hand_over_error = Some(reason);
                         }
                         self.persist_and_publish().await;
-                        return Step::Wait(None);
+                        return Step::Wait(Some(now + HAND_OVER_RETRY));
                     }
                     self.current = None;
                     return Step::Again;
@@ -622,6 +624,10 @@ impl Worker {
         AllocDesired::new(&spec.spec.spec, true, self.shared.config.limits)
     }
 }
+
+/// How often a hand-over of the alloc dir that failed is tried again: as often as the
+/// node's default tick.
+const HAND_OVER_RETRY: Duration = Duration::from_secs(10);
 
 /// What the loop does after a step.
 enum Step {
