@@ -113,28 +113,28 @@ pub const TICK_SLICES: u32 = 10;
 pub const SWEEP_EVERY: u32 = 10;
 
 /// The level re-check, until the node is gone: one timer for the node instead of one per
-/// alloc, firing `TICK_SLICES` times a period, each time reaching one slice of the slots
-/// (see [`SWEEP_EVERY`] for which of their workers it wakes).
+/// alloc, reaching one slice of the allocs every `1 / TICK_SLICES` of the period (see
+/// [`SWEEP_EVERY`] for which workers it wakes). An alloc made or removed meanwhile may
+/// shift the slices, so an alloc may be reached twice or not at all in one period; its
+/// own wake-ups and due time do not depend on the tick.
 async fn tick(shared: std::sync::Weak<Shared>) {
     let Some(period) = shared.upgrade().map(|s| s.config.tick) else {
         return;
     };
-    let slice = (period / TICK_SLICES).max(Duration::from_millis(1));
-    let mut interval = tokio::time::interval(slice);
+    let slices = usize::try_from(TICK_SLICES).expect("a small constant");
+    let mut interval = tokio::time::interval((period / TICK_SLICES).max(Duration::from_millis(1)));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     interval.tick().await;
-    let mut slices: u64 = 0;
-    loop {
-        interval.tick().await;
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        let phase = u32::try_from(slices % u64::from(TICK_SLICES)).unwrap_or(0);
-        let round = slices / u64::from(TICK_SLICES);
+    for round in 0_u64.. {
         let sweep = round % u64::from(SWEEP_EVERY) == u64::from(SWEEP_EVERY) - 1;
-        let now = shared.context.clock.now();
-        shared.registry.tick(phase, now, sweep);
-        slices = slices.wrapping_add(1);
+        for slice in 0..slices {
+            interval.tick().await;
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let now = shared.context.clock.now();
+            shared.registry.tick(slice, slices, now, sweep);
+        }
     }
 }
 
@@ -406,7 +406,6 @@ impl Node {
                 join: Some(join),
                 worker_done: false,
                 view: Mutex::new(Arc::new(view)),
-                phase: self.shared.registry.next_phase(TICK_SLICES),
             },
         );
         self.shared.registry.changed();

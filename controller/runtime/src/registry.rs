@@ -31,8 +31,6 @@ pub(crate) struct AllocSlot {
     pub(crate) worker_done: bool,
     /// What the alloc shows, swapped whole: every read sees one publish.
     pub(crate) view: Mutex<Arc<AllocView>>,
-    /// Which slice of the tick period reaches this slot (see [`Registry::tick`]).
-    pub(crate) phase: u32,
 }
 
 impl AllocSlot {
@@ -106,9 +104,6 @@ pub(crate) struct Registry {
     pub(crate) store_failures: AtomicU64,
     /// Drivers whose last fingerprint was not healthy, with why.
     pub(crate) unavailable_drivers: RwLock<BTreeMap<DriverKind, String>>,
-    /// Slots made so far: the next slot's phase, so that slots spread evenly over the
-    /// tick's slices.
-    slots_made: AtomicU64,
 }
 
 impl Registry {
@@ -121,7 +116,6 @@ impl Registry {
             version,
             store_failures: AtomicU64::new(0),
             unavailable_drivers: RwLock::new(BTreeMap::new()),
-            slots_made: AtomicU64::new(0),
         }
     }
 
@@ -152,12 +146,12 @@ impl Registry {
         &self,
         name: &Name,
         status: AllocStatus,
-        handles: BTreeMap<Name, TaskHandle>,
+        handles: Arc<BTreeMap<Name, TaskHandle>>,
         facts: AllocFacts,
     ) {
         self.update_view(name, |view| {
             view.status = Some(Arc::new(status));
-            view.handles = Arc::new(handles);
+            view.handles = handles;
             view.facts = facts;
         });
     }
@@ -192,20 +186,15 @@ impl Registry {
         }
     }
 
-    /// The phase of the next slot, out of `slices`: slots take them in turn.
-    pub(crate) fn next_phase(&self, slices: u32) -> u32 {
-        let made = self.slots_made.fetch_add(1, Ordering::Relaxed);
-        u32::try_from(made % u64::from(slices.max(1))).unwrap_or(0)
-    }
-
-    /// One slice of the level re-check: the workers of the slots in `phase` are woken
-    /// when an input reached them since their last pass, their due time has come, or
-    /// `sweep`. How many were woken.
-    pub(crate) fn tick(&self, phase: u32, now: Timestamp, sweep: bool) -> usize {
-        self.slots()
-            .values()
-            .filter(|slot| slot.phase == phase && slot.mailbox.tick(now, sweep))
-            .count()
+    /// One of `slices` slices of the level re-check: the mailboxes of that share of the
+    /// slots each learn of the tick (see [`Mailbox::tick`]). The slots' read lock is held
+    /// for a few loads per slot of the slice; the others are skipped unread.
+    pub(crate) fn tick(&self, slice: usize, slices: usize, now: Timestamp, sweep: bool) {
+        let slots = self.slots();
+        let chunk = slots.len().div_ceil(slices.max(1));
+        for slot in slots.values().skip(slice * chunk).take(chunk) {
+            slot.mailbox.tick(now, sweep);
+        }
     }
 
     /// A destroyed alloc's worker leaves the registry, unless new input arrived for it

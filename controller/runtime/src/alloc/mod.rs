@@ -118,7 +118,7 @@ impl WorkerContext {
         &self,
         name: &Name,
         status: AllocStatus,
-        handles: BTreeMap<Name, TaskHandle>,
+        handles: Arc<BTreeMap<Name, TaskHandle>>,
         facts: AllocFacts,
     ) {
         self.registry.publish(name, status, handles, facts);
@@ -151,7 +151,8 @@ struct Current {
     spec: Arc<ValidSpec>,
     desired: AllocDesired,
     state: AllocState,
-    handles: BTreeMap<Name, TaskHandle>,
+    /// The started tasks' handles, shared with the published view (copied on change).
+    handles: Arc<BTreeMap<Name, TaskHandle>>,
     /// A hash of what was last persisted, to skip writing when nothing changed.
     saved: Option<u64>,
     /// A hash of what was last published.
@@ -180,7 +181,7 @@ impl Current {
             spec,
             desired,
             state,
-            handles: BTreeMap::new(),
+            handles: Arc::default(),
             saved: None,
             published: None,
             counted_failures,
@@ -353,7 +354,7 @@ impl Worker {
             let Some(driver) = self.shared.drivers.get(handle.driver) else {
                 continue;
             };
-            current.handles.insert(task.clone(), handle.clone());
+            Arc::make_mut(&mut current.handles).insert(task.clone(), handle.clone());
             let ops = self.new_ops(&task);
             let tx = self.reports.clone();
             let run = ops.run;
