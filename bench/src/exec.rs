@@ -151,6 +151,10 @@ async fn stead_round(
     // data dir restore (records read, runs no record names stopped, a worker per alloc)
     // and reattach to every task.
     node.shutdown(Shutdown::Detach).await;
+    // Gone before the next one starts, as a restarted agent's process is: the old
+    // driver's descriptors (a pipe per task it started) would otherwise stay open beside
+    // the new driver's pidfds, two per task, which a node of 10,000 tasks does not have.
+    drop(node);
     let began = clock.instant();
     let (driver, node) = start_agent(config);
     driver.prepare();

@@ -447,6 +447,11 @@ pub fn main(args: &AgentArgs) -> anyhow::Result<u8> {
         settings.max_log_streams + EXEC_DESCRIPTORS * settings.max_execs,
         rustix::process::getrlimit(rustix::process::Resource::Nofile).current,
     );
+    warn_of_a_low_pid_max(
+        settings.api_limits.max_connections
+            + settings.max_log_streams
+            + EXEC_DESCRIPTORS * settings.max_execs,
+    );
     let task_oom_score_adj = lower_oom_score_adj(settings.oom_score_adj);
     // Tasks get absolute paths, whatever the agent's working directory.
     let data_dir =
@@ -781,6 +786,42 @@ fn fit_connections(configured: usize, log_streams: usize, soft: Option<u64>) -> 
         );
     }
     fitted
+}
+
+/// Descriptors the agent holds per supervised task: the pipe from its supervisor (a run
+/// this agent started) or the supervisor's pidfd (a run it reattached).
+const DESCRIPTORS_PER_TASK: u64 = 1;
+
+/// Processes each supervised task takes: its supervisor and the task itself.
+const PROCESSES_PER_TASK: u64 = 2;
+
+/// The tasks the limit of open files `soft` lets the agent supervise, `api` descriptors
+/// going to the API's connections, log streams and exec sessions, when the kernel's
+/// `pid_max` cannot hold their processes; `None` when it can (or the limit is unknown).
+fn tasks_beyond_pid_max(pid_max: u64, soft: Option<u64>, api: u64) -> Option<u64> {
+    let tasks = soft?.saturating_sub(DESCRIPTOR_RESERVE).saturating_sub(api) / DESCRIPTORS_PER_TASK;
+    (pid_max < PROCESSES_PER_TASK.saturating_mul(tasks)).then_some(tasks)
+}
+
+/// Warns when `kernel.pid_max` is below twice the tasks the limit of open files allows:
+/// each task is a supervisor and the task, and a full pid space fails starts and forks
+/// inside tasks alike. Nothing is changed; the operator raises `kernel.pid_max`.
+fn warn_of_a_low_pid_max(api_descriptors: usize) {
+    const PATH: &str = "/proc/sys/kernel/pid_max";
+    let Some(pid_max) = std::fs::read_to_string(PATH)
+        .ok()
+        .and_then(|text| text.trim().parse::<u64>().ok())
+    else {
+        return;
+    };
+    let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    if let Some(tasks) = tasks_beyond_pid_max(pid_max, soft, api_descriptors as u64) {
+        tracing::warn!(
+            pid_max,
+            tasks,
+            "kernel.pid_max is below twice the tasks the limit of open files allows (a supervisor and a task each): raise it to run that many"
+        );
+    }
 }
 
 /// Sets the agent's own `oom_score_adj` to `adj`, so the kernel's OOM killer picks a
@@ -1310,6 +1351,26 @@ mod tests {
             drain: false,
             log_format: None,
         }
+    }
+
+    #[test]
+    fn a_pid_max_below_twice_the_tasks_the_open_files_allow_is_reported_with_that_count() {
+        // 20,000 open files, 1,256 for the reserve and the API: 18,744 tasks, 37,488 pids.
+        assert_eq!(
+            tasks_beyond_pid_max(32_768, Some(20_000), 1_000),
+            Some(18_744)
+        );
+        assert_eq!(tasks_beyond_pid_max(37_488, Some(20_000), 1_000), None);
+        assert_eq!(
+            tasks_beyond_pid_max(4_194_304, Some(1_048_576), 1_000),
+            None
+        );
+        assert_eq!(tasks_beyond_pid_max(32_768, None, 1_000), None, "unlimited");
+        assert_eq!(
+            tasks_beyond_pid_max(300, Some(1_024), 1_000),
+            None,
+            "none fit"
+        );
     }
 
     #[test]

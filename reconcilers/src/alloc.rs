@@ -203,8 +203,9 @@ impl std::error::Error for CommandRefusal {}
 /// The state of one alloc revision; everything in it is persisted.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
 pub struct AllocState {
-    /// Each task's state, by name.
-    pub tasks: BTreeMap<Name, TaskState>,
+    /// Each task's state, by name; boxed, as a map's node has room for eleven values and
+    /// most allocs have a few tasks.
+    pub tasks: BTreeMap<Name, Box<TaskState>>,
     /// The shutdown in progress, if any.
     pub shutdown: Option<Shutdown>,
     /// Whether the prestart stage completed, so main tasks may run (latched).
@@ -220,7 +221,7 @@ impl AllocState {
             tasks: desired
                 .tasks
                 .iter()
-                .map(|t| (t.name.clone(), TaskState::new(now)))
+                .map(|t| (t.name.clone(), Box::new(TaskState::new(now))))
                 .collect(),
             shutdown: None,
             main_released: false,
@@ -331,7 +332,7 @@ impl AllocState {
             .tasks
             .iter()
             .filter(|s| s.leader)
-            .any(|s| self.tasks.get(&s.name).is_some_and(TaskState::is_dead))
+            .any(|s| self.tasks.get(&s.name).is_some_and(|t| t.is_dead()))
         {
             Some(ShutdownReason::LeaderDead)
         } else {
@@ -365,8 +366,7 @@ impl AllocState {
         {
             self.poststart_released = true;
         }
-        let all_mains_dead =
-            mains().all(|s| self.tasks.get(&s.name).is_none_or(TaskState::is_dead));
+        let all_mains_dead = mains().all(|s| self.tasks.get(&s.name).is_none_or(|t| t.is_dead()));
         let cap = desired.max_events;
 
         if all_mains_dead {
@@ -388,7 +388,7 @@ impl AllocState {
             .tasks
             .iter()
             .filter(|s| s.hook != Some(LifecycleHook::Poststop))
-            .all(|s| self.tasks.get(&s.name).is_none_or(TaskState::is_dead));
+            .all(|s| self.tasks.get(&s.name).is_none_or(|t| t.is_dead()));
         if others_dead && !self.run_started(desired) {
             self.give_up_poststop(desired, now);
         }
@@ -480,7 +480,7 @@ impl AllocState {
             }
         }
 
-        let live = |tasks: &BTreeMap<Name, TaskState>, s: &TaskSettings| {
+        let live = |tasks: &BTreeMap<Name, Box<TaskState>>, s: &TaskSettings| {
             tasks.get(&s.name).is_some_and(|t| !t.is_dead())
         };
         let stages: [&dyn Fn(&TaskSettings) -> bool; 3] = [

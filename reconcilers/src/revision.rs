@@ -759,9 +759,11 @@ mod tests {
     fn restore_should_reset_starts_that_were_in_flight() {
         let at = |secs| Timestamp::from_since_epoch(Duration::from_secs(secs));
         let name = |s: &str| -> Name { s.parse().expect("valid name") };
-        let task = |process| TaskState {
-            process,
-            ..TaskState::new(at(0))
+        let task = |process| {
+            Box::new(TaskState {
+                process,
+                ..TaskState::new(at(0))
+            })
         };
         let mut state = AllocState {
             tasks: BTreeMap::from([

@@ -102,21 +102,39 @@ struct Shared {
     conditions: Mutex<Conditions>,
 }
 
-/// The level re-check: wakes every worker once per tick, until the node is gone. One
-/// timer for the node instead of one per alloc keeps an idle node cheap.
+/// Into how many slices the tick period is cut: each slot is reached in one of them, so
+/// the level re-check of many allocs is spread over the period instead of landing at once.
+pub const TICK_SLICES: u32 = 10;
+
+/// Every how many ticks the slow full sweep comes: then every worker is woken, whether
+/// or not anything reached it, so a worker whose wake-up was lost converges within
+/// `SWEEP_EVERY` ticks. On the other ticks only workers with a new input or a due time
+/// are woken: an idle node's tick costs no pass per alloc.
+pub const SWEEP_EVERY: u32 = 10;
+
+/// The level re-check, until the node is gone: one timer for the node instead of one per
+/// alloc, reaching one slice of the allocs every `1 / TICK_SLICES` of the period (see
+/// [`SWEEP_EVERY`] for which workers it wakes). An alloc made or removed meanwhile may
+/// shift the slices, so an alloc may be reached twice or not at all in one period; its
+/// own wake-ups and due time do not depend on the tick.
 async fn tick(shared: std::sync::Weak<Shared>) {
     let Some(period) = shared.upgrade().map(|s| s.config.tick) else {
         return;
     };
-    let mut interval = tokio::time::interval(period);
+    let slices = usize::try_from(TICK_SLICES).expect("a small constant");
+    let mut interval = tokio::time::interval((period / TICK_SLICES).max(Duration::from_millis(1)));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     interval.tick().await;
-    loop {
-        interval.tick().await;
-        let Some(shared) = shared.upgrade() else {
-            return;
-        };
-        shared.registry.wake_all();
+    for round in 0_u64.. {
+        let sweep = round % u64::from(SWEEP_EVERY) == u64::from(SWEEP_EVERY) - 1;
+        for slice in 0..slices {
+            interval.tick().await;
+            let Some(shared) = shared.upgrade() else {
+                return;
+            };
+            let now = shared.context.clock.now();
+            shared.registry.tick(slice, slices, now, sweep);
+        }
     }
 }
 
@@ -519,6 +537,16 @@ impl Node {
     /// The node's devices.
     pub fn devices(&self) -> &Arc<DeviceManager> {
         &self.shared.config.devices
+    }
+
+    /// Fault injection, for tests of the level re-check: the next `count` wake-ups of
+    /// alloc `name`'s worker are dropped whole, as a bug that forgot one would drop it;
+    /// the tick's slow full sweep is what then finds the input they announced. False
+    /// when no alloc has that name.
+    pub fn lose_wake_ups(&self, name: &str, count: u32) -> bool {
+        let slots = self.shared.registry.slots();
+        let slot = name.parse::<Name>().ok().and_then(|name| slots.get(&name));
+        slot.map(|slot| slot.mailbox.lose_wake_ups(count)).is_some()
     }
 
     /// Everything alloc `name` shows, as one snapshot.

@@ -7,15 +7,19 @@
 //! - user commands (restart, signal) keep their order;
 //! - agent shutdown is final and overrides everything else;
 //! - pushing never waits: the sender takes a short lock, never across an `.await`, and
-//!   the worker is woken through a `Notify` that keeps a permit, so no wake-up is lost.
+//!   the worker is woken through a `Notify` that keeps a permit, so no wake-up is lost;
+//! - every input counts as one in the mailbox, and the worker notes the count it took at
+//!   the start of each pass with its next due time, so the node's tick can tell a worker
+//!   with something new or due (woken) from one with nothing to do (left asleep).
 
 use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU32, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use stead_reconcilers::alloc::CommandRefusal;
 use stead_schemas::spec::{Name, Signal};
-use stead_schemas::{AllocId, ValidSpec};
+use stead_schemas::{AllocId, Timestamp, ValidSpec};
 use thiserror::Error;
 use tokio::sync::{Notify, oneshot};
 
@@ -172,18 +176,98 @@ struct Inner {
 /// The queue of one alloc; cheap to clone (one `Arc`).
 #[derive(Debug, Clone, Default)]
 pub struct Mailbox {
-    inner: Arc<(Mutex<Inner>, Notify)>,
+    inner: Arc<Shared>,
+}
+
+/// What a mailbox's senders, its worker and the node's tick share.
+#[derive(Debug)]
+struct Shared {
+    pending: Mutex<Inner>,
+    notify: Notify,
+    /// Inputs pushed so far (wrapping): each wake-up for something new adds one.
+    inputs: AtomicU64,
+    /// `inputs` as the worker read it at the start of its last pass.
+    seen: AtomicU64,
+    /// When the worker is next due of its own accord (a restart delay, a kill timeout, a
+    /// store retry), as milliseconds since the epoch; `u64::MAX` when never.
+    due_ms: AtomicU64,
+    /// Wake-ups still to be dropped (fault injection, see [`Mailbox::lose_wake_ups`]).
+    lose: AtomicU32,
+}
+
+impl Default for Shared {
+    fn default() -> Self {
+        Shared {
+            pending: Mutex::default(),
+            notify: Notify::new(),
+            inputs: AtomicU64::new(0),
+            seen: AtomicU64::new(0),
+            due_ms: AtomicU64::new(u64::MAX),
+            lose: AtomicU32::new(0),
+        }
+    }
+}
+
+/// Milliseconds since the epoch, rounded down (a due time read a little early only
+/// wakes a worker that finds nothing to do yet).
+fn millis(at: Timestamp) -> u64 {
+    u64::try_from(at.since_epoch().as_millis()).unwrap_or(u64::MAX)
 }
 
 impl Mailbox {
     fn lock(&self) -> MutexGuard<'_, Inner> {
         // A panicking holder leaves plain data behind; keep going with it.
-        self.inner.0.lock().unwrap_or_else(|e| e.into_inner())
+        self.inner.pending.lock().unwrap_or_else(|e| e.into_inner())
     }
 
-    /// Wakes the worker without queueing anything (for inputs kept elsewhere).
+    /// Wakes the worker for an input kept elsewhere (a driver report, a change of the
+    /// node's drivers or devices): it counts as new since the worker's last pass.
     pub(crate) fn wake(&self) {
-        self.inner.1.notify_one();
+        let lost = self
+            .inner
+            .lose
+            .fetch_update(Ordering::Relaxed, Ordering::Relaxed, |n| n.checked_sub(1))
+            .is_ok();
+        if lost {
+            return;
+        }
+        self.inner.inputs.fetch_add(1, Ordering::Release);
+        self.inner.notify.notify_one();
+    }
+
+    /// The worker begins a pass: whatever arrives from now on is new to it.
+    pub(crate) fn begin_pass(&self) {
+        let inputs = self.inner.inputs.load(Ordering::Acquire);
+        self.inner.seen.store(inputs, Ordering::Release);
+    }
+
+    /// The worker ended a pass and is next due of its own accord at `at` (never: `None`).
+    pub(crate) fn set_due(&self, at: Option<Timestamp>) {
+        self.inner
+            .due_ms
+            .store(at.map_or(u64::MAX, millis), Ordering::Release);
+    }
+
+    /// The node's tick reaches this mailbox at `now`: wakes the worker when an input
+    /// arrived since its last pass (its own wake-up was lost), its due time has come, or
+    /// `sweep` (the slow full sweep wakes every worker); true when it woke it. A worker
+    /// with nothing new and nothing due is left asleep, so an idle node's tick costs a
+    /// few loads per alloc rather than a pass.
+    pub(crate) fn tick(&self, now: Timestamp, sweep: bool) -> bool {
+        let wake = sweep
+            || self.inner.inputs.load(Ordering::Acquire) != self.inner.seen.load(Ordering::Acquire)
+            || self.inner.due_ms.load(Ordering::Acquire) <= millis(now);
+        if wake {
+            self.inner.notify.notify_one();
+        }
+        wake
+    }
+
+    /// Fault injection: the next `count` wake-ups are dropped whole (neither counted nor
+    /// delivered), as a bug that forgot to wake the worker would drop them. What they
+    /// announced stays pending until the slow full sweep of the node's tick.
+    pub(crate) fn lose_wake_ups(&self, count: u32) {
+        self.inner.lose.fetch_add(count, Ordering::Relaxed);
     }
 
     /// Sets the desired state; a pending one is replaced (and counted as coalesced).
@@ -226,7 +310,7 @@ impl Mailbox {
 
     /// Waits until something was pushed since the last wait (at once if it already was).
     pub async fn changed(&self) {
-        self.inner.1.notified().await;
+        self.inner.notify.notified().await;
     }
 
     /// Whether a new desired state is waiting to be taken.

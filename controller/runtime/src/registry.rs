@@ -161,12 +161,12 @@ impl Registry {
         &self,
         name: &Name,
         status: AllocStatus,
-        handles: BTreeMap<Name, TaskHandle>,
+        handles: Arc<BTreeMap<Name, TaskHandle>>,
         facts: AllocFacts,
     ) {
         self.update_view(name, |view| {
             view.status = Some(Arc::new(status));
-            view.handles = Arc::new(handles);
+            view.handles = handles;
             view.facts = facts;
         });
     }
@@ -193,10 +193,22 @@ impl Registry {
         self.update_view(name, |view| view.store_behind = false);
     }
 
-    /// Wakes every worker for a level re-check.
+    /// Wakes every worker: something every alloc reads changed (a driver's or a
+    /// device's health).
     pub(crate) fn wake_all(&self) {
         for slot in self.slots().values() {
             slot.mailbox.wake();
+        }
+    }
+
+    /// One of `slices` slices of the level re-check: the mailboxes of that share of the
+    /// slots each learn of the tick (see [`Mailbox::tick`]). The slots' read lock is held
+    /// for a few loads per slot of the slice; the others are skipped unread.
+    pub(crate) fn tick(&self, slice: usize, slices: usize, now: Timestamp, sweep: bool) {
+        let slots = self.slots();
+        let chunk = slots.len().div_ceil(slices.max(1));
+        for slot in slots.values().skip(slice * chunk).take(chunk) {
+            slot.mailbox.tick(now, sweep);
         }
     }
 

@@ -9,7 +9,7 @@ use stead_controller::allocdir::AllocDirs;
 use stead_controller::clock::Clock;
 use stead_controller::driver::mock::{MockDriver, MockOp};
 use stead_controller::driver::{Driver, Drivers, Health};
-use stead_controller::node::{Node, NodeConfig};
+use stead_controller::node::{Node, NodeConfig, SWEEP_EVERY};
 use stead_controller::queue::Shutdown;
 use stead_controller::store::MemoryStore;
 use stead_reconcilers::alloc::Limits;
@@ -130,6 +130,49 @@ impl Harness {
             .map(|c| c.at)
             .collect()
     }
+}
+
+/// Issue 36: an ordinary tick wakes only workers with something new or due, so the slow
+/// full sweep is the safety net for a wake-up that never came.
+#[tokio::test(start_paused = true)]
+async fn a_worker_whose_wake_up_was_lost_converges_within_one_full_sweep() {
+    let h = harness();
+    let tick = NodeConfig::default().tick;
+    let body = |generation: u32| {
+        format!(
+            "  tasks:\n    - {{name: t, driver: mock, config: {{}}, env: {{GENERATION: '{generation}'}}}}\n"
+        )
+    };
+    h.node.apply(alloc("web", &body(1)));
+    h.until("v1 runs", |h| {
+        h.task_state("web", "t").as_deref() == Some("running")
+    })
+    .await;
+    let v1 = h.status("web").revision.clone();
+
+    assert!(h.node.lose_wake_ups("web", 1), "the alloc exists");
+    let lost_at = h.clock.now();
+    let v2 = alloc("web", &body(2));
+    h.node.apply(v2.clone());
+    tokio::time::sleep(tick * 2).await;
+    assert_eq!(
+        h.status("web").revision,
+        v1,
+        "ordinary ticks leave a worker with nothing new to it asleep"
+    );
+
+    h.until("v2 runs", |h| {
+        let status = h.status("web");
+        status.revision == v2.revision.to_string() && status.tasks["t"].state == "running"
+    })
+    .await;
+    let took = h.clock.now().saturating_duration_since(lost_at);
+    // One full sweep, plus the old task's stop and the new one's start (instant here).
+    assert!(
+        took <= tick * SWEEP_EVERY + Duration::from_secs(1),
+        "converged {took:?} after the lost wake-up; a full sweep is {:?}",
+        tick * SWEEP_EVERY
+    );
 }
 
 #[tokio::test(start_paused = true)]

@@ -87,7 +87,7 @@ impl Worker {
     /// The alloc is terminal and its spec is gone: release everything and leave.
     pub(super) async fn destroy(&mut self) -> Step {
         if let Some(current) = self.current.take() {
-            for handle in current.handles.into_values() {
+            for handle in Arc::unwrap_or_clone(current.handles).into_values() {
                 if let Some(driver) = self.shared.drivers.get(handle.driver) {
                     tokio::spawn(async move { driver.destroy(&handle).await });
                 }

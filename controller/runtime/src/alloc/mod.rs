@@ -118,7 +118,7 @@ impl WorkerContext {
         &self,
         name: &Name,
         status: AllocStatus,
-        handles: BTreeMap<Name, TaskHandle>,
+        handles: Arc<BTreeMap<Name, TaskHandle>>,
         facts: AllocFacts,
     ) {
         self.registry.publish(name, status, handles, facts);
@@ -151,7 +151,8 @@ struct Current {
     spec: Arc<ValidSpec>,
     desired: AllocDesired,
     state: AllocState,
-    handles: BTreeMap<Name, TaskHandle>,
+    /// The started tasks' handles, shared with the published view (copied on change).
+    handles: Arc<BTreeMap<Name, TaskHandle>>,
     /// A hash of what was last persisted, to skip writing when nothing changed.
     saved: Option<u64>,
     /// A hash of what was last published.
@@ -180,7 +181,7 @@ impl Current {
             spec,
             desired,
             state,
-            handles: BTreeMap::new(),
+            handles: Arc::default(),
             saved: None,
             published: None,
             counted_failures,
@@ -353,7 +354,7 @@ impl Worker {
             let Some(driver) = self.shared.drivers.get(handle.driver) else {
                 continue;
             };
-            current.handles.insert(task.clone(), handle.clone());
+            Arc::make_mut(&mut current.handles).insert(task.clone(), handle.clone());
             let ops = self.new_ops(&task);
             let tx = self.reports.clone();
             let run = ops.run;
@@ -373,6 +374,7 @@ impl Worker {
     pub(crate) async fn run(mut self) {
         loop {
             let now = self.shared.clock.now();
+            self.mailbox.begin_pass();
             for input in self.take_inputs() {
                 self.handle(input, now);
             }
@@ -390,9 +392,10 @@ impl Worker {
                 (Some(a), Some(b)) => Some(a.min(b)),
                 (a, b) => a.or(b),
             };
-            // The node's ticker wakes every worker once per tick through its mailbox, so
-            // an idle worker holds no timer of its own; a timer is armed only when the
-            // reconciler has something due.
+            // An idle worker holds no timer of its own; one is armed only when something
+            // is due, and the node's tick, which reads the due time noted here, wakes the
+            // worker too should that timer be lost.
+            self.mailbox.set_due(wake_at);
             let clock = self.shared.clock;
             let due = async move {
                 match wake_at {
@@ -520,8 +523,8 @@ impl Worker {
                     self.persist_and_publish().await;
                     if let Err(error) = self.hand_over_alloc_dir(&spec) {
                         // The new revision waits, rather than start without the data it
-                        // should have: the old alloc dir stays, and every tick tries
-                        // the hand-over again.
+                        // should have: the old alloc dir stays, and the hand-over is
+                        // tried again every `HAND_OVER_RETRY` (or on any input).
                         let reason = format!(
                             "revision {} waits for the sticky disk: {}",
                             spec.id,
@@ -533,7 +536,7 @@ impl Worker {
                             current.hand_over_error = Some(reason);
                         }
                         self.persist_and_publish().await;
-                        return Step::Wait(None);
+                        return Step::Wait(Some(now + HAND_OVER_RETRY));
                     }
                     self.current = None;
                     return Step::Again;
@@ -622,6 +625,10 @@ impl Worker {
         AllocDesired::new(&spec.spec.spec, true, self.shared.config.limits)
     }
 }
+
+/// How often a hand-over of the alloc dir that failed is tried again: as often as the
+/// node's default tick.
+const HAND_OVER_RETRY: Duration = Duration::from_secs(10);
 
 /// What the loop does after a step.
 enum Step {

@@ -178,7 +178,7 @@ impl Worker {
                         tokio::spawn(async move { driver.destroy(&handle).await });
                     }
                     if let Some(current) = &mut self.current {
-                        current.handles.remove(&task);
+                        Arc::make_mut(&mut current.handles).remove(&task);
                     }
                 }
             }
@@ -276,7 +276,12 @@ impl Worker {
         let alloc_id = request.alloc_id.to_string();
         let adopted = self.shared.unrecorded.take(&alloc_id, &task);
         let holds_devices = !held.is_empty();
-        let operation = async move {
+        let watch = (driver.clone(), tx.clone(), task.clone(), ops.cancel_wait);
+        let cancel_start = ops.cancel_start;
+        // The start, boxed apart from the watch that follows it: its request and the
+        // futures it awaits are freed once it is over, so a running task's operation
+        // holds only what waiting for its exit takes.
+        let start = Box::pin(async move {
             // A run holds the devices it was given, which the lost record named: with a
             // new assignment, one instance could have two holders. Such a run is stopped
             // and its task started anew on the devices it is assigned now.
@@ -298,9 +303,8 @@ impl Worker {
                             pid = handle.pid,
                             "reattached a run of this task that no record named, instead of starting another"
                         );
-                        tx.send(task.clone(), run, OpReport::Started(handle.clone()));
-                        watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
-                        return;
+                        tx.send(task, run, OpReport::Started(handle.clone()));
+                        return Some(handle);
                     }
                     Err(error) => {
                         tracing::info!(error = %error_chain(&error), "the run of this task that no record named is gone; starting anew");
@@ -326,24 +330,33 @@ impl Worker {
                             recoverable: true,
                         };
                         tx.send(task, run, OpReport::StartFailed(error));
-                        return;
+                        return None;
                     }
                 }
             }
             let started = tokio::select! {
                 result = driver.start(request) => Some(result),
-                () = ops.cancel_start.cancelled() => None,
+                () = cancel_start.cancelled() => None,
             };
             match started {
-                None => tx.send(task, run, OpReport::StartCancelled),
+                None => {
+                    tx.send(task, run, OpReport::StartCancelled);
+                    None
+                }
                 Some(Err(error)) => {
                     tx.send(task, run, OpReport::StartFailed(error));
+                    None
                 }
                 Some(Ok(handle)) => {
-                    let report = OpReport::Started(handle.clone());
-                    tx.send(task.clone(), run, report);
-                    watch_exit(driver, handle, ops.cancel_wait, tx, task, run).await;
+                    tx.send(task, run, OpReport::Started(handle.clone()));
+                    Some(handle)
                 }
+            }
+        });
+        let operation = async move {
+            if let Some(handle) = start.await {
+                let (driver, tx, task, cancel_wait) = watch;
+                watch_exit(driver, handle, cancel_wait, tx, task, run).await;
             }
         };
         tokio::spawn(tracing::Instrument::instrument(operation, span));
@@ -361,7 +374,7 @@ impl Worker {
             OpReport::Started(handle) => {
                 tracing::info!(task = %task, pid = handle.pid, "task started");
                 crate::metrics::task_started();
-                current.handles.insert(task.clone(), handle);
+                Arc::make_mut(&mut current.handles).insert(task.clone(), handle);
                 Observation::Started
             }
             OpReport::StartFailed(error) => {
@@ -387,7 +400,7 @@ impl Worker {
                     "task exited"
                 );
                 self.ops.remove(&task);
-                if let Some(handle) = current.handles.remove(&task)
+                if let Some(handle) = Arc::make_mut(&mut current.handles).remove(&task)
                     && let Some(driver) = self.shared.drivers.get(handle.driver)
                 {
                     tokio::spawn(async move { driver.destroy(&handle).await });
@@ -396,7 +409,7 @@ impl Worker {
             }
             OpReport::RecoverFailed(error) => {
                 self.ops.remove(&task);
-                current.handles.remove(&task);
+                Arc::make_mut(&mut current.handles).remove(&task);
                 Observation::RecoverFailed {
                     message: format!("failed to reattach to the task: {}", error_chain(&error)),
                 }

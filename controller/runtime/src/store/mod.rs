@@ -338,7 +338,7 @@ pub fn state_from_record(record: AllocStateRecord) -> Result<AllocState, RecordE
         .into_iter()
         .map(|(task, state)| {
             let name = parse_task_name(&task, || "state.tasks".to_owned())?;
-            Ok((name, task_from_record(&task, state)?))
+            Ok((name, Box::new(task_from_record(&task, state)?)))
         })
         .collect::<Result<BTreeMap<_, _>, RecordError>>()?;
     let shutdown = match record.shutdown {
@@ -684,20 +684,23 @@ mod tests {
                 jitter: Jitter::from_bits(12345),
             },
         ];
-        let mut tasks: BTreeMap<Name, TaskState> = reasons
+        let mut tasks: BTreeMap<Name, Box<TaskState>> = reasons
             .into_iter()
             .enumerate()
             .map(|(i, reason)| {
                 let process = processes[i % processes.len()];
-                (name(&format!("task-{i}")), busy_task(process, reason))
+                (
+                    name(&format!("task-{i}")),
+                    Box::new(busy_task(process, reason)),
+                )
             })
             .collect();
         let mut fresh = TaskState::new(at(0));
         fresh.phase = TaskPhase::Dead;
-        tasks.insert(name("fresh"), fresh);
+        tasks.insert(name("fresh"), Box::new(fresh));
         let mut pending = TaskState::new(at(1));
         pending.phase = TaskPhase::Pending;
-        tasks.insert(name("pending"), pending);
+        tasks.insert(name("pending"), Box::new(pending));
         let reasons = [
             None,
             Some(ShutdownReason::Stop),
