@@ -77,15 +77,19 @@ bench: deps
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.
 # Then 2,000 half-open connections held HALF_OPEN_SECONDS (`make test` only waits out
-# the header timeout), reopened as the agent drops them.
+# the header timeout), reopened as the agent drops them. Then SCALE_TASKS exec tasks
+# reattached across an agent's SIGKILL (`make test` runs 200).
 CRASH_ITERATIONS ?= 500
 CRASH_SEED ?= $(shell date +%s)
 HALF_OPEN_SECONDS ?= 60
+SCALE_TASKS ?= 2000
 soak: deps
 	STEAD_CRASH_ITERATIONS=$(CRASH_ITERATIONS) STEAD_CRASH_SEED=$(CRASH_SEED) \
 	  $(CARGO) test --locked -p stead-tests --test scenarios state_crash -- --nocapture
 	STEAD_HALF_OPEN_SECONDS=$(HALF_OPEN_SECONDS) \
 	  $(CARGO) test --locked -p stead-tests --test scenarios agent_bounds::two_thousand -- --nocapture
+	STEAD_SCALE_TASKS=$(SCALE_TASKS) \
+	  $(CARGO) test --locked -p stead-tests --test scenarios scale_agent -- --nocapture
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).
 FUZZ_SECONDS ?= 60

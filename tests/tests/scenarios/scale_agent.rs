@@ -1,0 +1,98 @@
+//! Many real tasks across an agent's SIGKILL: a real `stead agent` runs N exec tasks
+//! (200 by default; `STEAD_SCALE_TASKS` raises it, `make soak` runs more), is killed
+//! with SIGKILL and started again on the same data dir. Every task is reattached: the
+//! same pids, no restart, no second start, and no process more or less.
+
+use crate::agent_support;
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use agent_support::{Agent, AgentDirs, kill_all_with, processes_with, unique_nap, wait_for};
+use stead_schemas::api::AllocListItem;
+
+/// Kills every task process of the test when it ends, passed or not.
+struct Cleanup(String);
+
+impl Drop for Cleanup {
+    fn drop(&mut self) {
+        kill_all_with(&self.0);
+    }
+}
+
+fn tasks() -> usize {
+    std::env::var("STEAD_SCALE_TASKS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(200)
+}
+
+/// An alloc whose one exec task sleeps, one process under its supervisor.
+fn sleeper(name: &str, nap: &str) -> String {
+    format!(
+        "apiVersion: stead/v1\nkind: Alloc\nmetadata: {{name: {name}}}\nspec:\n  tasks:\n    - name: main\n      driver: exec\n      killTimeout: 1s\n      config:\n        command: /bin/sleep\n        args: [\"{nap}\"]\n"
+    )
+}
+
+/// Every alloc's task pid and count of starts, once all `count` allocs run, within
+/// `within`.
+fn all_running(
+    agent: &Agent,
+    count: usize,
+    within: Duration,
+) -> BTreeMap<String, (u32, u32, usize)> {
+    wait_for("every task to run", within, || {
+        let (_, body) = agent.try_get("/v1/allocs").ok_or("no answer")?;
+        let list: Vec<AllocListItem> = serde_json::from_str(&body).map_err(|e| e.to_string())?;
+        let running = list.iter().filter(|i| i.running_tasks == 1).count();
+        if running < count {
+            return Err(format!("{running} of {count} run"));
+        }
+        Ok(())
+    });
+    (0..count)
+        .map(|i| {
+            let name = format!("s{i}");
+            let status = agent.status(&name).expect("a status");
+            let task = &status.tasks["main"];
+            let starts = task
+                .events
+                .iter()
+                .filter(|e| e.event_type == "Started")
+                .count();
+            (name, (task.pid.expect("a pid"), task.restarts, starts))
+        })
+        .collect()
+}
+
+#[test]
+fn every_task_of_many_is_reattached_after_an_agent_sigkill_with_its_pid_and_no_restart() {
+    let count = tasks();
+    let nap = unique_nap();
+    let _cleanup = Cleanup(nap.clone());
+    let dirs = AgentDirs::new("");
+    for i in 0..count {
+        dirs.write_spec(&format!("s{i}"), &sleeper(&format!("s{i}"), &nap));
+    }
+    let agent = dirs.start();
+    let before = all_running(&agent, count, Duration::from_secs(120));
+    assert_eq!(processes_with(&nap).len(), count, "one sleeper per task");
+    assert!(
+        before
+            .values()
+            .all(|(_, restarts, starts)| *restarts == 0 && *starts == 1)
+    );
+
+    agent.kill9();
+    let restarted = Instant::now();
+    let next = dirs.start();
+    let after = all_running(&next, count, Duration::from_secs(60));
+    let reattached = restarted.elapsed();
+    assert_eq!(after, before, "the same pids, no restart, no second start");
+    let mut pids: Vec<u32> = before.values().map(|(pid, _, _)| *pid).collect();
+    let mut live = processes_with(&nap);
+    pids.sort_unstable();
+    live.sort_unstable();
+    assert_eq!(live, pids, "the same processes, none more, none less");
+    eprintln!("{count} tasks reattached {reattached:?} after the agent was started again");
+}
