@@ -1108,6 +1108,13 @@ impl Agent {
                 task_oom_score_adj: inherited.oom_score_adj,
                 limits_required: settings.limits_required,
                 cgroup_parent: settings.cgroup_parent.clone(),
+                reserved_open_files: Some(
+                    DESCRIPTOR_RESERVE
+                        + (settings.api_limits.max_connections
+                            + settings.max_log_streams
+                            + EXEC_DESCRIPTORS * settings.max_execs)
+                            as u64,
+                ),
                 ..ExecDriverConfig::new(&data_dir)
             };
             let exec = Arc::new(ExecDriver::new(config, clock));

@@ -96,3 +96,66 @@ fn every_task_of_many_is_reattached_after_an_agent_sigkill_with_its_pid_and_no_r
     assert_eq!(live, pids, "the same processes, none more, none less");
     eprintln!("{count} tasks reattached {reattached:?} after the agent was started again");
 }
+
+/// The pids of the `count` allocs' tasks that run, and the messages of those whose start
+/// was refused for want of open files, once `runs` run and `refused` were refused.
+fn split(agent: &Agent, count: usize, runs: usize, refused: usize) -> (Vec<u32>, Vec<String>) {
+    wait_for(
+        "the tasks to run or be refused",
+        Duration::from_secs(60),
+        || {
+            let mut running = Vec::new();
+            let mut refusals = Vec::new();
+            for i in 0..count {
+                let name = format!("s{i}");
+                let Some(status) = agent.status(&name) else {
+                    continue;
+                };
+                let task = &status.tasks["main"];
+                if task.state == "running" {
+                    running.push(task.pid.expect("a pid"));
+                } else if let Some(event) = task
+                    .events
+                    .iter()
+                    .find(|e| e.event_type == "Driver Failure" && e.message.contains("open files"))
+                {
+                    refusals.push(event.message.clone());
+                }
+            }
+            if running.len() == runs && refusals.len() == refused {
+                Ok((running, refusals))
+            } else {
+                Err(format!("{} run, {} refused", running.len(), refusals.len()))
+            }
+        },
+    )
+}
+
+#[test]
+fn a_start_beyond_the_open_files_the_agent_keeps_is_refused_with_an_event_and_a_reattach_never_is()
+{
+    let nap = unique_nap();
+    let _cleanup = Cleanup(nap.clone());
+    // Kept: 256 + 16 connections + 8 followed logs + 4 for the one exec session = 284 of
+    // 300, so 16 tasks fit (each holds one), and the 17th start is refused.
+    let dirs = AgentDirs::new("api: {maxConnections: 16, maxLogStreams: 8, maxExecs: 1}\n");
+    for i in 0..20 {
+        dirs.write_spec(&format!("s{i}"), &sleeper(&format!("s{i}"), &nap));
+    }
+    let agent = dirs.start_after("ulimit -n 300");
+    let (mut running, refusals) = split(&agent, 20, 16, 4);
+    assert!(
+        refusals[0].contains("keeps 284 of its 300 open files")
+            && refusals[0].contains("raise its limit of open files (LimitNOFILE)"),
+        "{refusals:?}"
+    );
+
+    // After a SIGKILL, the next agent under the same limit reattaches all 16: none is
+    // refused, and the others still are.
+    agent.kill9();
+    let next = dirs.start_after("ulimit -n 300");
+    let (mut again, _) = split(&next, 20, 16, 4);
+    running.sort_unstable();
+    again.sort_unstable();
+    assert_eq!(again, running, "the same tasks, reattached");
+}

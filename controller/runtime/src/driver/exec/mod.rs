@@ -98,6 +98,11 @@ pub struct ExecDriverConfig {
     pub limits_required: bool,
     /// The cgroup below the agent's own that holds its tasks' cgroups (`cgroupParent`).
     pub cgroup_parent: String,
+    /// Open files the agent keeps for everything but its supervised runs (the API's
+    /// connections, followed logs and exec sessions, the store): a start that would leave
+    /// fewer of its limit is refused with a recoverable error, while reattaching is never
+    /// refused. `None` checks nothing.
+    pub reserved_open_files: Option<u64>,
 }
 
 impl ExecDriverConfig {
@@ -111,6 +116,7 @@ impl ExecDriverConfig {
             task_oom_score_adj: None,
             limits_required: false,
             cgroup_parent: stead_schemas::config::DEFAULT_CGROUP_PARENT.to_owned(),
+            reserved_open_files: None,
         }
     }
 }
@@ -215,6 +221,14 @@ enum ExecError {
     DevicePathMoved { host: PathBuf, task: PathBuf },
     #[error("a device plugin's {} does not exist", path.display())]
     DevicePathMissing { path: PathBuf },
+    #[error(
+        "the agent supervises {live} running tasks, one open file each, and keeps {reserved} of its {limit} open files for its API, logs and store: raise its limit of open files (LimitNOFILE) to start more"
+    )]
+    OpenFilesExhausted {
+        live: u64,
+        reserved: u64,
+        limit: u64,
+    },
     #[error("the task's resource limits cannot be enforced (limits: required): {reason}")]
     LimitsUnenforced { reason: String },
     #[error("making the task's cgroup {cgroup}")]
@@ -344,6 +358,15 @@ fn check_device_access(access: &crate::driver::DeviceAccess) -> Result<(), ExecE
 }
 
 /// What the driver knows of one run.
+/// A start in flight, counted against the agent's open files until it ends.
+struct StartingGuard(Arc<std::sync::atomic::AtomicU64>);
+
+impl Drop for StartingGuard {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
 struct RunState {
     id: RunId,
     /// `None` until the run ended; every `wait` subscribes.
@@ -383,6 +406,9 @@ struct Inner {
     clock: Clock,
     /// Runs started or reattached and not yet destroyed, by handle id.
     runs: Mutex<HashMap<String, Arc<RunState>>>,
+    /// Starts between their open-files check and their end (each holds, or is about to
+    /// hold, its supervisor's pipe before its run is in `runs`).
+    starting: Arc<std::sync::atomic::AtomicU64>,
     /// The test hook's health, over the checks.
     health: Mutex<Option<Health>>,
     /// The agent's own user.
@@ -427,6 +453,7 @@ impl ExecDriver {
                 dirs,
                 clock,
                 runs: Mutex::new(HashMap::new()),
+                starting: Arc::default(),
                 health: Mutex::new(None),
                 agent: Account {
                     uid: rustix::process::geteuid().as_raw(),
@@ -740,10 +767,46 @@ impl Inner {
         }
     }
 
+    /// Refuses a start that would leave the agent fewer open files than it keeps for
+    /// itself: each running task holds one (its supervisor's pipe or pidfd), and so does
+    /// each start in flight. The start counts as one until the guard is dropped.
+    fn check_open_files(&self) -> Result<StartingGuard, ExecError> {
+        use std::sync::atomic::Ordering;
+        let guard = || {
+            self.starting.fetch_add(1, Ordering::AcqRel);
+            StartingGuard(Arc::clone(&self.starting))
+        };
+        let Some(reserved) = self.config.reserved_open_files else {
+            return Ok(guard());
+        };
+        let Some(limit) = rustix::process::getrlimit(rustix::process::Resource::Nofile).current
+        else {
+            return Ok(guard());
+        };
+        // Under the runs' lock, so that two starts never both take the last one.
+        let runs = self.runs();
+        let running = runs
+            .values()
+            .filter(|run| run.exit.borrow().is_none())
+            .count() as u64;
+        let live = running + self.starting.load(Ordering::Acquire);
+        if live.saturating_add(reserved).saturating_add(1) > limit {
+            return Err(ExecError::OpenFilesExhausted {
+                live,
+                reserved,
+                limit,
+            });
+        }
+        let started = guard();
+        drop(runs);
+        Ok(started)
+    }
+
     async fn start(self: Arc<Self>, request: StartRequest) -> Result<TaskHandle, ExecError> {
         let DriverConfig::Exec(config) = &request.config else {
             return Err(ExecError::WrongDriver);
         };
+        let _starting = self.check_open_files()?;
         check_device_access(&request.devices)?;
         let account = self.account_for(request.user.as_deref())?;
         let alloc_dir = self.dirs.alloc(&request.alloc_id);
