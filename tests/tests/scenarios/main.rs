@@ -30,6 +30,7 @@ mod lifecycle_agent;
 mod limits_agent;
 mod metrics_agent;
 mod packaging;
+mod sim;
 mod spec_agreement;
 mod spec_fixtures;
 mod spec_revision;
