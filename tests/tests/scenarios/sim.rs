@@ -159,11 +159,19 @@ struct Sim {
     declared: BTreeMap<&'static str, Declared>,
     generation: u32,
     store_failing: bool,
+    /// The node runs with [`NodeConfig::plant_start_before_terminal`].
+    planted_bug: bool,
     trace: String,
     hasher: std::collections::hash_map::DefaultHasher,
 }
 
-fn new_node(seed: u64, clock: Clock, mock: &MockDriver, store: &MemoryStore) -> Node {
+fn new_node(
+    seed: u64,
+    clock: Clock,
+    mock: &MockDriver,
+    store: &MemoryStore,
+    planted_bug: bool,
+) -> Node {
     let drivers = Drivers::new([Arc::new(mock.clone()) as Arc<dyn Driver>]);
     let config = NodeConfig {
         limits: Limits {
@@ -171,6 +179,7 @@ fn new_node(seed: u64, clock: Clock, mock: &MockDriver, store: &MemoryStore) -> 
             ..Limits::default()
         },
         seed: Some(seed),
+        plant_start_before_terminal: planted_bug,
         ..NodeConfig::default()
     };
     Node::new(config, drivers, Arc::new(store.clone()), clock)
@@ -190,11 +199,11 @@ fn alloc_name_of(alloc_id: &str) -> &str {
 }
 
 impl Sim {
-    fn new(seed: u64) -> Self {
+    fn new(seed: u64, planted_bug: bool) -> Self {
         let clock = Clock::starting_at(Timestamp::from_since_epoch(START));
         let mock = MockDriver::new(clock);
         let store = MemoryStore::new();
-        let node = new_node(seed, clock, &mock, &store);
+        let node = new_node(seed, clock, &mock, &store, planted_bug);
         Sim {
             rng: fastrand::Rng::with_seed(seed),
             seed,
@@ -205,6 +214,7 @@ impl Sim {
             declared: BTreeMap::new(),
             generation: 0,
             store_failing: false,
+            planted_bug,
             trace: String::new(),
             hasher: std::collections::hash_map::DefaultHasher::new(),
         }
@@ -317,7 +327,13 @@ impl Sim {
     /// listed again, as the agent's source does.
     async fn crash(&mut self) {
         self.node.shutdown(Shutdown::Detach).await;
-        self.node = new_node(self.seed, self.clock, &self.mock, &self.store);
+        self.node = new_node(
+            self.seed,
+            self.clock,
+            &self.mock,
+            &self.store,
+            self.planted_bug,
+        );
         let report = self.node.restore().expect("restore reads the store");
         for (restored, _) in &report.allocs {
             if !self.declared.contains_key(restored.as_str()) {
@@ -507,13 +523,17 @@ struct Outcome {
 }
 
 fn run_seed(seed: u64, steps: usize) -> Outcome {
+    run_seed_with(seed, steps, false)
+}
+
+fn run_seed_with(seed: u64, steps: usize, planted_bug: bool) -> Outcome {
     let runtime = tokio::runtime::Builder::new_current_thread()
         .enable_time()
         .start_paused(true)
         .build()
         .expect("a runtime");
     runtime.block_on(async {
-        let mut sim = Sim::new(seed);
+        let mut sim = Sim::new(seed, planted_bug);
         let mut failure = None;
         for i in 0..steps {
             let what = sim.step().await;
@@ -628,4 +648,15 @@ fn the_same_seed_gives_the_same_trace_twice() {
             panic!("seed {seed} is not deterministic; first divergence: {diverged:#?}");
         }
     }
+}
+
+#[test]
+fn a_planted_bug_starting_a_new_revision_before_the_old_is_terminal_is_caught_within_100_seeds() {
+    let caught = (0..100).find_map(|seed| {
+        let outcome = run_seed_with(seed, DEFAULT_STEPS, true);
+        outcome.failure.map(|why| (seed, why))
+    });
+    let (seed, why) = caught.expect("the planted bug escapes 100 seeds");
+    println!("the planted bug is caught by seed {seed}: {why}");
+    assert!(why.contains("two revisions"), "seed {seed}: {why}");
 }
