@@ -5,7 +5,13 @@
 //! step and each seed's history reduced to a trace hash that the same seed reproduces.
 //!
 //! `STEAD_SIM_SEED=n` replays one seed (printing its trace), `STEAD_SIM_SEEDS=n` runs
-//! that many (`make soak` runs 10,000), `STEAD_SIM_STEPS=n` sets the steps per seed.
+//! that many (`make soak` runs 10,000), `STEAD_SIM_STEPS=n` sets the steps per seed,
+//! `STEAD_SIM_FIRST_SEED=n` where they start, and `STEAD_SIM_VERBOSE` names each seed as
+//! it starts (a seed whose runtime thread spins never reaches its own time bound).
+//!
+//! FIXME: seed 1084 with `STEAD_SIM_STEPS=100` never finishes: an alloc's worker spins
+//! in its loop (`persist_and_publish` on every turn, the runtime thread never idle), so
+//! paused time never advances. Not yet fixed in the product.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -37,6 +43,9 @@ const INTERVAL: Duration = Duration::from_secs(60);
 /// (5 s) plus the longest `killAfter` that outlasts it is forced at the timeout, plus
 /// one tick (10 s) and one store retry, with margin.
 const CONVERGENCE_BOUND: Duration = Duration::from_secs(30);
+/// No step (a crash's shutdown and restore included) takes longer than this much
+/// simulated time.
+const STEP_BOUND: Duration = Duration::from_secs(600);
 /// Steps per seed in `make test`.
 const DEFAULT_STEPS: usize = 50;
 /// Seeds in `make test`.
@@ -536,7 +545,12 @@ fn run_seed_with(seed: u64, steps: usize, planted_bug: bool) -> Outcome {
         let mut sim = Sim::new(seed, planted_bug);
         let mut failure = None;
         for i in 0..steps {
-            let what = sim.step().await;
+            let Ok(what) = tokio::time::timeout(STEP_BOUND, sim.step()).await else {
+                failure = Some(format!(
+                    "step {i} did not finish within {STEP_BOUND:?} of simulated time"
+                ));
+                break;
+            };
             // Let every woken worker run before looking.
             tokio::time::sleep(Duration::from_millis(1)).await;
             let line = format!("{i} {}", sim.observe(&what));
@@ -621,6 +635,9 @@ fn every_seeded_history_keeps_the_invariants_and_converges_once_faults_stop() {
         for thread in 0..threads {
             scope.spawn(move || {
                 for seed in (first..first + seeds).filter(|seed| seed % threads == thread) {
+                    if std::env::var("STEAD_SIM_VERBOSE").is_ok() {
+                        println!("sim: seed {seed}");
+                    }
                     check_seed(seed, steps);
                 }
             });
