@@ -6,12 +6,14 @@
 //!
 //! `STEAD_SIM_SEED=n` replays one seed (printing its trace), `STEAD_SIM_SEEDS=n` runs
 //! that many (`make soak` runs 10,000), `STEAD_SIM_STEPS=n` sets the steps per seed,
-//! `STEAD_SIM_FIRST_SEED=n` where they start, and `STEAD_SIM_VERBOSE` names each seed as
-//! it starts (a seed whose runtime thread spins never reaches its own time bound).
+//! `STEAD_SIM_FIRST_SEED=n` where they start, and `STEAD_SIM_VERBOSE` prints each seed
+//! and step as it happens (a seed whose runtime thread spins never reaches its bound).
 //!
 //! FIXME: seed 1084 with `STEAD_SIM_STEPS=100` never finishes: an alloc's worker spins
 //! in its loop (`persist_and_publish` on every turn, the runtime thread never idle), so
-//! paused time never advances. Not yet fixed in the product.
+//! paused time never advances. It starts at step 50, after `d` was deleted and applied
+//! again while its old revision was still being killed, and failed `c` was applied
+//! again. Not yet fixed in the product.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -518,6 +520,9 @@ impl Sim {
     }
 
     fn record(&mut self, line: String) {
+        if std::env::var("STEAD_SIM_VERBOSE").is_ok() {
+            println!("{line}");
+        }
         line.hash(&mut self.hasher);
         self.trace.push_str(&line);
         self.trace.push('\n');
