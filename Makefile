@@ -83,7 +83,12 @@ CRASH_ITERATIONS ?= 500
 CRASH_SEED ?= $(shell date +%s)
 HALF_OPEN_SECONDS ?= 60
 SCALE_TASKS ?= 2000
+# Before them, SIM_SEEDS histories of the deterministic simulator (`make test` runs
+# 500); a failure prints the one line that replays its seed.
+SIM_SEEDS ?= 10000
 soak: deps
+	STEAD_SIM_SEEDS=$(SIM_SEEDS) \
+	  $(CARGO) test --locked -p stead-tests --test scenarios sim:: -- --nocapture
 	STEAD_CRASH_ITERATIONS=$(CRASH_ITERATIONS) STEAD_CRASH_SEED=$(CRASH_SEED) \
 	  $(CARGO) test --locked -p stead-tests --test scenarios state_crash -- --nocapture
 	STEAD_HALF_OPEN_SECONDS=$(HALF_OPEN_SECONDS) \

@@ -340,6 +340,7 @@ impl Settings {
                 seed: None,
                 fingerprint_period: Duration::from_secs(15),
                 devices: Arc::new(crate::devices::DeviceManager::new(plugins)),
+                plant_start_before_terminal: false,
             },
             shutdown: if drain {
                 Shutdown::Drain

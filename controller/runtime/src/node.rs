@@ -40,6 +40,10 @@ pub struct NodeConfig {
     pub fingerprint_period: Duration,
     /// The node's devices and their plugins (started with the node).
     pub devices: Arc<DeviceManager>,
+    /// Test hook, off but in the simulator's planted-bug test: a new revision starts as
+    /// soon as it is declared, without waiting for the old one to be terminal. It breaks
+    /// the rule "never two revisions of one alloc running", for the simulator to catch.
+    pub plant_start_before_terminal: bool,
 }
 
 /// The default level re-check period. Every time-based step (kill timeouts, restart
@@ -56,6 +60,7 @@ impl Default for NodeConfig {
             seed: None,
             fingerprint_period: Duration::from_secs(15),
             devices: Arc::default(),
+            plant_start_before_terminal: false,
         }
     }
 }
@@ -264,6 +269,7 @@ impl Node {
             limits: config.limits,
             seed: config.seed,
             devices: config.devices.clone(),
+            plant_start_before_terminal: config.plant_start_before_terminal,
         };
         let context = WorkerContext::new(
             worker_config,

@@ -31,6 +31,7 @@ mod limits_agent;
 mod metrics_agent;
 mod packaging;
 mod scale_agent;
+mod sim;
 mod spec_agreement;
 mod spec_fixtures;
 mod spec_revision;

@@ -90,6 +90,8 @@ pub(crate) struct WorkerConfig {
     pub(crate) seed: Option<u64>,
     /// The node's devices.
     pub(crate) devices: Arc<DeviceManager>,
+    /// See [`crate::node::NodeConfig::plant_start_before_terminal`].
+    pub(crate) plant_start_before_terminal: bool,
 }
 
 impl WorkerContext {
@@ -509,7 +511,15 @@ impl Worker {
         self.sync_checks();
         crate::metrics::reconciled(began.elapsed());
         self.release_devices();
-        match revision::after_reconcile(&self.revision_inputs()) {
+        let planted_bug = self.shared.config.plant_start_before_terminal
+            && matches!(&self.target, Target::Spec(spec)
+                if self.current.as_ref().is_some_and(|current| current.spec.id != spec.id));
+        let after = if planted_bug {
+            AfterReconcile::HandOver
+        } else {
+            revision::after_reconcile(&self.revision_inputs())
+        };
+        match after {
             AfterReconcile::Wait => {}
             AfterReconcile::PersistAndExit => return self.persist_and_exit().await,
             AfterReconcile::Collect => {

@@ -38,7 +38,8 @@ use tokio::sync::watch;
 use tokio_util::sync::CancellationToken;
 
 use super::{
-    BoxFuture, Driver, DriverError, Fingerprint, Health, StartRequest, TaskHandle, signal_number,
+    BoxFuture, Driver, DriverError, Fingerprint, Health, RecordedRuns, StartRequest, TaskHandle,
+    UnrecordedRun, signal_number,
 };
 use crate::clock::Clock;
 
@@ -595,6 +596,32 @@ impl Driver for MockDriver {
                 Err(DriverError::UnknownTask { id: handle.id })
             }
         })
+    }
+
+    /// The mock's tasks outlive the agent (clones share them), so a new agent finds the
+    /// live ones no record names, as the exec driver finds them in the alloc dirs.
+    fn unrecorded_runs(&self, recorded: &RecordedRuns) -> Vec<UnrecordedRun> {
+        let known: std::collections::BTreeSet<&str> = recorded
+            .handles
+            .iter()
+            .filter(|handle| handle.driver == DriverKind::Mock)
+            .map(|handle| handle.id.as_str())
+            .collect();
+        let state = self.inner.lock();
+        state
+            .tasks
+            .values()
+            .filter(|task| task.exit.borrow().is_none() && !known.contains(task.handle.id.as_str()))
+            .filter_map(|task| {
+                let record = state.history.get(&task.handle.id)?;
+                let alloc_id = record.alloc_id.to_string();
+                (!recorded.unreadable_alloc(&alloc_id)).then(|| UnrecordedRun {
+                    alloc_id,
+                    task: record.task.clone(),
+                    handle: task.handle.clone(),
+                })
+            })
+            .collect()
     }
 
     fn destroy(&self, handle: &TaskHandle) -> BoxFuture<'_, ()> {
