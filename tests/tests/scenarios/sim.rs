@@ -9,11 +9,9 @@
 //! `STEAD_SIM_FIRST_SEED=n` where they start, and `STEAD_SIM_VERBOSE` prints each seed
 //! and step as it happens (a seed whose runtime thread spins never reaches its bound).
 //!
-//! FIXME: seed 1084 with `STEAD_SIM_STEPS=100` never finishes: an alloc's worker spins
-//! in its loop (`persist_and_publish` on every turn, the runtime thread never idle), so
-//! paused time never advances. It starts at step 50, after `d` was deleted and applied
-//! again while its old revision was still being killed, and failed `c` was applied
-//! again. Not yet fixed in the product.
+//! Seeds kept as regression tests, each for a product bug the simulator found:
+//! - 1084 (100 steps): a worker whose state came back to what its last successful write
+//!   stored kept a failed write's retry, due at once on every pass, and spun.
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -681,4 +679,24 @@ fn a_planted_bug_starting_a_new_revision_before_the_old_is_terminal_is_caught_wi
     let (seed, why) = caught.expect("the planted bug escapes 100 seeds");
     println!("the planted bug is caught by seed {seed}: {why}");
     assert!(why.contains("two revisions"), "seed {seed}: {why}");
+}
+
+/// Runs `seed` on a thread of its own and fails when it does not finish within a minute
+/// of real time: a worker that spins keeps paused time from advancing, so the seed's own
+/// bounds never fire.
+fn check_seed_within_a_minute(seed: u64, steps: usize) {
+    let (done, finished) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        let _ = done.send(std::panic::catch_unwind(|| check_seed(seed, steps)));
+    });
+    match finished.recv_timeout(Duration::from_secs(60)) {
+        Ok(Ok(_)) => {}
+        Ok(Err(panic)) => std::panic::resume_unwind(panic),
+        Err(_) => panic!("seed {seed} did not finish within a minute: a worker spins"),
+    }
+}
+
+#[test]
+fn a_worker_whose_state_came_back_to_what_is_stored_drops_its_retry_and_does_not_spin() {
+    check_seed_within_a_minute(1084, 100);
 }

@@ -247,6 +247,10 @@ impl Worker {
     pub(super) async fn persist_and_publish(&mut self) {
         let removed = matches!(self.target, Target::Absent);
         let Some(current) = &mut self.current else {
+            // Nothing to store: a retry of what an earlier revision was is moot.
+            if self.store_retry.take().is_some() {
+                self.shared.store_recovered(&self.name);
+            }
             return;
         };
         let failures = failures(&current.state);
@@ -262,7 +266,14 @@ impl Worker {
             collectable,
             self.stopped_by_user,
         );
-        if current.saved != Some(fingerprint) {
+        if current.saved == Some(fingerprint) {
+            // The store holds what the worker holds (its state came back to what was last
+            // written): nothing is left to retry. A retry kept here would be due at once
+            // on every pass, and the worker would spin (simulator seed 1084).
+            if self.store_retry.take().is_some() {
+                self.shared.store_recovered(&self.name);
+            }
+        } else {
             let now = self.shared.clock.now();
             // While the agent leaves, every write is tried at once: the worker may not be
             // there when a retry would fall due, and a record left behind names runs that
