@@ -153,6 +153,18 @@ impl Browser {
         .await;
     }
 
+    /// Waits until the page's script has ended two more polls of the API than now.
+    async fn two_more_polls(&self) {
+        let polls = self.eval("Number(document.body.dataset.polls || 0)").await;
+        let target = polls.as_u64().expect("a count") + 2;
+        self.until(
+            "two more polls",
+            ONE_POLL * 2,
+            &format!("Number(document.body.dataset.polls || 0) >= {target}"),
+        )
+        .await;
+    }
+
     /// Clicks the button `css`, then Confirm in the dialog it opens.
     async fn click_and_confirm(&self, css: &str) {
         self.click(css).await;
@@ -341,8 +353,8 @@ async fn the_restart_button_restarts_the_task_with_the_token_and_changes_nothing
     browser.click("button[data-action=restart]").await;
     browser.click("#confirm button[value=cancel]").await;
     let pid = agent.status("web").expect("web").tasks["main"].pid;
-    // Two polls' time: anything the page sent has been acted on by then.
-    tokio::time::sleep(ONE_POLL).await;
+    // Two polls later, anything the page sent has been acted on.
+    browser.two_more_polls().await;
     let after = agent.status("web").expect("web");
     assert_eq!(after.tasks["main"].restarts, 1, "{after:?}");
     assert_eq!(after.tasks["main"].pid, pid);
@@ -411,7 +423,7 @@ async fn a_script_in_a_spec_error_an_event_or_a_log_line_is_shown_as_text() {
         )
         .await;
     // Two polls later, nothing the page updated in place ran either.
-    tokio::time::sleep(ONE_POLL).await;
+    browser.two_more_polls().await;
     assert_eq!(browser.eval("window.pwned === undefined").await, true);
     assert_eq!(
         browser

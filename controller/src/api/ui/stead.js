@@ -264,6 +264,8 @@
       notice('Cannot reach the agent: ' + error.message, true);
     } finally {
       inFlight = false;
+      // How many polls ended, for whoever watches the page (its tests wait on it).
+      document.body.dataset.polls = String(Number(document.body.dataset.polls || 0) + 1);
       ages();
       schedule(POLL_MS);
     }
