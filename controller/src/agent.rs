@@ -316,6 +316,12 @@ impl Settings {
                 declared, interval,
             )?));
         }
+        if let Some(nvidia) = &devices.nvidia {
+            plugins.push(Arc::new(crate::devices::NvidiaPlugin::new(
+                nvidia,
+                crate::clock::Clock::system(),
+            )));
+        }
         let mock_driver = enabled(drivers.mock.as_ref(), false);
         let exec_driver = enabled(drivers.exec.as_ref(), true);
         let api = config.api.clone().unwrap_or_default();

@@ -22,7 +22,9 @@ use std::collections::{BTreeMap, BTreeSet, HashMap, HashSet};
 use std::fmt;
 use std::path::PathBuf;
 
-use stead_schemas::api::{DeviceGroupStatus, DeviceHolder, DeviceInstanceStatus};
+use stead_schemas::api::{
+    DeviceGroupStatus, DeviceHolder, DeviceInstanceStatus, DevicePluginStatus,
+};
 use stead_schemas::device::{
     AssignedDevice, DeviceFingerprint, DeviceGroupField, DeviceGroupId, DeviceHealth,
     DeviceInstanceId,
@@ -221,6 +223,10 @@ struct PluginDevices {
     /// Why the plugin is failed (dead, or its last fingerprint was invalid); while set,
     /// every instance of `groups` is unhealthy.
     failure: Option<String>,
+    /// The note of its last valid fingerprint.
+    note: Option<String>,
+    /// Whether a valid fingerprint was ever taken.
+    reported: bool,
 }
 
 /// The node's devices: per plugin, its last valid fingerprint and whether it failed.
@@ -265,6 +271,8 @@ impl DeviceInventory {
                 *entry = PluginDevices {
                     groups: valid.groups,
                     failure: None,
+                    note: fingerprint.note.clone(),
+                    reported: true,
                 };
                 Ok(())
             }
@@ -296,6 +304,39 @@ impl DeviceInventory {
             },
             None => instance.health.clone(),
         })
+    }
+
+    /// Each plugin of `configured` as the node's status shows it: reporting, starting
+    /// (nothing taken from it yet) or failed with why.
+    pub fn plugin_statuses<'a>(
+        &self,
+        configured: impl IntoIterator<Item = &'a Name>,
+    ) -> Vec<DevicePluginStatus> {
+        let mut statuses: Vec<DevicePluginStatus> = configured
+            .into_iter()
+            .map(|name| {
+                let known = self.plugins.get(name);
+                let state = match known {
+                    Some(PluginDevices {
+                        failure: Some(_), ..
+                    }) => "failed",
+                    Some(PluginDevices { reported: true, .. }) => "reporting",
+                    _ => "starting",
+                };
+                let instances = known.map_or(0, |devices| {
+                    devices.groups.values().map(|g| g.instances.len()).sum()
+                });
+                DevicePluginStatus {
+                    name: name.to_string(),
+                    state: state.to_owned(),
+                    reason: known.and_then(|d| d.failure.clone()),
+                    note: known.and_then(|d| d.note.clone()),
+                    instances: u32::try_from(instances).unwrap_or(u32::MAX),
+                }
+            })
+            .collect();
+        statuses.sort_by(|a, b| a.name.cmp(&b.name));
+        statuses
     }
 
     /// The plugin that reports `group`.
@@ -569,7 +610,9 @@ pub fn node_devices(
     let mut groups: BTreeMap<&DeviceGroupId, DeviceGroupStatus> = BTreeMap::new();
     let mut instances: BTreeMap<(&DeviceGroupId, &DeviceInstanceId), DeviceInstanceStatus> =
         BTreeMap::new();
-    let status_of = |device: &AssignedDevice, health: Option<DeviceHealth>| {
+    let status_of = |device: &AssignedDevice,
+                     health: Option<DeviceHealth>,
+                     attributes: BTreeMap<String, String>| {
         let (healthy, reason) = match health {
             Some(DeviceHealth::Healthy) => (true, None),
             Some(DeviceHealth::Unhealthy { reason }) => (false, reason),
@@ -579,6 +622,7 @@ pub fn node_devices(
             id: device.instance.to_string(),
             healthy,
             reason,
+            attributes,
             held_by: holders.get(device).cloned(),
         }
     };
@@ -599,12 +643,16 @@ pub fn node_devices(
                 ..group_status(id)
             },
         );
-        for instance in group.instances.keys() {
+        for (instance, valid) in &group.instances {
             let device = AssignedDevice {
                 group: id.clone(),
                 instance: instance.clone(),
             };
-            let status = status_of(&device, inventory.health(&device));
+            let status = status_of(
+                &device,
+                inventory.health(&device),
+                valid.attributes.clone(),
+            );
             instances.insert((id, instance), status);
         }
     }
@@ -614,7 +662,7 @@ pub fn node_devices(
             .or_insert_with(|| group_status(&device.group));
         instances
             .entry((&device.group, &device.instance))
-            .or_insert_with(|| status_of(device, None));
+            .or_insert_with(|| status_of(device, None, BTreeMap::new()));
     }
     for ((group, _), status) in instances {
         groups
@@ -813,7 +861,7 @@ mod tests {
     }
 
     fn fingerprint(groups: Vec<DeviceGroupFingerprint>) -> DeviceFingerprint {
-        DeviceFingerprint { groups }
+        DeviceFingerprint { groups, note: None }
     }
 
     fn inventory(groups: Vec<DeviceGroupFingerprint>) -> DeviceInventory {

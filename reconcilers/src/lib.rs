@@ -16,6 +16,7 @@ pub mod device;
 pub mod event;
 pub mod exit;
 pub mod gc;
+pub mod gpu;
 pub mod restart;
 pub mod revision;
 pub mod task;

@@ -105,6 +105,10 @@ pub struct NodeStatus {
     /// Device groups, sorted by `vendor/type/name`: every group a plugin reports, and
     /// every group an alloc holds an instance of.
     pub devices: Vec<DeviceGroupStatus>,
+    /// Each configured device plugin, sorted by name: whether it reports, and what it
+    /// says of its devices.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub device_plugins: Vec<DevicePluginStatus>,
     /// The node's CPU and memory, and what running allocs reserve of them; `null` from
     /// an agent that does not report them.
     #[serde(default)]
@@ -167,6 +171,26 @@ pub struct DeviceGroupStatus {
     pub instances: Vec<DeviceInstanceStatus>,
 }
 
+/// One device plugin on the node.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DevicePluginStatus {
+    /// The plugin's name (`static`, `nvidia`).
+    pub name: String,
+    /// `reporting` (its last report was taken), `starting` (none yet) or `failed` (it
+    /// stopped or sent an invalid report: its devices are unhealthy until it reports
+    /// again).
+    pub state: String,
+    /// Why it failed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub reason: Option<String>,
+    /// What its last report says beside its devices: why it has none, say.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
+    /// How many device instances it reports.
+    pub instances: u32,
+}
+
 /// One device instance.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase")]
@@ -178,6 +202,9 @@ pub struct DeviceInstanceStatus {
     /// Why it is not healthy, when known (or that no plugin reports it).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub reason: Option<String>,
+    /// Facts about this instance alone (bus id, memory).
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub attributes: BTreeMap<String, String>,
     /// The task that holds it; unset when free.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub held_by: Option<DeviceHolder>,

@@ -231,6 +231,29 @@ pub struct DevicesConfig {
     /// How often the static plugin reads its health files (default 5s).
     #[serde(default, deserialize_with = "health_interval")]
     pub health_interval: Option<Duration>,
+    /// The `nvidia` plugin: NVIDIA GPUs through NVML; runs when set.
+    pub nvidia: Option<NvidiaDevicesConfig>,
+}
+
+/// The `nvidia` device plugin's settings.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct NvidiaDevicesConfig {
+    /// The NVML library to load (default `libnvidia-ml.so.1`, found as the dynamic
+    /// loader finds libraries). Without it the plugin reports no devices and says why.
+    pub library: Option<PathBuf>,
+    /// How long a GPU must go without a critical fault before it is healthy again
+    /// (default 5m).
+    #[serde(default, deserialize_with = "clean_period")]
+    pub clean_period: Option<Duration>,
+    /// Xid codes that do not make a GPU unhealthy, on top of the application errors
+    /// that never do (13, 31, 43, 45, 68, 109).
+    #[serde(default)]
+    pub ignored_xids: Vec<u64>,
+    /// Extra variables, by name, each set to the same GPU ids as `CUDA_VISIBLE_DEVICES`
+    /// (which is always set, with `NVIDIA_VISIBLE_DEVICES`).
+    #[serde(default)]
+    pub visible_devices_env: Vec<String>,
 }
 
 /// A group of identical devices declared in the config.
@@ -293,6 +316,12 @@ fn health_interval<'de, D: Deserializer<'de>>(
     deserializer: D,
 ) -> Result<Option<Duration>, D::Error> {
     period(deserializer, "devices.healthInterval")
+}
+
+fn clean_period<'de, D: Deserializer<'de>>(
+    deserializer: D,
+) -> Result<Option<Duration>, D::Error> {
+    period(deserializer, "devices.nvidia.cleanPeriod")
 }
 
 fn header_timeout<'de, D: Deserializer<'de>>(

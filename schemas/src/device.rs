@@ -25,6 +25,10 @@ pub const DEVICE_ASSIGNMENT_RECORD_VERSION: u32 = 1;
 pub struct DeviceFingerprint {
     /// The plugin's device groups.
     pub groups: Vec<DeviceGroupFingerprint>,
+    /// What an operator should know of this report: why it holds no devices (no driver
+    /// on the host), or what the plugin could not read.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub note: Option<String>,
 }
 
 /// A group of identical devices as a plugin reports it (unchecked).

@@ -439,6 +439,7 @@ pub(super) async fn node_document(state: &ApiState) -> NodeStatus {
         allocs,
         drivers,
         devices: state.node().devices().node_devices(),
+        device_plugins: state.node().devices().plugin_statuses(),
         resources: Some({
             let host = crate::host::HostResources::get();
             let (reserved_cpu_mhz, reserved_memory_mb) = state.node().reserved();

@@ -134,9 +134,9 @@ impl Style {
 /// The colour of a client status or task state.
 fn status_colour(status: &str) -> Option<Color> {
     match status {
-        "running" | "healthy" | "passing" => Some(Color::Green),
+        "running" | "healthy" | "passing" | "reporting" => Some(Color::Green),
         "failed" | "unhealthy" | "critical" => Some(Color::Red),
-        "pending" | "undetected" | "warning" => Some(Color::Yellow),
+        "pending" | "undetected" | "warning" | "starting" => Some(Color::Yellow),
         "complete" => Some(Color::Blue),
         _ => None,
     }
@@ -539,18 +539,57 @@ pub(crate) fn node_status(style: Style, node: &NodeStatus) -> String {
         text.push_str("No devices\n");
     } else {
         let mut table = style.table();
-        table.set_header(["Device Group", "Healthy", "Instances"]);
+        table.set_header(["Device", "Plugin", "Health", "Held By"]);
+        let mut attributes = style.table();
+        attributes.set_header(["Device", "Attribute", "Value"]);
         for group in &node.devices {
-            let healthy = group.instances.iter().filter(|i| i.healthy).count();
-            table.add_row([
-                format!("{}/{}/{}", group.vendor, group.device_type, group.name),
-                format!("{healthy}/{}", group.instances.len()),
-                group
-                    .instances
-                    .iter()
-                    .map(|i| i.id.as_str())
-                    .collect::<Vec<_>>()
-                    .join(", "),
+            let id = format!("{}/{}/{}", group.vendor, group.device_type, group.name);
+            for (key, value) in &group.attributes {
+                attributes.add_row([&id, key, value]);
+            }
+            for instance in &group.instances {
+                let health = match (&instance.reason, instance.healthy) {
+                    (_, true) => "healthy".to_owned(),
+                    (Some(reason), false) => format!("unhealthy: {reason}"),
+                    (None, false) => "unhealthy".to_owned(),
+                };
+                let holder = instance
+                    .held_by
+                    .as_ref()
+                    .map_or_else(String::new, |h| format!("{}/{}", h.alloc, h.task));
+                let device = format!("{id}/{}", instance.id);
+                table.add_row(vec![
+                    Cell::new(&device),
+                    Cell::new(group.plugin.as_deref().unwrap_or("")),
+                    status_cell(style, &health),
+                    Cell::new(holder),
+                ]);
+                for (key, value) in &instance.attributes {
+                    attributes.add_row([&device, key, value]);
+                }
+            }
+        }
+        text.push_str(&style.finish(table));
+        if attributes.row_count() > 0 {
+            text.push_str("\nDevice Attributes\n");
+            text.push_str(&style.finish(attributes));
+        }
+    }
+    if !node.device_plugins.is_empty() {
+        text.push_str("\nDevice Plugins\n");
+        let mut table = style.table();
+        table.set_header(["Plugin", "State", "Instances", "Says"]);
+        for plugin in &node.device_plugins {
+            let says = [plugin.reason.as_deref(), plugin.note.as_deref()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join("; ");
+            table.add_row(vec![
+                Cell::new(&plugin.name),
+                status_cell(style, &plugin.state),
+                Cell::new(plugin.instances),
+                Cell::new(says),
             ]);
         }
         text.push_str(&style.finish(table));

@@ -15,6 +15,7 @@
 //! before any worker runs after a restart: an alloc keeps its devices before its plugin
 //! reports again, and nobody else gets them meanwhile.
 
+mod nvidia;
 mod static_plugin;
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -36,6 +37,7 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::driver::BoxFuture;
 
+pub use nvidia::{DEFAULT_LIBRARY as NVML_LIBRARY, NvidiaPlugin, model_group_name};
 pub use static_plugin::{StaticPlugin, StaticPluginError};
 
 /// One instance's measurements, by name (`utilization`, `memoryUsedBytes`, ...).
@@ -234,6 +236,11 @@ impl DeviceManager {
     pub fn health(&self, devices: &[AssignedDevice]) -> Vec<Option<DeviceHealth>> {
         let inner = self.inner();
         devices.iter().map(|d| inner.inventory.health(d)).collect()
+    }
+
+    /// Each plugin with its state and note, for the node's status.
+    pub fn plugin_statuses(&self) -> Vec<stead_schemas::api::DevicePluginStatus> {
+        self.inner().inventory.plugin_statuses(self.plugins.keys())
     }
 
     /// Every device with its health and holder, for the node's status.
@@ -447,6 +454,7 @@ mod tests {
                 attributes: BTreeMap::new(),
                 instances: vec![instance("gpu0"), instance("gpu0")],
             }],
+            note: None,
         };
         let plugin = Fixed {
             name: "fixed".parse().expect("a name"),

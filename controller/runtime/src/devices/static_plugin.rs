@@ -85,6 +85,7 @@ impl StaticPlugin {
                 .iter()
                 .map(|g| declared_group(g, |_| DeviceHealth::Healthy))
                 .collect(),
+            note: None,
         };
         stead_reconcilers::device::validate_fingerprint(&plugin.name, &declared)
             .map_err(StaticPluginError::Invalid)?;
