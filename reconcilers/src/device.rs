@@ -648,11 +648,7 @@ pub fn node_devices(
                 group: id.clone(),
                 instance: instance.clone(),
             };
-            let status = status_of(
-                &device,
-                inventory.health(&device),
-                valid.attributes.clone(),
-            );
+            let status = status_of(&device, inventory.health(&device), valid.attributes.clone());
             instances.insert((id, instance), status);
         }
     }

@@ -272,7 +272,9 @@ mod tests {
         assert_eq!(
             gpu.health(at(56), &policy),
             DeviceHealth::Unhealthy {
-                reason: Some("double-bit ECC error; healthy again after 1m0s without a fault".into())
+                reason: Some(
+                    "double-bit ECC error; healthy again after 1m0s without a fault".into()
+                )
             }
         );
     }

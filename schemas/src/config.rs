@@ -318,9 +318,7 @@ fn health_interval<'de, D: Deserializer<'de>>(
     period(deserializer, "devices.healthInterval")
 }
 
-fn clean_period<'de, D: Deserializer<'de>>(
-    deserializer: D,
-) -> Result<Option<Duration>, D::Error> {
+fn clean_period<'de, D: Deserializer<'de>>(deserializer: D) -> Result<Option<Duration>, D::Error> {
     period(deserializer, "devices.nvidia.cleanPeriod")
 }
 

@@ -856,3 +856,45 @@ async fn a_prepared_driver_has_its_fork_server_running_before_any_start_and_star
     );
     stop(&driver, &handle).await;
 }
+
+/// The report pipe between this process and `supervisor`: the pipes the supervisor holds
+/// that this process holds too.
+fn shared_pipes(supervisor: u32) -> Vec<std::path::PathBuf> {
+    let ours = descriptors(std::process::id());
+    descriptors(supervisor)
+        .into_iter()
+        .map(|(_, target)| target)
+        .filter(|target| target.to_string_lossy().starts_with("pipe:"))
+        .filter(|target| ours.iter().any(|(_, mine)| mine == target))
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dropped_driver_closes_its_runs_pipes_so_a_driver_made_again_holds_one_descriptor_per_task()
+ {
+    let data = DataDir::new();
+    let driver = exec_driver(data.path(), true);
+    let handle = driver
+        .start(shell("dropped", "exec sleep 1000"))
+        .await
+        .expect("started");
+    let pid = handle.pid.expect("a pid");
+    let supervisor: u32 = stat_field(pid, 4)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent");
+    assert_eq!(
+        shared_pipes(supervisor).len(),
+        1,
+        "the report pipe is watched"
+    );
+    drop(driver);
+    eventually("the old driver's pipe to the supervisor closed", || {
+        shared_pipes(supervisor).is_empty()
+    })
+    .await;
+    assert!(alive(pid), "the task runs on, as after an agent's exit");
+    // A new driver reattaches (with a pidfd) and can still stop it.
+    let driver = exec_driver(data.path(), true);
+    driver.recover(&handle).await.expect("reattached");
+    stop(&driver, &handle).await;
+}

@@ -24,6 +24,7 @@ mod exec_agent;
 mod exec_cli_agent;
 mod exec_driver;
 mod exec_scenarios;
+mod gpu_agent;
 mod hardening_agent;
 mod interpolation_agent;
 mod lifecycle_agent;

@@ -155,6 +155,28 @@ fn load(library: &Path) -> Result<Nvml, LoadError> {
         })
 }
 
+/// Where drivers mounted into a container keep NVML (the GPU operator's and the
+/// Kubernetes device plugin's layout), tried when the library by name is not found.
+const DRIVER_ROOT_LIBRARIES: [&str; 2] = [
+    "/usr/local/nvidia/lib64/libnvidia-ml.so.1",
+    "/usr/local/nvidia/lib/libnvidia-ml.so.1",
+];
+
+/// NVML from `library`; for the default name, also from where drivers are mounted.
+fn load_default(library: &Path) -> Result<Nvml, LoadError> {
+    match load(library) {
+        Err(LoadError::Absent(why)) if library == Path::new(DEFAULT_LIBRARY) => {
+            for candidate in DRIVER_ROOT_LIBRARIES.iter().map(Path::new) {
+                if candidate.exists() {
+                    return load(candidate);
+                }
+            }
+            Err(LoadError::Absent(why))
+        }
+        other => other,
+    }
+}
+
 /// Every GPU's facts, and the node-wide ones (driver and CUDA versions).
 fn gpu_facts(nvml: &Nvml) -> Result<(Vec<GpuFacts>, BTreeMap<String, String>), String> {
     let count = nvml
@@ -249,9 +271,7 @@ fn event_set<'n>(nvml: &'n Nvml, gpus: &[GpuFacts]) -> Result<EventSet<'n>, Stri
     let wanted = EventTypes::CRITICAL_XID_ERROR | EventTypes::DOUBLE_BIT_ECC_ERROR;
     let mut set = nvml.create_event_set().map_err(|e| e.to_string())?;
     for gpu in gpus {
-        let device = nvml
-            .device_by_index(gpu.index)
-            .map_err(|e| e.to_string())?;
+        let device = nvml.device_by_index(gpu.index).map_err(|e| e.to_string())?;
         let supported = device.supported_event_types().unwrap_or(wanted);
         set = device
             .register_events(wanted & supported, set)
@@ -369,7 +389,7 @@ impl DevicePlugin for NvidiaPlugin {
             };
             let library = self.library.clone();
             let loaded = tokio::task::spawn_blocking(move || {
-                let nvml = load(&library)?;
+                let nvml = load_default(&library)?;
                 let (gpus, shared) = gpu_facts(&nvml).map_err(LoadError::Failed)?;
                 Ok((Arc::new(nvml), gpus, shared))
             })
@@ -497,7 +517,10 @@ fn gpu_stats(nvml: &Nvml, uuid: &str) -> Option<DeviceStats> {
     let mut stats = DeviceStats::new();
     if let Ok(rates) = device.utilization_rates() {
         stats.insert("utilizationPercent".to_owned(), f64::from(rates.gpu));
-        stats.insert("memoryUtilizationPercent".to_owned(), f64::from(rates.memory));
+        stats.insert(
+            "memoryUtilizationPercent".to_owned(),
+            f64::from(rates.memory),
+        );
     }
     if let Ok(memory) = device.memory_info() {
         // Bytes as f64: exact up to 8 PiB.
@@ -535,12 +558,17 @@ mod tests {
             ("NVIDIA H200", "h200"),
             ("NVIDIA GeForce RTX 4090", "geforce-rtx-4090"),
             ("Tesla V100-SXM2-16GB", "tesla-v100-sxm2-16gb"),
-            ("NVIDIA A100-SXM4-40GB MIG 1g.5gb", "a100-sxm4-40gb-mig-1g.5gb"),
+            (
+                "NVIDIA A100-SXM4-40GB MIG 1g.5gb",
+                "a100-sxm4-40gb-mig-1g.5gb",
+            ),
             ("  ", "gpu"),
             ("NVIDIA (R) ", "r"),
         ] {
             assert_eq!(model_group_name(model), name, "{model}");
-            assert!(stead_schemas::device::is_device_name_part(&model_group_name(model)));
+            assert!(stead_schemas::device::is_device_name_part(
+                &model_group_name(model)
+            ));
         }
     }
 

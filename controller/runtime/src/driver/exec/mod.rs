@@ -419,6 +419,31 @@ struct Inner {
     cgroups: Result<Cgroups, Unavailable>,
     /// The MHz of one core, for CPU quotas.
     mhz_per_core: u32,
+    /// Cancelled when the driver goes: its runs' watchers end with it, closing their
+    /// pipes and pidfds, as they would with the agent's process. A driver made again in
+    /// the same process (a restart in a benchmark or a test) then does not hold two
+    /// descriptors per task.
+    gone: tokio_util::sync::CancellationToken,
+}
+
+impl Drop for Inner {
+    fn drop(&mut self) {
+        self.gone.cancel();
+    }
+}
+
+/// Runs `watch` until it ends or the driver is gone.
+fn spawn_watcher(
+    gone: &tokio_util::sync::CancellationToken,
+    watch: impl Future<Output = ()> + Send + 'static,
+) {
+    let gone = gone.clone();
+    tokio::spawn(async move {
+        tokio::select! {
+            () = gone.cancelled() => {}
+            () = watch => {}
+        }
+    });
 }
 
 impl fmt::Debug for ExecDriver {
@@ -464,6 +489,7 @@ impl ExecDriver {
                 zygote: zygote::Zygote::default(),
                 cgroups,
                 mhz_per_core: crate::host::HostResources::get().mhz_per_core,
+                gone: tokio_util::sync::CancellationToken::new(),
             }),
         }
     }
@@ -975,7 +1001,10 @@ impl Inner {
         let state = RunState::new(id, pending.cgroup.take());
         self.runs().insert(handle.id.clone(), state.clone());
         let reports = pending.reports.take();
-        tokio::spawn(watch_run(reports, supervisor, state, task_dir.control, run));
+        spawn_watcher(
+            &self.gone,
+            watch_run(reports, supervisor, state, task_dir.control, run),
+        );
         Ok(handle)
     }
 
@@ -1030,7 +1059,10 @@ impl Inner {
         let state = RunState::new(id.clone(), cgroup.clone());
         if self.supervisor_alive(&id) {
             self.runs().insert(handle.id.clone(), state.clone());
-            tokio::spawn(watch_pid(id.supervisor, state, task_dir.control, id.run));
+            spawn_watcher(
+                &self.gone,
+                watch_pid(id.supervisor, state, task_dir.control, id.run),
+            );
             return Ok(());
         }
         if let Ok(Some(status)) = protocol::read_exit_record(&task_dir.control, &id.run) {
