@@ -154,6 +154,9 @@ pub enum AgentError {
     /// The static device plugin's config cannot be used.
     #[error("agent config: {0}")]
     Devices(#[from] crate::devices::StaticPluginError),
+    /// A configured Kubernetes device-plugin endpoint cannot be used.
+    #[error("agent config: {0}")]
+    K8sDevices(#[from] crate::deviceplugin::K8sConfigError),
     /// A directory could not be created.
     #[error("cannot create {}", path.display())]
     CreateDir {
@@ -314,6 +317,16 @@ impl Settings {
                 .map_or(Duration::from_secs(5), |d| d.get());
             plugins.push(Arc::new(crate::devices::StaticPlugin::new(
                 declared, interval,
+            )?));
+        }
+        if let Some(k8s) = &devices.k8s {
+            let data_dir = args
+                .data_dir
+                .clone()
+                .or_else(|| config.data_dir.clone())
+                .unwrap_or_else(|| PathBuf::from(DEFAULT_DATA_DIR));
+            plugins.push(Arc::new(crate::deviceplugin::K8sPlugin::new(
+                k8s, &data_dir,
             )?));
         }
         if let Some(nvidia) = &devices.nvidia {

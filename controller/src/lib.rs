@@ -6,6 +6,7 @@
 pub mod agent;
 pub mod api;
 pub mod cli;
+pub mod deviceplugin;
 pub mod logging;
 pub mod sdnotify;
 

@@ -1,6 +1,7 @@
 //! The agent's configuration file (`stead agent --config FILE`): YAML, every key
 //! optional, flags override it.
 
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 use serde::{Deserialize, Deserializer, Serialize};
@@ -233,6 +234,42 @@ pub struct DevicesConfig {
     pub health_interval: Option<Duration>,
     /// The `nvidia` plugin: NVIDIA GPUs through NVML; runs when set.
     pub nvidia: Option<NvidiaDevicesConfig>,
+    /// The `k8s` plugin kind: device plugins that speak the Kubernetes device-plugin API
+    /// (v1beta1); runs when set.
+    pub k8s: Option<K8sDevicesConfig>,
+}
+
+/// The Kubernetes device-plugin API's kubelet side.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct K8sDevicesConfig {
+    /// Where `kubelet.sock` (the registration socket) is served and registered plugins'
+    /// sockets are found (default `<dataDir>/device-plugins`). Never the real kubelet's
+    /// directory while a kubelet runs.
+    pub socket_dir: Option<PathBuf>,
+    /// Whether plugins may register on `kubelet.sock` (default true).
+    pub registration: Option<bool>,
+    /// Plugins dialled at their socket without registering (some dial the kubelet's
+    /// socket in ways it refuses; they run with registration off).
+    #[serde(default)]
+    pub endpoints: Vec<K8sEndpointConfig>,
+    /// Variables of a plugin's `Allocate` answer set again under another name for tasks
+    /// run on the host: `{NVIDIA_VISIBLE_DEVICES: CUDA_VISIBLE_DEVICES}`.
+    #[serde(default)]
+    pub env_map: BTreeMap<String, String>,
+}
+
+/// A device plugin dialled without registration.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct K8sEndpointConfig {
+    /// Its socket.
+    pub socket: PathBuf,
+    /// The resource it serves, `vendor.com/type`.
+    pub resource: String,
+    /// The device group's model name (default: the socket's file name without
+    /// `.sock`), so the group is `vendor.com/type/<name>`.
+    pub name: Option<String>,
 }
 
 /// The `nvidia` device plugin's settings.
