@@ -19,6 +19,7 @@ mod cli_proxy;
 mod cli_status;
 mod cli_suggest_agent;
 mod config_agent;
+mod device_plugin_agent;
 mod device_scenarios;
 mod exec_agent;
 mod exec_cli_agent;
