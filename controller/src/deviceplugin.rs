@@ -30,8 +30,8 @@ use stead_runtime::devices::{DevicePlugin, DeviceStats, PluginError};
 use stead_runtime::driver::BoxFuture;
 use stead_schemas::config::{K8sDevicesConfig, K8sEndpointConfig};
 use stead_schemas::device::{
-    AssignedDevice, DeviceFingerprint, DeviceGroupFingerprint, DeviceHealth,
-    DeviceInstanceFingerprint, is_device_name_part,
+    AssignedDevice, CheckpointedAllocation, CheckpointedPath, DeviceFingerprint,
+    DeviceGroupFingerprint, DeviceHealth, DeviceInstanceFingerprint, is_device_name_part,
 };
 use stead_schemas::spec::Name;
 use tokio::net::UnixStream;
@@ -287,7 +287,7 @@ async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
 async fn follow(shared: Arc<Shared>, resource: String, socket: PathBuf, stop: CancellationToken) {
     let mut delay = DIAL_MIN;
     loop {
-        let began = tokio::time::Instant::now();
+        let began = stead_runtime::clock::Clock::system().instant();
         let why = tokio::select! {
             () = stop.cancelled() => return,
             why = serve_once(&shared, &resource, &socket, &stop) => why,
@@ -404,6 +404,9 @@ pub struct K8sPlugin {
     configured: Vec<EndpointSpec>,
     env_map: BTreeMap<String, String>,
     shared: Arc<Shared>,
+    /// Where the `Allocate` answers still held are kept, and they.
+    checkpoint_path: PathBuf,
+    checkpoint: Mutex<Vec<CheckpointedAllocation>>,
 }
 
 impl std::fmt::Debug for K8sPlugin {
@@ -435,7 +438,10 @@ impl K8sPlugin {
             })
             .collect::<Result<Vec<_>, _>>()?;
         let (version, _) = watch::channel(0);
+        let checkpoint_path = data_dir.join("device-plugins.checkpoint.json");
         Ok(K8sPlugin {
+            checkpoint: Mutex::new(read_checkpoint(&checkpoint_path)),
+            checkpoint_path,
             name: "k8s".parse().expect("a valid name"),
             socket_dir: config
                 .socket_dir
@@ -515,6 +521,24 @@ impl K8sPlugin {
             })
     }
 
+    fn checkpoint(&self) -> MutexGuard<'_, Vec<CheckpointedAllocation>> {
+        self.checkpoint
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+    }
+
+    /// Changes the checkpoint and writes it when `change` says it changed (a failed
+    /// write is logged: the answers stay held in memory, and are asked for again after a
+    /// restart).
+    fn change_checkpoint(&self, change: impl FnOnce(&mut Vec<CheckpointedAllocation>) -> bool) {
+        let mut checkpoint = self.checkpoint();
+        if change(&mut checkpoint)
+            && let Err(error) = write_checkpoint(&self.checkpoint_path, &checkpoint)
+        {
+            tracing::warn!(path = %self.checkpoint_path.display(), %error, "cannot write the device-plugin checkpoint");
+        }
+    }
+
     fn error(&self, message: String) -> PluginError {
         PluginError {
             plugin: self.name.clone(),
@@ -532,12 +556,42 @@ pub struct K8sConfigError {
     source: EndpointError,
 }
 
-/// What a task gets from one plugin's `Allocate` answer, `env_map` applied.
-fn reservation(
+/// One plugin's `Allocate` answer for `devices` of `resource`, as it is checkpointed.
+fn checkpointed(
+    resource: &str,
+    devices: Vec<String>,
     answer: api::ContainerAllocateResponse,
-    env_map: &BTreeMap<String, String>,
-) -> Reservation {
-    let mut env: BTreeMap<String, String> = answer.envs.into_iter().collect();
+) -> CheckpointedAllocation {
+    CheckpointedAllocation {
+        resource: resource.to_owned(),
+        devices,
+        env: answer.envs.into_iter().collect(),
+        mounts: answer
+            .mounts
+            .into_iter()
+            .map(|m| CheckpointedPath {
+                host_path: m.host_path,
+                task_path: m.container_path,
+                read_only: m.read_only,
+                permissions: String::new(),
+            })
+            .collect(),
+        device_nodes: answer
+            .devices
+            .into_iter()
+            .map(|d| CheckpointedPath {
+                host_path: d.host_path,
+                task_path: d.container_path,
+                read_only: false,
+                permissions: d.permissions,
+            })
+            .collect(),
+    }
+}
+
+/// What a task gets from one plugin's `Allocate` answer, `env_map` applied.
+fn reservation(answer: &CheckpointedAllocation, env_map: &BTreeMap<String, String>) -> Reservation {
+    let mut env = answer.env.clone();
     for (from, to) in env_map {
         if let Some(value) = env.get(from).cloned() {
             env.insert(to.clone(), value);
@@ -547,28 +601,78 @@ fn reservation(
         env,
         mounts: answer
             .mounts
-            .into_iter()
+            .iter()
             .map(|m| DeviceMount {
-                host_path: PathBuf::from(m.host_path),
-                task_path: PathBuf::from(m.container_path),
+                host_path: PathBuf::from(&m.host_path),
+                task_path: PathBuf::from(&m.task_path),
                 read_only: m.read_only,
             })
             .collect(),
         device_nodes: answer
-            .devices
-            .into_iter()
+            .device_nodes
+            .iter()
             .map(|d| DeviceNode {
-                host_path: PathBuf::from(d.host_path),
-                task_path: PathBuf::from(d.container_path),
-                permissions: d.permissions,
+                host_path: PathBuf::from(&d.host_path),
+                task_path: PathBuf::from(&d.task_path),
+                permissions: d.permissions.clone(),
             })
             .collect(),
     }
 }
 
+/// The checkpoint at `path`; an unreadable or unknown one is logged and treated as
+/// empty (its plugins are asked again).
+fn read_checkpoint(path: &Path) -> Vec<CheckpointedAllocation> {
+    let text = match std::fs::read_to_string(path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return Vec::new(),
+        Err(error) => {
+            tracing::warn!(path = %path.display(), %error, "cannot read the device-plugin checkpoint");
+            return Vec::new();
+        }
+    };
+    match stead_schemas::device::parse_device_plugin_checkpoint(&text) {
+        Ok(checkpoint) => checkpoint.allocations,
+        Err(error) => {
+            tracing::warn!(path = %path.display(), %error, "ignoring the device-plugin checkpoint");
+            Vec::new()
+        }
+    }
+}
+
+/// Writes `allocations` to `path` atomically (a temporary file, then a rename).
+fn write_checkpoint(path: &Path, allocations: &[CheckpointedAllocation]) -> std::io::Result<()> {
+    let text = stead_schemas::device::device_plugin_checkpoint_json(allocations);
+    let tmp = path.with_extension("json.tmp");
+    std::fs::write(&tmp, text)?;
+    std::fs::rename(&tmp, path)
+}
+
 impl DevicePlugin for K8sPlugin {
     fn name(&self) -> &Name {
         &self.name
+    }
+
+    fn released(&self, devices: &[AssignedDevice]) {
+        let freed: Vec<(String, String)> = {
+            let endpoints = self.shared.endpoints();
+            devices
+                .iter()
+                .filter_map(|device| {
+                    let state = endpoints.values().find(|s| s.spec.owns(device))?;
+                    Some((state.spec.resource.clone(), device.instance.to_string()))
+                })
+                .collect()
+        };
+        self.change_checkpoint(|checkpoint| {
+            let before = checkpoint.len();
+            checkpoint.retain(|a| {
+                !freed
+                    .iter()
+                    .any(|(resource, id)| *resource == a.resource && a.devices.contains(id))
+            });
+            checkpoint.len() != before
+        });
     }
 
     fn start(&self) -> BoxFuture<'_, Result<mpsc::Receiver<DeviceFingerprint>, PluginError>> {
@@ -628,26 +732,50 @@ impl DevicePlugin for K8sPlugin {
             let (client, options, resource) = self
                 .endpoint_of(first)
                 .ok_or_else(|| self.error(format!("no device plugin serves {}", first.group)))?;
-            let mut client = client.ok_or_else(|| {
-                self.error(format!("the device plugin for {resource} is not serving"))
-            })?;
-            let ids: Vec<String> = devices.iter().map(|d| d.instance.to_string()).collect();
-            let answer = client
-                .allocate(api::AllocateRequest {
-                    container_requests: vec![api::ContainerAllocateRequest {
-                        devices_ids: ids.clone(),
-                    }],
-                })
-                .await
-                .map_err(|status| {
-                    self.error(format!("{resource}: Allocate failed: {}", status.message()))
-                })?
-                .into_inner()
-                .container_responses
-                .into_iter()
-                .next()
-                .unwrap_or_default();
+            let not_serving =
+                || self.error(format!("the device plugin for {resource} is not serving"));
+            let mut ids: Vec<String> = devices.iter().map(|d| d.instance.to_string()).collect();
+            ids.sort();
+            let held = self
+                .checkpoint()
+                .iter()
+                .find(|a| a.resource == resource && a.devices == ids)
+                .cloned();
+            let answer = match held {
+                // Allocated before (by this agent or the one before it) and not freed
+                // since: the same answer, as the kubelet's checkpoint gives.
+                Some(answer) => answer,
+                None => {
+                    let answer = client
+                        .clone()
+                        .ok_or_else(not_serving)?
+                        .allocate(api::AllocateRequest {
+                            container_requests: vec![api::ContainerAllocateRequest {
+                                devices_ids: ids.clone(),
+                            }],
+                        })
+                        .await
+                        .map_err(|status| {
+                            self.error(format!("{resource}: Allocate failed: {}", status.message()))
+                        })?
+                        .into_inner()
+                        .container_responses
+                        .into_iter()
+                        .next()
+                        .unwrap_or_default();
+                    let answer = checkpointed(&resource, ids.clone(), answer);
+                    self.change_checkpoint(|checkpoint| {
+                        checkpoint.retain(|a| {
+                            a.resource != resource || !a.devices.iter().any(|d| ids.contains(d))
+                        });
+                        checkpoint.push(answer.clone());
+                        true
+                    });
+                    answer
+                }
+            };
             if options.pre_start_required {
+                let mut client = client.ok_or_else(not_serving)?;
                 let request = api::PreStartContainerRequest { devices_ids: ids };
                 tokio::time::timeout(PRE_START_TIMEOUT, client.pre_start_container(request))
                     .await
@@ -663,7 +791,7 @@ impl DevicePlugin for K8sPlugin {
                         ))
                     })?;
             }
-            Ok(reservation(answer, &self.env_map))
+            Ok(reservation(&answer, &self.env_map))
         })
     }
 }
@@ -748,7 +876,8 @@ mod tests {
             "NVIDIA_VISIBLE_DEVICES".to_owned(),
             "CUDA_VISIBLE_DEVICES".to_owned(),
         )]);
-        let reservation = reservation(answer, &map);
+        let answer = checkpointed("acme.io/fpga", vec!["f0".to_owned()], answer);
+        let reservation = reservation(&answer, &map);
         assert_eq!(reservation.env["CUDA_VISIBLE_DEVICES"], "GPU-1");
         assert_eq!(reservation.env["NVIDIA_VISIBLE_DEVICES"], "GPU-1");
         assert!(reservation.mounts[0].read_only);

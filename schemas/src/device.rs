@@ -283,6 +283,79 @@ pub struct DeviceAssignmentRecord {
     pub tasks: BTreeMap<String, Vec<AssignedDevice>>,
 }
 
+/// The version of [`DevicePluginCheckpoint`] this agent writes, and the newest it reads.
+pub const DEVICE_PLUGIN_CHECKPOINT_VERSION: u32 = 1;
+
+/// The `k8s` device plugin's checkpoint: every `Allocate` answer still held, so a task
+/// started again (after an agent restart too) gets the same answer without a second
+/// `Allocate`, as the kubelet's checkpoint does. An answer is dropped when its devices
+/// are freed.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct DevicePluginCheckpoint {
+    /// The format's version.
+    pub version: u32,
+    /// The answers.
+    pub allocations: Vec<CheckpointedAllocation>,
+}
+
+/// Reads a [`DevicePluginCheckpoint`]; one of a newer version is refused.
+pub fn parse_device_plugin_checkpoint(text: &str) -> Result<DevicePluginCheckpoint, String> {
+    let checkpoint: DevicePluginCheckpoint =
+        serde_json::from_str(text).map_err(|e| e.to_string())?;
+    if checkpoint.version > DEVICE_PLUGIN_CHECKPOINT_VERSION {
+        return Err(format!(
+            "version {} is newer than this agent's {DEVICE_PLUGIN_CHECKPOINT_VERSION}",
+            checkpoint.version
+        ));
+    }
+    Ok(checkpoint)
+}
+
+/// `allocations` as a [`DevicePluginCheckpoint`] of this agent's version, in JSON.
+pub fn device_plugin_checkpoint_json(allocations: &[CheckpointedAllocation]) -> String {
+    serde_json::to_string(&DevicePluginCheckpoint {
+        version: DEVICE_PLUGIN_CHECKPOINT_VERSION,
+        allocations: allocations.to_vec(),
+    })
+    .expect("a checkpoint serializes")
+}
+
+/// One `Allocate` answer and what it was for.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointedAllocation {
+    /// The plugin's resource.
+    pub resource: String,
+    /// The device ids asked for, sorted.
+    pub devices: Vec<String>,
+    /// The variables it set.
+    #[serde(default)]
+    pub env: BTreeMap<String, String>,
+    /// Its mounts.
+    #[serde(default)]
+    pub mounts: Vec<CheckpointedPath>,
+    /// Its device nodes.
+    #[serde(default)]
+    pub device_nodes: Vec<CheckpointedPath>,
+}
+
+/// A mount or device node of an `Allocate` answer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct CheckpointedPath {
+    /// On the host.
+    pub host_path: String,
+    /// In the task.
+    pub task_path: String,
+    /// A mount's read-only flag.
+    #[serde(default)]
+    pub read_only: bool,
+    /// A device node's cgroup permissions.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub permissions: String,
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -181,6 +181,36 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
     assert_eq!(task.pid, pid, "the same process");
     assert_eq!(task.restarts, 0);
     assert_eq!(allocate_calls(state.path()), ["f0"], "no second Allocate");
+
+    // Restarted by its user, the task gets the checkpointed answer again: still one
+    // Allocate, as the kubelet's checkpoint makes it.
+    let (code, body) = agent.post("/v1/allocs/fpga/restart").expect("an answer");
+    assert_eq!(code, 202, "{body}");
+    agent.wait_for_task("fpga", "restarted", Duration::from_secs(20), |t| {
+        t.state == "running" && t.pid.is_some() && t.pid != pid
+    });
+    assert_eq!(
+        allocate_calls(state.path()),
+        ["f0"],
+        "the answer was reused"
+    );
+
+    // Freed, then held by a new alloc: that one is allocated anew.
+    dirs.remove_spec("fpga");
+    wait_for("the device freed", Duration::from_secs(20), || {
+        let group = fpga_group(&agent)?;
+        group
+            .instances
+            .iter()
+            .all(|i| i.held_by.is_none())
+            .then_some(())
+            .ok_or_else(|| format!("{group:#?}"))
+    });
+    dirs.write_spec("fpga", &spec(&mount));
+    agent.wait_for_task("fpga", "running again", Duration::from_secs(20), |t| {
+        t.state == "running" && t.pid.is_some()
+    });
+    assert_eq!(allocate_calls(state.path()), ["f0", "f0"]);
 }
 
 #[test]

@@ -73,6 +73,8 @@ pub trait DevicePlugin: Send + Sync + 'static {
         &self,
         devices: &[AssignedDevice],
     ) -> BoxFuture<'_, Result<Reservation, PluginError>>;
+    /// `devices` (all the plugin's own) were freed: nobody holds them any more.
+    fn released(&self, _devices: &[AssignedDevice]) {}
 }
 
 /// The first wait before a failed plugin is started again; it doubles up to
@@ -202,15 +204,36 @@ impl DeviceManager {
             None => inner.assignments.remove(alloc),
         };
         drop(inner);
+        let kept: BTreeSet<&AssignedDevice> =
+            after.iter().flat_map(|d| d.values().flatten()).collect();
+        let freed: Vec<AssignedDevice> = before
+            .iter()
+            .flat_map(|d| d.values().flatten())
+            .filter(|device| !kept.contains(device))
+            .cloned()
+            .collect();
+        self.tell_released(&freed);
         self.bump();
         result
     }
 
     /// Frees everything `alloc` holds; waiting allocs are woken to try again.
     pub fn release(&self, alloc: &Name) {
-        let freed = self.inner().assignments.remove(alloc).is_some();
-        if freed {
+        let freed = self.inner().assignments.remove(alloc);
+        if let Some(freed) = freed {
+            let freed: Vec<AssignedDevice> = freed.into_values().flatten().collect();
+            self.tell_released(&freed);
             self.bump();
+        }
+    }
+
+    /// Tells each owning plugin which of its devices nobody holds any more.
+    fn tell_released(&self, freed: &[AssignedDevice]) {
+        if freed.is_empty() {
+            return;
+        }
+        for (plugin, owned) in self.by_plugin(freed) {
+            plugin.released(&owned);
         }
     }
 

@@ -221,6 +221,13 @@ pub(crate) fn node(page: &NodePage<'_>) -> Markup {
                             }
                         }
                     }
+                    @for plugin in &node.device_plugins {
+                        p.muted {
+                            "Plugin " strong { (plugin.name) } ": " (plugin.state)
+                            @if let Some(reason) = &plugin.reason { ", " (reason) }
+                            @if let Some(note) = &plugin.note { "; " (note) }
+                        }
+                    }
                 }
             }
         }
