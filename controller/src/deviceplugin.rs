@@ -68,6 +68,8 @@ pub const PRE_START_TIMEOUT: Duration = Duration::from_secs(30);
 /// [`DIAL_MAX`].
 const DIAL_MIN: Duration = Duration::from_millis(200);
 const DIAL_MAX: Duration = Duration::from_secs(5);
+/// The longest `GetDevicePluginOptions` and `Allocate` may take.
+pub const CALL_TIMEOUT: Duration = Duration::from_secs(30);
 /// A plugin that served this long is dialled again after [`DIAL_MIN`] when it stops.
 const SERVED_A_WHILE: Duration = Duration::from_secs(30);
 
@@ -126,12 +128,6 @@ impl EndpointSpec {
             device_type: device_type.to_owned(),
             name,
         })
-    }
-
-    fn owns(&self, device: &AssignedDevice) -> bool {
-        device.group.vendor() == self.vendor
-            && device.group.device_type() == self.device_type
-            && device.group.name() == self.name
     }
 }
 
@@ -250,19 +246,30 @@ impl Shared {
         let stop = parent.child_token();
         let resource = spec.resource.clone();
         let socket = spec.socket.clone();
-        let replaced = self.endpoints().insert(
-            resource.clone(),
-            EndpointState {
-                spec,
-                client: None,
-                options: api::DevicePluginOptions::default(),
-                devices: Vec::new(),
-                down: Some("not dialled yet".to_owned()),
-                stop: stop.clone(),
-            },
-        );
-        if let Some(old) = replaced {
-            old.stop.cancel();
+        {
+            let mut endpoints = self.endpoints();
+            // The devices a replaced endpoint listed stay known (down) until the new one
+            // lists, so their holders are still shown.
+            let devices = endpoints
+                .get(&resource)
+                .filter(|old| old.spec.name == spec.name)
+                .map(|old| old.devices.clone())
+                .unwrap_or_default();
+            let replaced = endpoints.insert(
+                resource.clone(),
+                EndpointState {
+                    spec,
+                    client: None,
+                    options: api::DevicePluginOptions::default(),
+                    devices,
+                    down: Some("not dialled yet".to_owned()),
+                    stop: stop.clone(),
+                },
+            );
+            // Under the lock: the old loop can no longer change the new entry.
+            if let Some(old) = replaced {
+                old.stop.cancel();
+            }
         }
         self.bump();
         tokio::spawn(follow(Arc::clone(self), resource, socket, stop));
@@ -321,9 +328,15 @@ async fn serve_once(
         Err(error) => return format!("cannot connect to {}: {error}", socket.display()),
     };
     let mut client = DevicePluginClient::new(channel);
-    let options = match client.get_device_plugin_options(api::Empty {}).await {
-        Ok(options) => options.into_inner(),
-        Err(status) => return format!("GetDevicePluginOptions failed: {}", status.message()),
+    let options = match tokio::time::timeout(
+        CALL_TIMEOUT,
+        client.get_device_plugin_options(api::Empty {}),
+    )
+    .await
+    {
+        Ok(Ok(options)) => options.into_inner(),
+        Ok(Err(status)) => return format!("GetDevicePluginOptions failed: {}", status.message()),
+        Err(_) => return format!("GetDevicePluginOptions took longer than {CALL_TIMEOUT:?}"),
     };
     let mut stream = match client.list_and_watch(api::Empty {}).await {
         Ok(stream) => stream.into_inner(),
@@ -332,11 +345,15 @@ async fn serve_once(
     loop {
         match stream.message().await {
             Ok(Some(list)) => {
-                let devices = list
+                let devices: Vec<(String, String)> = list
                     .devices
                     .into_iter()
                     .map(|device| (device.id, device.health))
                     .collect();
+                // A bad list fails this endpoint alone, never the others.
+                if let Err(why) = check_devices(&devices) {
+                    return format!("it listed invalid devices: {why}");
+                }
                 shared.update(resource, stop, |state| {
                     state.client = Some(client.clone());
                     state.options = options;
@@ -350,6 +367,18 @@ async fn serve_once(
             }
         }
     }
+}
+
+/// Refuses a device list with an invalid or repeated id.
+fn check_devices(devices: &[(String, String)]) -> Result<(), String> {
+    let mut seen = std::collections::BTreeSet::new();
+    for (id, _) in devices {
+        id.parse::<stead_schemas::device::DeviceInstanceId>()?;
+        if !seen.insert(id.as_str()) {
+            return Err(format!("device id {id:?} is listed twice"));
+        }
+    }
+    Ok(())
 }
 
 /// The registration service on `kubelet.sock`.
@@ -394,6 +423,23 @@ fn registered(
         return Err(EndpointError::Endpoint(endpoint.to_owned()));
     }
     EndpointSpec::new(socket_dir.join(endpoint), &request.resource_name, None)
+}
+
+/// Refuses a socket directory another user could write to: a plugin registered there
+/// decides what tasks get (variables, mounts, device nodes).
+fn check_socket_dir(dir: &Path) -> Result<(), String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(dir).map_err(|e| format!("cannot read {}: {e}", dir.display()))?;
+    let uid = rustix::process::geteuid().as_raw();
+    if meta.uid() != uid || meta.mode() & 0o022 != 0 {
+        return Err(format!(
+            "{} must be owned by the agent's user (uid {uid}) and writable by nobody else (it is uid {}, mode {:o})",
+            dir.display(),
+            meta.uid(),
+            meta.mode() & 0o777
+        ));
+    }
+    Ok(())
 }
 
 /// The `k8s` plugin.
@@ -470,6 +516,7 @@ impl K8sPlugin {
             .mode(0o700)
             .create(&self.socket_dir)
             .map_err(|e| format!("cannot create {}: {e}", self.socket_dir.display()))?;
+        check_socket_dir(&self.socket_dir)?;
         let path = self.registration_socket();
         // A socket left by an earlier agent; nothing listens on it any more.
         let _ = std::fs::remove_file(&path);
@@ -494,31 +541,98 @@ impl K8sPlugin {
             if let Err(error) = served {
                 tracing::error!(%error, "the device-plugin registration service stopped");
             }
-            let _ = std::fs::remove_file(&path);
+            // The socket file stays: a later start may already have bound a new one at
+            // the same path.
         });
         Ok(())
     }
 
-    /// The endpoint serving `device`: its client, options and resource.
+    /// The endpoint of `resource`: its client and options.
     fn endpoint_of(
         &self,
-        device: &AssignedDevice,
+        resource: &str,
     ) -> Option<(
         Option<DevicePluginClient<Channel>>,
         api::DevicePluginOptions,
-        String,
     )> {
         self.shared
             .endpoints()
-            .values()
-            .find(|state| state.spec.owns(device))
-            .map(|state| {
-                (
-                    state.client.clone(),
-                    state.options,
-                    state.spec.resource.clone(),
-                )
-            })
+            .get(resource)
+            .map(|state| (state.client.clone(), state.options))
+    }
+
+    /// What a task holding `ids` of `resource` gets: the checkpointed `Allocate` answer,
+    /// or a new one (checkpointed); `PreStartContainer` first when the plugin asks.
+    async fn reserve_of(
+        &self,
+        resource: &str,
+        mut ids: Vec<String>,
+    ) -> Result<Reservation, PluginError> {
+        let (client, options) = self
+            .endpoint_of(resource)
+            .ok_or_else(|| self.error(format!("no device plugin serves {resource}")))?;
+        let not_serving = || self.error(format!("the device plugin for {resource} is not serving"));
+        ids.sort();
+        let held = self
+            .checkpoint()
+            .iter()
+            .find(|a| a.resource == resource && a.devices == ids)
+            .cloned();
+        let answer = match held {
+            // Allocated before (by this agent or the one before it) and not freed since:
+            // the same answer, as the kubelet's checkpoint gives.
+            Some(answer) => answer,
+            None => {
+                let request = api::AllocateRequest {
+                    container_requests: vec![api::ContainerAllocateRequest {
+                        devices_ids: ids.clone(),
+                    }],
+                };
+                let mut client = client.clone().ok_or_else(not_serving)?;
+                let answer = tokio::time::timeout(CALL_TIMEOUT, client.allocate(request))
+                    .await
+                    .map_err(|_| {
+                        self.error(format!(
+                            "{resource}: Allocate took longer than {CALL_TIMEOUT:?}"
+                        ))
+                    })?
+                    .map_err(|status| {
+                        self.error(format!("{resource}: Allocate failed: {}", status.message()))
+                    })?
+                    .into_inner()
+                    .container_responses
+                    .into_iter()
+                    .next()
+                    .unwrap_or_default();
+                let answer = checkpointed(resource, ids.clone(), answer);
+                self.change_checkpoint(|checkpoint| {
+                    checkpoint.retain(|a| {
+                        a.resource != resource || !a.devices.iter().any(|d| ids.contains(d))
+                    });
+                    checkpoint.push(answer.clone());
+                    true
+                });
+                answer
+            }
+        };
+        if options.pre_start_required {
+            let mut client = client.ok_or_else(not_serving)?;
+            let request = api::PreStartContainerRequest { devices_ids: ids };
+            tokio::time::timeout(PRE_START_TIMEOUT, client.pre_start_container(request))
+                .await
+                .map_err(|_| {
+                    self.error(format!(
+                        "{resource}: PreStartContainer took longer than {PRE_START_TIMEOUT:?}"
+                    ))
+                })?
+                .map_err(|status| {
+                    self.error(format!(
+                        "{resource}: PreStartContainer failed: {}",
+                        status.message()
+                    ))
+                })?;
+        }
+        Ok(reservation(&answer, &self.env_map))
     }
 
     fn checkpoint(&self) -> MutexGuard<'_, Vec<CheckpointedAllocation>> {
@@ -556,12 +670,23 @@ pub struct K8sConfigError {
     source: EndpointError,
 }
 
+/// The resource a device of a `k8s` group belongs to: its group's `vendor/type`.
+fn resource_of(device: &AssignedDevice) -> String {
+    format!("{}/{}", device.group.vendor(), device.group.device_type())
+}
+
 /// One plugin's `Allocate` answer for `devices` of `resource`, as it is checkpointed.
 fn checkpointed(
     resource: &str,
     devices: Vec<String>,
     answer: api::ContainerAllocateResponse,
 ) -> CheckpointedAllocation {
+    if !answer.cdi_devices.is_empty() || !answer.annotations.is_empty() {
+        tracing::warn!(
+            resource,
+            "the device plugin's Allocate answer has CDI devices or annotations, which only a container runtime uses; a task on the host does not get them"
+        );
+    }
     CheckpointedAllocation {
         resource: resource.to_owned(),
         devices,
@@ -654,16 +779,12 @@ impl DevicePlugin for K8sPlugin {
     }
 
     fn released(&self, devices: &[AssignedDevice]) {
-        let freed: Vec<(String, String)> = {
-            let endpoints = self.shared.endpoints();
-            devices
-                .iter()
-                .filter_map(|device| {
-                    let state = endpoints.values().find(|s| s.spec.owns(device))?;
-                    Some((state.spec.resource.clone(), device.instance.to_string()))
-                })
-                .collect()
-        };
+        // The resource is the group's `vendor/type`, known whether or not its plugin
+        // is registered now (an alloc removed while the agent was down, say).
+        let freed: Vec<(String, String)> = devices
+            .iter()
+            .map(|device| (resource_of(device), device.instance.to_string()))
+            .collect();
         self.change_checkpoint(|checkpoint| {
             let before = checkpoint.len();
             checkpoint.retain(|a| {
@@ -677,6 +798,14 @@ impl DevicePlugin for K8sPlugin {
 
     fn start(&self) -> BoxFuture<'_, Result<mpsc::Receiver<DeviceFingerprint>, PluginError>> {
         Box::pin(async move {
+            // Entries of an earlier start are gone with it: their loops were stopped.
+            {
+                let mut endpoints = self.shared.endpoints();
+                for state in endpoints.values() {
+                    state.stop.cancel();
+                }
+                endpoints.clear();
+            }
             let stop = CancellationToken::new();
             if self.registration {
                 self.serve_registration(&stop).map_err(|e| self.error(e))?;
@@ -723,75 +852,23 @@ impl DevicePlugin for K8sPlugin {
         &self,
         devices: &[AssignedDevice],
     ) -> BoxFuture<'_, Result<Reservation, PluginError>> {
-        let devices = devices.to_vec();
+        let mut by_resource: BTreeMap<String, Vec<String>> = BTreeMap::new();
+        for device in devices {
+            by_resource
+                .entry(resource_of(device))
+                .or_default()
+                .push(device.instance.to_string());
+        }
         Box::pin(async move {
-            let Some(first) = devices.first() else {
-                return Ok(Reservation::default());
-            };
-            // The manager hands one plugin's devices at a time, all of one group here.
-            let (client, options, resource) = self
-                .endpoint_of(first)
-                .ok_or_else(|| self.error(format!("no device plugin serves {}", first.group)))?;
-            let not_serving =
-                || self.error(format!("the device plugin for {resource} is not serving"));
-            let mut ids: Vec<String> = devices.iter().map(|d| d.instance.to_string()).collect();
-            ids.sort();
-            let held = self
-                .checkpoint()
-                .iter()
-                .find(|a| a.resource == resource && a.devices == ids)
-                .cloned();
-            let answer = match held {
-                // Allocated before (by this agent or the one before it) and not freed
-                // since: the same answer, as the kubelet's checkpoint gives.
-                Some(answer) => answer,
-                None => {
-                    let answer = client
-                        .clone()
-                        .ok_or_else(not_serving)?
-                        .allocate(api::AllocateRequest {
-                            container_requests: vec![api::ContainerAllocateRequest {
-                                devices_ids: ids.clone(),
-                            }],
-                        })
-                        .await
-                        .map_err(|status| {
-                            self.error(format!("{resource}: Allocate failed: {}", status.message()))
-                        })?
-                        .into_inner()
-                        .container_responses
-                        .into_iter()
-                        .next()
-                        .unwrap_or_default();
-                    let answer = checkpointed(&resource, ids.clone(), answer);
-                    self.change_checkpoint(|checkpoint| {
-                        checkpoint.retain(|a| {
-                            a.resource != resource || !a.devices.iter().any(|d| ids.contains(d))
-                        });
-                        checkpoint.push(answer.clone());
-                        true
-                    });
-                    answer
-                }
-            };
-            if options.pre_start_required {
-                let mut client = client.ok_or_else(not_serving)?;
-                let request = api::PreStartContainerRequest { devices_ids: ids };
-                tokio::time::timeout(PRE_START_TIMEOUT, client.pre_start_container(request))
-                    .await
-                    .map_err(|_| {
-                        self.error(format!(
-                            "{resource}: PreStartContainer took longer than {PRE_START_TIMEOUT:?}"
-                        ))
-                    })?
-                    .map_err(|status| {
-                        self.error(format!(
-                            "{resource}: PreStartContainer failed: {}",
-                            status.message()
-                        ))
-                    })?;
+            // One `Allocate` per plugin the task holds devices of, merged.
+            let mut merged = Reservation::default();
+            for (resource, ids) in by_resource {
+                let one = self.reserve_of(&resource, ids).await?;
+                merged.env.extend(one.env);
+                merged.mounts.extend(one.mounts);
+                merged.device_nodes.extend(one.device_nodes);
             }
-            Ok(reservation(&answer, &self.env_map))
+            Ok(merged)
         })
     }
 }
@@ -852,6 +929,30 @@ mod tests {
                 "{endpoint:?}"
             );
         }
+    }
+
+    #[test]
+    fn a_device_list_with_a_repeated_or_invalid_id_is_refused() {
+        let list = |ids: &[&str]| -> Vec<(String, String)> {
+            ids.iter()
+                .map(|id| ((*id).to_owned(), HEALTHY.to_owned()))
+                .collect()
+        };
+        assert_eq!(check_devices(&list(&["f0", "f1"])), Ok(()));
+        assert!(check_devices(&list(&["f0", "f0"])).is_err_and(|e| e.contains("twice")));
+        assert!(check_devices(&list(&["a,b"])).is_err());
+        assert!(check_devices(&list(&[""])).is_err());
+    }
+
+    #[test]
+    fn a_socket_directory_others_may_write_to_is_refused() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().expect("a dir");
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o700)).expect("mode");
+        assert_eq!(check_socket_dir(dir.path()), Ok(()));
+        std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o777)).expect("mode");
+        let refused = check_socket_dir(dir.path()).expect_err("world-writable");
+        assert!(refused.contains("writable by nobody else"), "{refused}");
     }
 
     #[test]

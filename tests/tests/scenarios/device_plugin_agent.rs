@@ -169,10 +169,18 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
     // (the plugin registers again, as plugins do when the kubelet's socket is new).
     agent.kill9();
     drop(plugin);
+    let dead = std::os::unix::net::UnixStream::connect(&kubelet);
+    assert!(dead.is_err(), "the killed agent's socket answers nothing");
     let agent = dirs.start();
-    wait_for("kubelet.sock again", Duration::from_secs(10), || {
-        kubelet.exists().then_some(()).ok_or_else(String::new)
-    });
+    wait_for(
+        "a kubelet.sock that answers",
+        Duration::from_secs(10),
+        || {
+            std::os::unix::net::UnixStream::connect(&kubelet)
+                .map(drop)
+                .map_err(|e| e.to_string())
+        },
+    );
     let _plugin = Plugin::start(sockets.path(), state.path(), true);
     until_health(&agent, [true, true], Duration::from_secs(5));
     let task = agent.wait_for_task("fpga", "reattached", Duration::from_secs(10), |t| {
@@ -186,7 +194,7 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
     // Allocate, as the kubelet's checkpoint makes it.
     let (code, body) = agent.post("/v1/allocs/fpga/restart").expect("an answer");
     assert_eq!(code, 202, "{body}");
-    agent.wait_for_task("fpga", "restarted", Duration::from_secs(20), |t| {
+    let restarted = agent.wait_for_task("fpga", "restarted", Duration::from_secs(20), |t| {
         t.state == "running" && t.pid.is_some() && t.pid != pid
     });
     assert_eq!(
@@ -197,6 +205,9 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
 
     // Freed, then held by a new alloc: that one is allocated anew.
     dirs.remove_spec("fpga");
+    agent.wait_for_task("fpga", "stopped", Duration::from_secs(20), |t| {
+        t.state == "dead"
+    });
     wait_for("the device freed", Duration::from_secs(20), || {
         let group = fpga_group(&agent)?;
         group
@@ -208,9 +219,20 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
     });
     dirs.write_spec("fpga", &spec(&mount));
     agent.wait_for_task("fpga", "running again", Duration::from_secs(20), |t| {
-        t.state == "running" && t.pid.is_some()
+        t.state == "running" && t.pid.is_some() && t.pid != restarted.pid
     });
-    assert_eq!(allocate_calls(state.path()), ["f0", "f0"]);
+    let log: Vec<String> = agent
+        .log_text()
+        .lines()
+        .filter(|l| l.contains("devices") || l.contains("Allocate") || l.contains("alloc"))
+        .map(str::to_owned)
+        .collect();
+    assert_eq!(
+        allocate_calls(state.path()),
+        ["f0", "f0"],
+        "{}",
+        log.join("\n")
+    );
 }
 
 #[test]

@@ -73,7 +73,8 @@ pub trait DevicePlugin: Send + Sync + 'static {
         &self,
         devices: &[AssignedDevice],
     ) -> BoxFuture<'_, Result<Reservation, PluginError>>;
-    /// `devices` (all the plugin's own) were freed: nobody holds them any more.
+    /// `devices` were freed: nobody holds them any more. They are the plugin's own, or
+    /// devices no plugin reports now (which a plugin may recognise as its own).
     fn released(&self, _devices: &[AssignedDevice]) {}
 }
 
@@ -232,8 +233,21 @@ impl DeviceManager {
         if freed.is_empty() {
             return;
         }
-        for (plugin, owned) in self.by_plugin(freed) {
-            plugin.released(&owned);
+        let owned = self.by_plugin(freed);
+        for (plugin, devices) in &owned {
+            plugin.released(devices);
+        }
+        // Devices no plugin reports now (its plugin not back since a restart): every
+        // plugin hears of them, and each minds its own.
+        let unowned: Vec<AssignedDevice> = freed
+            .iter()
+            .filter(|device| !owned.iter().any(|(_, devices)| devices.contains(device)))
+            .cloned()
+            .collect();
+        if !unowned.is_empty() {
+            for plugin in self.plugins.values() {
+                plugin.released(&unowned);
+            }
         }
     }
 

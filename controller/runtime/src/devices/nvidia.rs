@@ -32,6 +32,7 @@ use stead_schemas::device::{
     AssignedDevice, DeviceFingerprint, DeviceGroupFingerprint, DeviceInstanceFingerprint,
 };
 use stead_schemas::spec::Name;
+use stead_schemas::time::Timestamp;
 use tokio::sync::mpsc;
 
 use super::{DevicePlugin, DeviceStats, PluginError};
@@ -234,7 +235,7 @@ fn fingerprint(
     gpus: &[GpuFacts],
     shared: &BTreeMap<String, String>,
     health: &[GpuHealth],
-    now: stead_schemas::time::Timestamp,
+    now: Timestamp,
     policy: &GpuHealthPolicy,
     note: Option<&str>,
 ) -> DeviceFingerprint {
@@ -308,8 +309,13 @@ fn monitor(
         ),
     };
     let mut last: Option<DeviceFingerprint> = None;
+    // Health is timed on the monotonic clock: a step of the wall clock neither cuts a
+    // clean period short nor stretches it.
+    let started = clock.instant();
+    let elapsed =
+        || Timestamp::from_since_epoch(clock.instant().saturating_duration_since(started));
     loop {
-        let now = clock.now();
+        let now = elapsed();
         for (i, gpu) in gpus.iter().enumerate() {
             let reached = nvml
                 .device_by_index(gpu.index)
@@ -348,7 +354,7 @@ fn monitor(
                         .ok()
                         .and_then(|uuid| by_uuid.get(uuid.as_str()).copied());
                     if let Some(fault) = fault {
-                        let now = clock.now();
+                        let now = elapsed();
                         match gpu {
                             Some(i) => {
                                 if health[i].observe(fault.clone(), now, policy) {
