@@ -55,6 +55,13 @@ fn stdout(driver: &ExecDriver, alloc: &str) -> String {
     std::fs::read_to_string(path).unwrap_or_default()
 }
 
+/// The supervisor of the task whose process is `pid`: its parent.
+fn supervisor_of(pid: u32) -> u32 {
+    stat_field(pid, 4)
+        .and_then(|ppid| ppid.parse().ok())
+        .expect("a parent")
+}
+
 async fn stop(driver: &ExecDriver, handle: &TaskHandle) {
     driver.kill(handle).await.expect("killed");
     let exit = tokio::time::timeout(Duration::from_secs(10), driver.wait(handle.clone()))
@@ -544,9 +551,7 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
     let script = "sh -c 'sleep 0.3 & echo $! > local/orphan'; exec sleep 1000";
     let handle = driver.start(shell("reaps", script)).await.expect("started");
     let pid = handle.pid.expect("a pid");
-    let supervisor: u32 = stat_field(pid, 4)
-        .and_then(|ppid| ppid.parse().ok())
-        .expect("a parent");
+    let supervisor = supervisor_of(pid);
     assert_eq!(
         status_field(supervisor, "Threads").as_deref(),
         Some("1"),
@@ -587,9 +592,7 @@ async fn a_supervisor_is_one_thread_that_reaps_the_orphans_it_adopts_and_its_tas
 /// could not learn, and the task dies with its supervisor.
 async fn kill_its_supervisor_and_see_it_die(driver: &ExecDriver, handle: TaskHandle) {
     let pid = handle.pid.expect("a pid");
-    let supervisor: u32 = stat_field(pid, 4)
-        .and_then(|ppid| ppid.parse().ok())
-        .expect("a parent");
+    let supervisor = supervisor_of(pid);
     std::process::Command::new("kill")
         .args(["-9", &supervisor.to_string()])
         .status()
@@ -725,9 +728,7 @@ async fn a_descriptor_the_agent_leaks_reaches_neither_the_fork_server_nor_a_supe
         .await
         .expect("started");
     let pid = handle.pid.expect("a pid");
-    let supervisor: u32 = stat_field(pid, 4)
-        .and_then(|ppid| ppid.parse().ok())
-        .expect("a parent");
+    let supervisor = supervisor_of(pid);
     let server = driver.fork_server_pid().expect("the fork server runs");
     for (who, holder) in [("fork server", server), ("supervisor", supervisor)] {
         let open = descriptors(holder);
@@ -879,9 +880,7 @@ async fn a_dropped_driver_closes_its_runs_pipes_so_a_driver_made_again_holds_one
         .await
         .expect("started");
     let pid = handle.pid.expect("a pid");
-    let supervisor: u32 = stat_field(pid, 4)
-        .and_then(|ppid| ppid.parse().ok())
-        .expect("a parent");
+    let supervisor = supervisor_of(pid);
     assert_eq!(
         shared_pipes(supervisor).len(),
         1,
