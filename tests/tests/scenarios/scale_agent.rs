@@ -158,4 +158,34 @@ fn a_start_beyond_the_open_files_the_agent_keeps_is_refused_with_an_event_and_a_
     running.sort_unstable();
     again.sort_unstable();
     assert_eq!(again, running, "the same tasks, reattached");
+
+    // Four of the reattached tasks stopped: their descriptors count no more, so four new
+    // allocs start (the room is counted as runs start and end, never found by a scan).
+    let names: Vec<String> = (0..20)
+        .map(|i| format!("s{i}"))
+        .filter(|name| {
+            next.status(name)
+                .is_some_and(|s| s.tasks["main"].state == "running")
+        })
+        .take(4)
+        .collect();
+    for name in &names {
+        dirs.remove_spec(name);
+    }
+    for i in 0..4 {
+        dirs.write_spec(&format!("n{i}"), &sleeper(&format!("n{i}"), &nap));
+    }
+    wait_for("16 running again", Duration::from_secs(60), || {
+        let running = (0..20)
+            .map(|i| format!("s{i}"))
+            .chain((0..4).map(|i| format!("n{i}")))
+            .filter(|name| {
+                next.status(name)
+                    .is_some_and(|s| s.tasks["main"].state == "running")
+            })
+            .count();
+        (running == 16)
+            .then_some(())
+            .ok_or_else(|| format!("{running} running"))
+    });
 }

@@ -357,7 +357,6 @@ fn check_device_access(access: &crate::driver::DeviceAccess) -> Result<(), ExecE
     Ok(())
 }
 
-/// What the driver knows of one run.
 /// A start in flight, counted against the agent's open files until it ends.
 struct StartingGuard(Arc<std::sync::atomic::AtomicU64>);
 
@@ -366,6 +365,26 @@ impl Drop for StartingGuard {
         self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
     }
 }
+
+/// A run that has not ended, counted (in `Inner::live`) until its end is published or
+/// it is dropped: the count a start's open-files check reads instead of scanning every
+/// run.
+struct LiveRun(Arc<std::sync::atomic::AtomicU64>);
+
+impl LiveRun {
+    fn new(live: &Arc<std::sync::atomic::AtomicU64>) -> Self {
+        live.fetch_add(1, std::sync::atomic::Ordering::AcqRel);
+        LiveRun(Arc::clone(live))
+    }
+}
+
+impl Drop for LiveRun {
+    fn drop(&mut self) {
+        self.0.fetch_sub(1, std::sync::atomic::Ordering::AcqRel);
+    }
+}
+
+/// What the driver knows of one run.
 
 struct RunState {
     id: RunId,
@@ -379,10 +398,16 @@ struct RunState {
     cgroup: Option<TaskCgroup>,
     /// The run is over and its cgroup being removed: no exec check joins it.
     releasing: AtomicBool,
+    /// Counts the run as live until its end is published.
+    live: Mutex<Option<LiveRun>>,
 }
 
 impl RunState {
-    fn new(id: RunId, cgroup: Option<TaskCgroup>) -> Arc<Self> {
+    fn new(
+        id: RunId,
+        cgroup: Option<TaskCgroup>,
+        live: &Arc<std::sync::atomic::AtomicU64>,
+    ) -> Arc<Self> {
         Arc::new(RunState {
             id,
             exit: watch::Sender::new(None),
@@ -390,6 +415,7 @@ impl RunState {
             reported: AtomicBool::new(false),
             cgroup,
             releasing: AtomicBool::new(false),
+            live: Mutex::new(Some(LiveRun::new(live))),
         })
     }
 }
@@ -409,6 +435,8 @@ struct Inner {
     /// Starts between their open-files check and their end (each holds, or is about to
     /// hold, its supervisor's pipe before its run is in `runs`).
     starting: Arc<std::sync::atomic::AtomicU64>,
+    /// Runs that have not ended (each a [`LiveRun`]).
+    live: Arc<std::sync::atomic::AtomicU64>,
     /// The test hook's health, over the checks.
     health: Mutex<Option<Health>>,
     /// The agent's own user.
@@ -479,6 +507,7 @@ impl ExecDriver {
                 clock,
                 runs: Mutex::new(HashMap::new()),
                 starting: Arc::default(),
+                live: Arc::default(),
                 health: Mutex::new(None),
                 agent: Account {
                     uid: rustix::process::geteuid().as_raw(),
@@ -809,13 +838,11 @@ impl Inner {
         else {
             return Ok(guard());
         };
-        // Under the runs' lock, so that two starts never both take the last one.
+        // Under the runs' lock, so that two starts never both take the last one. The live
+        // runs are counted as they start and end, not scanned: a start on a node of
+        // 10,000 tasks reads one number.
         let runs = self.runs();
-        let running = runs
-            .values()
-            .filter(|run| run.exit.borrow().is_none())
-            .count() as u64;
-        let live = running + self.starting.load(Ordering::Acquire);
+        let live = self.live.load(Ordering::Acquire) + self.starting.load(Ordering::Acquire);
         if live.saturating_add(reserved).saturating_add(1) > limit {
             return Err(ExecError::OpenFilesExhausted {
                 live,
@@ -998,7 +1025,7 @@ impl Inner {
             started_at: self.clock.now(),
         };
         let supervisor = id.supervisor;
-        let state = RunState::new(id, pending.cgroup.take());
+        let state = RunState::new(id, pending.cgroup.take(), &self.live);
         self.runs().insert(handle.id.clone(), state.clone());
         let reports = pending.reports.take();
         spawn_watcher(
@@ -1056,7 +1083,7 @@ impl Inner {
             .cgroup_of(&id)
             .filter(TaskCgroup::exists)
             .map(TaskCgroup::existing);
-        let state = RunState::new(id.clone(), cgroup.clone());
+        let state = RunState::new(id.clone(), cgroup.clone(), &self.live);
         if self.supervisor_alive(&id) {
             self.runs().insert(handle.id.clone(), state.clone());
             spawn_watcher(
@@ -1326,6 +1353,13 @@ async fn publish_exit(state: &RunState, mut result: ExitResult, control: &Path, 
         }
         release(cgroup.clone()).await;
     }
+    drop(
+        state
+            .live
+            .lock()
+            .unwrap_or_else(PoisonError::into_inner)
+            .take(),
+    );
     state.exit.send_replace(Some(result));
 }
 
