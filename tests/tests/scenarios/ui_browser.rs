@@ -31,8 +31,11 @@ struct Browser {
 impl Browser {
     async fn start() -> Browser {
         let port = free_port();
+        use std::os::unix::process::CommandExt;
         let driver = Command::new(CHROMEDRIVER)
             .arg(format!("--port={port}"))
+            // A group of its own, with the Chromium it starts: ended as one on drop.
+            .process_group(0)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
             .spawn()
@@ -180,8 +183,15 @@ impl Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
-        // The session ends with chromedriver, which takes its Chromium along.
+        // chromedriver killed alone leaves its Chromium running, orphaned: the whole
+        // process group goes.
         drop(self.client.take());
+        if let Some(group) = i32::try_from(self.driver.id())
+            .ok()
+            .and_then(rustix::process::Pid::from_raw)
+        {
+            let _ = rustix::process::kill_process_group(group, rustix::process::Signal::KILL);
+        }
         let _ = self.driver.kill();
         let _ = self.driver.wait();
     }
