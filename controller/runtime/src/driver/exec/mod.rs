@@ -385,7 +385,6 @@ impl Drop for LiveRun {
 }
 
 /// What the driver knows of one run.
-
 struct RunState {
     id: RunId,
     /// `None` until the run ended; every `wait` subscribes.
