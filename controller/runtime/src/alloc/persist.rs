@@ -59,7 +59,8 @@ pub(super) fn store_backoff() -> backon::ExponentialBackoff {
         .build()
 }
 
-/// A hash of everything a record holds, computed on every pass to skip unchanged writes.
+/// A hash of everything a record holds, computed on every pass to skip unchanged writes
+/// (with `FxHasher`: SipHash here was most of an idle pass's cost).
 /// Events only ever append (dropping the oldest at the cap), so their count, oldest and
 /// newest stand for all of them: hashing whole histories on every tick would cost more
 /// than the rest of the pass.
@@ -72,7 +73,7 @@ pub(super) fn fingerprint(
     stopped_by_user: bool,
 ) -> u64 {
     use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    let mut hasher = rustc_hash::FxHasher::default();
     removed.hash(&mut hasher);
     stopped_by_user.hash(&mut hasher);
     devices.hash(&mut hasher);
@@ -114,7 +115,7 @@ pub(super) fn fingerprint(
 /// not shown, so a steady check publishes nothing.)
 pub(super) fn checks_shown(state: &AllocState) -> u64 {
     use std::hash::{Hash, Hasher};
-    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+    let mut hasher = rustc_hash::FxHasher::default();
     for task in state.tasks.values() {
         for check in task.checks.values() {
             check.output.hash(&mut hasher);
@@ -319,7 +320,7 @@ impl Worker {
             .collect();
         let shown = {
             use std::hash::{Hash, Hasher};
-            let mut hasher = std::collections::hash_map::DefaultHasher::new();
+            let mut hasher = rustc_hash::FxHasher::default();
             fingerprint.hash(&mut hasher);
             current.device_error.hash(&mut hasher);
             current.hand_over_error.hash(&mut hasher);
