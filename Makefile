@@ -8,7 +8,7 @@ SHELL := bash
 CARGO ?= cargo
 SPECS ?= deploy/examples
 
-.PHONY: run test deps fmt-check clippy unit release bench soak fuzz screenshots
+.PHONY: run test deps fmt-check clippy unit release bench soak fuzz screenshots gpu-check
 
 # The same build as `make test` (every target of the workspace), so the two share one
 # compile of RocksDB's C++; a narrower selection unifies features differently and
@@ -73,6 +73,15 @@ bench: deps
 	target/dist/stead-bench logfollow 1000 30
 	PATH="$(CURDIR)/target/bench-deps/node_modules/.bin:$$PATH" \
 	  target/dist/stead-bench peers $(PEER_ROUNDS) $(PEER_IDLE_SECONDS) $(PEER_RESTARTS) | tee target/bench-peers.md
+
+# The `nvidia` device plugin on a host with an NVIDIA GPU and its driver, as root: the
+# release agent with two allocs asking for a GPU; what it saw goes to GPU_CHECK_OUT
+# (scripts/gpu-check.sh says what each file shows). Not part of `make test`, which runs
+# where there is no GPU.
+GPU_CHECK_OUT ?= target/gpu-check
+gpu-check: deps
+	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-controller stead-supervisor
+	scripts/gpu-check.sh target/dist $(GPU_CHECK_OUT)
 
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.
