@@ -204,7 +204,6 @@ impl DeviceManager {
             Some(devices) => inner.assignments.insert(alloc.clone(), devices.clone()),
             None => inner.assignments.remove(alloc),
         };
-        drop(inner);
         let kept: BTreeSet<&AssignedDevice> =
             after.iter().flat_map(|d| d.values().flatten()).collect();
         let freed: Vec<AssignedDevice> = before
@@ -213,37 +212,42 @@ impl DeviceManager {
             .filter(|device| !kept.contains(device))
             .cloned()
             .collect();
-        self.tell_released(&freed);
+        self.tell_released(&inner, &freed);
+        drop(inner);
         self.bump();
         result
     }
 
     /// Frees everything `alloc` holds; waiting allocs are woken to try again.
     pub fn release(&self, alloc: &Name) {
-        let freed = self.inner().assignments.remove(alloc);
-        if let Some(freed) = freed {
+        let mut inner = self.inner();
+        if let Some(freed) = inner.assignments.remove(alloc) {
             let freed: Vec<AssignedDevice> = freed.into_values().flatten().collect();
-            self.tell_released(&freed);
+            self.tell_released(&inner, &freed);
+            drop(inner);
             self.bump();
         }
     }
 
-    /// Tells each owning plugin which of its devices nobody holds any more.
-    fn tell_released(&self, freed: &[AssignedDevice]) {
-        if freed.is_empty() {
-            return;
+    /// Tells each owning plugin which of its devices nobody holds any more, under the
+    /// lock that freed them, so no other alloc takes them before their plugin knows.
+    /// (`released` takes only the plugin's own locks.)
+    fn tell_released(&self, inner: &Inner, freed: &[AssignedDevice]) {
+        let mut owned: BTreeMap<&Name, Vec<AssignedDevice>> = BTreeMap::new();
+        let mut unowned = Vec::new();
+        for device in freed {
+            match inner.inventory.owner(&device.group) {
+                Some(owner) => owned.entry(owner).or_default().push(device.clone()),
+                None => unowned.push(device.clone()),
+            }
         }
-        let owned = self.by_plugin(freed);
-        for (plugin, devices) in &owned {
-            plugin.released(devices);
+        for (owner, devices) in owned {
+            if let Some(plugin) = self.plugins.get(owner) {
+                plugin.released(&devices);
+            }
         }
         // Devices no plugin reports now (its plugin not back since a restart): every
         // plugin hears of them, and each minds its own.
-        let unowned: Vec<AssignedDevice> = freed
-            .iter()
-            .filter(|device| !owned.iter().any(|(_, devices)| devices.contains(device)))
-            .cloned()
-            .collect();
         if !unowned.is_empty() {
             for plugin in self.plugins.values() {
                 plugin.released(&unowned);
