@@ -127,7 +127,9 @@ if [ "$(nvidia-smi -L | wc -l)" -eq 1 ]; then
 fi
 cli alloc status gpu-b >"$out/gpu-b.txt" 2>&1
 
-sleep 3 # let utilisation build up over NVML's sampling window
+# NVML averages utilisation over a sampling window: wait until it shows the work.
+busy_gpu() { api /v1/allocs/gpu-a/stats | python3 -c 'import json,sys; t=json.dumps(json.load(sys.stdin)); sys.exit(0 if "\"utilizationPercent\": 0.0" not in t and "utilizationPercent" in t else 1)'; }
+wait_until 20 busy_gpu || fail "the GPU's utilisation did not show within 20 s"
 api /v1/allocs/gpu-a/stats >"$out/gpu-a-stats.json"
 python3 - "$out/gpu-a-stats.json" <<'EOF' && pass "stats show utilisation and memory" || fail "stats lack utilisation or memory"
 import json, sys

@@ -276,8 +276,8 @@ impl Shared {
     }
 }
 
-/// A channel to the plugin serving at `socket`.
-async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
+/// A gRPC channel over the unix socket `socket` (a plugin's, or `kubelet.sock`).
+pub async fn connect(socket: &Path) -> Result<Channel, tonic::transport::Error> {
     let socket = socket.to_owned();
     // The URI is not used: every connection is the socket's.
     Endpoint::from_static("http://[::1]:1")

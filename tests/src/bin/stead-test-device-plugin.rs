@@ -1,14 +1,16 @@
 //! A device plugin for the `k8s` plugin kind's tests, speaking the Kubernetes
 //! device-plugin API (v1beta1) over a real unix socket:
 //!
-//! `stead-test-device-plugin SOCKET_DIR ENDPOINT RESOURCE IDS STATE_DIR [register]`
+//! `stead-test-device-plugin SOCKET_DIR ENDPOINT RESOURCE IDS STATE_DIR [register] [prestart]`
 //!
 //! serves `DevicePlugin` at `SOCKET_DIR/ENDPOINT` with the devices `IDS` (comma-separated),
 //! and with `register` registers on `SOCKET_DIR/kubelet.sock` first. A test drives it
 //! through `STATE_DIR`: `ENDPOINT.health` lists unhealthy ids, one per line (read every
 //! 50 ms; every change is a new full list on `ListAndWatch`); each `Allocate` appends its
 //! ids to `ENDPOINT.allocs`. An answer gives `FAKE_DEVICE_IDS` and `NVIDIA_VISIBLE_DEVICES`
-//! set to the ids, and mounts `STATE_DIR/ENDPOINT.mnt` read-only where it is.
+//! set to the ids, and mounts `STATE_DIR/ENDPOINT.mnt` read-only where it is. With
+//! `prestart` its options ask for `PreStartContainer`, whose every call appends its ids
+//! to `ENDPOINT.prestarts`.
 
 use std::path::{Path, PathBuf};
 use std::pin::Pin;
@@ -22,6 +24,7 @@ use tonic::{Request, Response, Status};
 
 struct Fake {
     ids: Vec<String>,
+    prestart: Option<PathBuf>,
     health: PathBuf,
     allocs: PathBuf,
     mount: PathBuf,
@@ -43,6 +46,17 @@ fn devices(ids: &[String], health: &Path) -> Vec<api::Device> {
         .collect()
 }
 
+/// Appends `line` to the file `log`.
+fn append(log: &Path, line: &str) -> Result<(), Status> {
+    use std::io::Write;
+    let mut file = std::fs::OpenOptions::new()
+        .create(true)
+        .append(true)
+        .open(log)
+        .map_err(|e| Status::internal(e.to_string()))?;
+    writeln!(file, "{line}").map_err(|e| Status::internal(e.to_string()))
+}
+
 type Stream =
     Pin<Box<dyn tokio_stream::Stream<Item = Result<api::ListAndWatchResponse, Status>> + Send>>;
 
@@ -54,7 +68,10 @@ impl DevicePlugin for Fake {
         &self,
         _: Request<api::Empty>,
     ) -> Result<Response<api::DevicePluginOptions>, Status> {
-        Ok(Response::new(api::DevicePluginOptions::default()))
+        Ok(Response::new(api::DevicePluginOptions {
+            pre_start_required: self.prestart.is_some(),
+            ..Default::default()
+        }))
     }
 
     async fn list_and_watch(
@@ -96,16 +113,10 @@ impl DevicePlugin for Fake {
         &self,
         request: Request<api::AllocateRequest>,
     ) -> Result<Response<api::AllocateResponse>, Status> {
-        use std::io::Write;
         let mut responses = Vec::new();
         for container in request.into_inner().container_requests {
             let ids = container.devices_ids.join(",");
-            let mut log = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
-                .open(&self.allocs)
-                .map_err(|e| Status::internal(e.to_string()))?;
-            writeln!(log, "{ids}").map_err(|e| Status::internal(e.to_string()))?;
+            append(&self.allocs, &ids)?;
             let mount = self.mount.display().to_string();
             responses.push(api::ContainerAllocateResponse {
                 envs: [
@@ -129,8 +140,11 @@ impl DevicePlugin for Fake {
 
     async fn pre_start_container(
         &self,
-        _: Request<api::PreStartContainerRequest>,
+        request: Request<api::PreStartContainerRequest>,
     ) -> Result<Response<api::PreStartContainerResponse>, Status> {
+        if let Some(log) = &self.prestart {
+            append(log, &request.into_inner().devices_ids.join(","))?;
+        }
         Ok(Response::new(api::PreStartContainerResponse {}))
     }
 }
@@ -143,13 +157,16 @@ async fn main() {
     let [socket_dir, endpoint, resource, ids, state] = &args[..5] else {
         panic!("{usage}");
     };
-    let register = args.get(5).is_some_and(|a| a == "register");
+    let flags = &args[5..];
+    let register = flags.iter().any(|a| a == "register");
+    let prestart = flags.iter().any(|a| a == "prestart");
     let socket_dir = PathBuf::from(socket_dir);
     let state = PathBuf::from(state);
     let mount = state.join(format!("{endpoint}.mnt"));
     std::fs::create_dir_all(&mount).expect("the mount dir");
     let fake = Fake {
         ids: ids.split(',').map(str::to_owned).collect(),
+        prestart: prestart.then(|| state.join(format!("{endpoint}.prestarts"))),
         health: state.join(format!("{endpoint}.health")),
         allocs: state.join(format!("{endpoint}.allocs")),
         mount,
@@ -163,16 +180,7 @@ async fn main() {
             .serve_with_incoming(tokio_stream::wrappers::UnixListenerStream::new(listener)),
     );
     if register {
-        let kubelet = socket_dir.join("kubelet.sock");
-        let channel = tonic::transport::Endpoint::from_static("http://[::1]:1")
-            .connect_with_connector(tower::service_fn(move |_: tonic::transport::Uri| {
-                let kubelet = kubelet.clone();
-                async move {
-                    Ok::<_, std::io::Error>(hyper_util::rt::TokioIo::new(
-                        tokio::net::UnixStream::connect(kubelet).await?,
-                    ))
-                }
-            }))
+        let channel = stead_controller::deviceplugin::connect(&socket_dir.join("kubelet.sock"))
             .await
             .expect("the kubelet socket answers");
         RegistrationClient::new(channel)

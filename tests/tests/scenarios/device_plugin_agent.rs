@@ -20,8 +20,9 @@ struct Plugin {
 
 impl Plugin {
     /// Starts the plugin for `acme.io/fpga` with devices f0 and f1 at
-    /// `socket_dir/fpga.sock`, registering when asked, and waits until it serves.
-    fn start(socket_dir: &Path, state: &Path, register: bool) -> Plugin {
+    /// `socket_dir/fpga.sock` with `flags` (`register`, `prestart`), and waits until it
+    /// serves.
+    fn start(socket_dir: &Path, state: &Path, flags: &[&str]) -> Plugin {
         let ready = state.join("fpga.sock.ready");
         let _ = std::fs::remove_file(&ready);
         let mut command = Command::new(env!("CARGO_BIN_EXE_stead-test-device-plugin"));
@@ -29,10 +30,8 @@ impl Plugin {
             .arg(socket_dir)
             .args(["fpga.sock", "acme.io/fpga", "f0,f1"])
             .arg(state)
+            .args(flags)
             .stdin(Stdio::null());
-        if register {
-            command.arg("register");
-        }
         let mut child = command.spawn().expect("the plugin starts");
         wait_for("the plugin serves", Duration::from_secs(20), || {
             if let Ok(Some(status)) = child.try_wait() {
@@ -117,7 +116,7 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
     assert_eq!(mode & 0o777, 0o600, "only the agent's user may register");
 
     // Registered: its devices appear within a second.
-    let plugin = Plugin::start(sockets.path(), state.path(), true);
+    let plugin = Plugin::start(sockets.path(), state.path(), &["register"]);
     until_health(&agent, [true, true], Duration::from_secs(1));
     let group = fpga_group(&agent).expect("the group");
     assert_eq!(group.plugin.as_deref(), Some("k8s"));
@@ -162,7 +161,7 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
     );
 
     // Back: registered again, healthy.
-    let plugin = Plugin::start(sockets.path(), state.path(), true);
+    let plugin = Plugin::start(sockets.path(), state.path(), &["register"]);
     until_health(&agent, [true, true], Duration::from_secs(5));
 
     // The agent restarted: the task reattached, not restarted, and no second Allocate
@@ -181,7 +180,7 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
                 .map_err(|e| e.to_string())
         },
     );
-    let _plugin = Plugin::start(sockets.path(), state.path(), true);
+    let _plugin = Plugin::start(sockets.path(), state.path(), &["register"]);
     until_health(&agent, [true, true], Duration::from_secs(5));
     let task = agent.wait_for_task("fpga", "reattached", Duration::from_secs(10), |t| {
         t.state == "running" && t.devices.iter().all(|d| d.healthy)
@@ -236,7 +235,8 @@ fn a_registered_plugin_serves_tasks_its_health_flips_and_an_agent_restart_alloca
 }
 
 #[test]
-fn a_plugin_dialled_without_registration_serves_through_its_configured_endpoint() {
+fn a_plugin_dialled_without_registration_serves_through_its_configured_endpoint_and_is_asked_to_prestart()
+ {
     let sockets = tempfile::tempdir().expect("socket dir");
     let state = tempfile::tempdir().expect("state dir");
     let dirs = AgentDirs::new(&format!(
@@ -249,7 +249,7 @@ fn a_plugin_dialled_without_registration_serves_through_its_configured_endpoint(
         let (_, body) = agent.try_get("/v1/node").ok_or_else(String::new)?;
         body.contains("acme.io/fpga at").then_some(()).ok_or(body)
     });
-    let _plugin = Plugin::start(sockets.path(), state.path(), false);
+    let _plugin = Plugin::start(sockets.path(), state.path(), &["prestart"]);
     until_health(&agent, [true, true], Duration::from_secs(10));
     assert!(
         !sockets.path().join("kubelet.sock").exists(),
@@ -263,4 +263,8 @@ fn a_plugin_dialled_without_registration_serves_through_its_configured_endpoint(
         t.state == "running"
     });
     assert_eq!(allocate_calls(state.path()), ["f0,f1"]);
+    // It asked for PreStartContainer in its options: called before the task's start.
+    let prestarts =
+        std::fs::read_to_string(state.path().join("fpga.sock.prestarts")).unwrap_or_default();
+    assert_eq!(prestarts, "f0,f1\n");
 }

@@ -53,6 +53,22 @@ pub struct PluginError {
     pub message: String,
 }
 
+impl PluginError {
+    /// Runs `work` on the blocking pool (file or driver reads); a panic in it is
+    /// `plugin`'s error.
+    pub async fn blocking<T: Send + 'static>(
+        plugin: &Name,
+        work: impl FnOnce() -> T + Send + 'static,
+    ) -> Result<T, PluginError> {
+        tokio::task::spawn_blocking(work)
+            .await
+            .map_err(|e| PluginError {
+                plugin: plugin.clone(),
+                message: e.to_string(),
+            })
+    }
+}
+
 /// A source of devices: what the node has, how healthy it is, and what a task holding
 /// some of it gets.
 pub trait DevicePlugin: Send + Sync + 'static {

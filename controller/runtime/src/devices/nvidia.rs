@@ -55,7 +55,7 @@ pub struct NvidiaPlugin {
     /// NVML once loaded, for stats; each start loads it again.
     nvml: Mutex<Option<Arc<Nvml>>>,
     /// Each reported GPU's device-node minor number, by UUID.
-    minors: Arc<Mutex<HashMap<String, u32>>>,
+    minors: Mutex<HashMap<String, u32>>,
 }
 
 impl std::fmt::Debug for NvidiaPlugin {
@@ -93,7 +93,7 @@ impl NvidiaPlugin {
             extra_env: config.visible_devices_env.clone(),
             clock,
             nvml: Mutex::new(None),
-            minors: Arc::new(Mutex::new(HashMap::new())),
+            minors: Mutex::new(HashMap::new()),
         }
     }
 
@@ -394,13 +394,12 @@ impl DevicePlugin for NvidiaPlugin {
                 message,
             };
             let library = self.library.clone();
-            let loaded = tokio::task::spawn_blocking(move || {
+            let loaded = PluginError::blocking(&self.name, move || {
                 let nvml = load_default(&library)?;
                 let (gpus, shared) = gpu_facts(&nvml).map_err(LoadError::Failed)?;
                 Ok((Arc::new(nvml), gpus, shared))
             })
-            .await
-            .map_err(|e| error(e.to_string()))?;
+            .await?;
             let (tx, rx) = mpsc::channel(1);
             let (nvml, gpus, shared) = match loaded {
                 Ok(loaded) => loaded,
@@ -444,7 +443,7 @@ impl DevicePlugin for NvidiaPlugin {
             let Some(nvml) = self.loaded() else {
                 return Ok(HashMap::new());
             };
-            tokio::task::spawn_blocking(move || {
+            PluginError::blocking(&self.name, move || {
                 devices
                     .into_iter()
                     .filter_map(|device| {
@@ -454,10 +453,6 @@ impl DevicePlugin for NvidiaPlugin {
                     .collect()
             })
             .await
-            .map_err(|e| PluginError {
-                plugin: self.name.clone(),
-                message: e.to_string(),
-            })
         })
     }
 

@@ -191,11 +191,10 @@ impl DevicePlugin for StaticPlugin {
             };
             let read = {
                 let groups = groups.clone();
-                tokio::task::spawn_blocking(move || read_fingerprint(&groups))
+                move || read_fingerprint(&groups)
             };
-            let first = read
-                .await
-                .map_err(|e| error(e.to_string()))?
+            let first = PluginError::blocking(&self.name, read)
+                .await?
                 .map_err(error)?;
             let (tx, rx) = mpsc::channel(1);
             let interval = self.interval;
@@ -247,17 +246,13 @@ impl DevicePlugin for StaticPlugin {
             })
             .collect();
         Box::pin(async move {
-            tokio::task::spawn_blocking(move || {
+            PluginError::blocking(&self.name, move || {
                 files
                     .into_iter()
                     .filter_map(|(device, file)| Some((device, stats_from_file(&file)?)))
                     .collect()
             })
             .await
-            .map_err(|e| PluginError {
-                plugin: self.name.clone(),
-                message: e.to_string(),
-            })
         })
     }
 
