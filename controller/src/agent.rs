@@ -99,6 +99,8 @@ pub struct Settings {
     pub max_execs: usize,
     /// The agent's own `oom_score_adj`.
     pub oom_score_adj: i16,
+    /// The fleet source, when `fleet.etcd` names a cluster.
+    pub fleet: Option<crate::fleet::FleetSettings>,
 }
 
 /// What the API requires of a request: a bearer token unless `token: none` says
@@ -184,6 +186,9 @@ pub enum AgentError {
     /// Reading the store at start-up failed.
     #[error("cannot restore state")]
     Restore(#[source] crate::store::StoreError),
+    /// The fleet source cannot run (its config, or a node name another agent holds).
+    #[error(transparent)]
+    Fleet(#[from] crate::fleet::FleetError),
     /// The API could not be served.
     #[error(transparent)]
     Api(#[from] crate::api::ServeError),
@@ -396,6 +401,7 @@ impl Settings {
                 .max_execs
                 .map_or(DEFAULT_MAX_EXECS, |n| (n as usize).max(1)),
             oom_score_adj: config.oom_score_adj.unwrap_or(DEFAULT_OOM_SCORE_ADJ),
+            fleet: crate::fleet::FleetSettings::resolve(config.fleet.as_ref())?,
         })
     }
 }
@@ -895,6 +901,8 @@ enum Trigger {
     Resync,
     /// SIGHUP: `systemctl reload`, a habitual `kill -HUP`.
     Hangup,
+    /// A change of the fleet's desired keys in etcd.
+    Fleet,
 }
 
 impl Trigger {
@@ -905,6 +913,7 @@ impl Trigger {
             Trigger::Watch => "watch",
             Trigger::Resync => "resync",
             Trigger::Hangup => "hangup",
+            Trigger::Fleet => "fleet",
         }
     }
 }
@@ -959,6 +968,8 @@ struct Agent {
     stop_api: tokio_util::sync::CancellationToken,
     /// A SIGTERM or SIGINT came during start-up's first listing.
     stop_requested: bool,
+    /// The fleet source, when configured.
+    fleet: Option<crate::fleet::Fleet>,
 }
 
 /// The specs dir as the node's source of desired state: what the node was last told,
@@ -973,6 +984,15 @@ struct SpecsSource {
     overdue: Option<tokio::sync::oneshot::Receiver<(Listing, ListingCache)>>,
     /// The diagnostics of the last listing, logged once when they appeared.
     logged: std::collections::BTreeSet<String>,
+    /// The fleet's desired keys, added after the specs dir's.
+    fleet: Option<FleetFeed>,
+}
+
+/// The fleet's desired keys as the specs loop takes them.
+struct FleetFeed {
+    keys: crate::fleet::FleetKeys,
+    node: crate::fleet::FleetNode,
+    desired: tokio::sync::watch::Receiver<Option<Arc<crate::fleet::FleetDesired>>>,
 }
 
 /// How long the loop waits for one listing of the specs dir (on a thread of its own)
@@ -989,6 +1009,7 @@ impl SpecsSource {
             cache: ListingCache::default(),
             overdue: None,
             logged: std::collections::BTreeSet::new(),
+            fleet: None,
         }
     }
 
@@ -1034,6 +1055,11 @@ impl SpecsSource {
             }
         };
         self.cache = kept;
+        let mut listing = listing;
+        if let Some(fleet) = &self.fleet {
+            let desired = fleet.desired.borrow().clone();
+            listing.add_fleet(desired.as_deref(), &fleet.keys, &fleet.node);
+        }
         node.set_source_unreadable(
             listing
                 .unreadable
@@ -1166,6 +1192,33 @@ impl Agent {
             clock,
             Syncer::new(restored.allocs),
         );
+        // The fleet's last listing (kept in the data dir) joins the first pass; a node
+        // name another agent holds fails the start here, before anything is applied.
+        let fleet = match settings.fleet.clone() {
+            Some(fleet_settings) => {
+                let fleet = match crate::fleet::Fleet::start(
+                    fleet_settings,
+                    node.clone(),
+                    clock,
+                    &data_dir,
+                )
+                .await
+                {
+                    Ok(fleet) => fleet,
+                    Err(error) => {
+                        node.shutdown(Shutdown::Detach).await;
+                        return Err(error.into());
+                    }
+                };
+                source.fleet = Some(FleetFeed {
+                    keys: fleet.settings().keys.clone(),
+                    node: fleet.settings().node.clone(),
+                    desired: fleet.desired(),
+                });
+                Some(fleet)
+            }
+            None => None,
+        };
         // Nothing is removed before this first full listing.
         // A SIGTERM or SIGINT meanwhile ends the agent as soon as it has started.
         let stop_requested = tokio::select! {
@@ -1209,6 +1262,7 @@ impl Agent {
             api,
             stop_api,
             stop_requested,
+            fleet,
         })
     }
 
@@ -1231,6 +1285,7 @@ impl Agent {
         let mut resync = tokio::time::interval_at(self.clock.instant() + period, period);
         resync.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
         let mut watcher: Option<SpecsWatcher> = None;
+        let mut fleet_changes = self.source.fleet.as_ref().map(|f| f.desired.clone());
         // Garbage collection starts after the first full listing: an alloc restored as
         // removed whose file came back while the agent was away is declared again first.
         let gc = tokio::spawn(crate::gc::run(
@@ -1259,6 +1314,7 @@ impl Agent {
             let trigger = tokio::select! {
                 _ = resync.tick() => Trigger::Resync,
                 () = changed.notified() => Trigger::Watch,
+                () = fleet_changed(&mut fleet_changes) => Trigger::Fleet,
                 hangup = self.signals.next_is_hangup() => match hangup {
                     true => Trigger::Hangup,
                     false => break,
@@ -1293,6 +1349,9 @@ impl Agent {
             () = self.node.shutdown(mode) => false,
             () = self.signals.stop() => true,
         };
+        if let Some(fleet) = self.fleet.take() {
+            fleet.stop().await;
+        }
         self.stop_api.cancel();
         if cut_short {
             tracing::warn!(
@@ -1313,6 +1372,19 @@ impl Agent {
         let _ = joined.await;
         Ok(())
     }
+}
+
+/// Returns when the fleet's desired keys changed; never without a fleet (or once its
+/// source is gone).
+async fn fleet_changed(
+    changes: &mut Option<tokio::sync::watch::Receiver<Option<Arc<crate::fleet::FleetDesired>>>>,
+) {
+    if let Some(receiver) = changes
+        && receiver.changed().await.is_ok()
+    {
+        return;
+    }
+    std::future::pending().await
 }
 
 /// Makes `dir` with the agent's access alone when it is missing (the records hold the

@@ -18,6 +18,7 @@ use crate::spec_files::{collect_spec_files, read_spec_file};
 
 mod client;
 mod exec;
+mod fleet;
 mod remote;
 mod render;
 mod token;
@@ -84,6 +85,13 @@ enum Command {
         #[command(subcommand)]
         command: remote::NodeCommand,
     },
+    /// Edit and show a fleet's desired allocs and status in etcd.
+    Fleet {
+        #[command(flatten)]
+        fleet: fleet::FleetArgs,
+        #[command(subcommand)]
+        command: fleet::FleetCommand,
+    },
     /// Run the agent: keep the allocs declared in the specs directory running.
     Agent(crate::agent::AgentArgs),
 }
@@ -114,6 +122,7 @@ pub fn run(
         Command::Schema => schema(out),
         Command::Alloc { client, command } => remote::alloc(&client, command, out, err),
         Command::Node { client, command } => remote::node(&client, command, out),
+        Command::Fleet { fleet, command } => fleet::run(&fleet, command, out),
         Command::Agent(args) => crate::agent::main(&args),
     };
     result.unwrap_or_else(|error| {

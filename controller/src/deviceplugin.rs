@@ -768,9 +768,7 @@ fn read_checkpoint(path: &Path) -> Vec<CheckpointedAllocation> {
 /// Writes `allocations` to `path` atomically (a temporary file, then a rename).
 fn write_checkpoint(path: &Path, allocations: &[CheckpointedAllocation]) -> std::io::Result<()> {
     let text = stead_schemas::device::device_plugin_checkpoint_json(allocations);
-    let tmp = path.with_extension("json.tmp");
-    std::fs::write(&tmp, text)?;
-    std::fs::rename(&tmp, path)
+    crate::atomic::write_atomic(path, text.as_bytes())
 }
 
 impl DevicePlugin for K8sPlugin {

@@ -5,8 +5,10 @@
 
 pub mod agent;
 pub mod api;
+mod atomic;
 pub mod cli;
 pub mod deviceplugin;
+pub mod fleet;
 pub mod logging;
 pub mod sdnotify;
 

@@ -69,6 +69,32 @@ pub struct AgentConfig {
     /// killer picks a task first); its tasks keep the value the agent started with.
     #[serde(default, deserialize_with = "oom_score_adj")]
     pub oom_score_adj: Option<i16>,
+    /// The fleet source: desired allocs from etcd, status written back.
+    pub fleet: Option<FleetConfig>,
+}
+
+/// `fleet`: take desired allocs from an etcd cluster beside the specs dir.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetConfig {
+    /// The cluster's client URLs; empty (the default) turns the fleet source off.
+    #[serde(default)]
+    pub etcd: Vec<String>,
+    /// The key prefix (default `/stead/v1`).
+    pub prefix: Option<String>,
+    /// This node.
+    pub node: Option<FleetNodeConfig>,
+}
+
+/// `fleet.node`: the name this agent claims and the labels `nodeSelector`s match.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct FleetNodeConfig {
+    /// The node's name (default: the host name).
+    pub name: Option<String>,
+    /// The node's labels.
+    #[serde(default)]
+    pub labels: BTreeMap<String, String>,
 }
 
 /// The API's bounds: how long a client may take to send a request's head, and how many

@@ -541,6 +541,7 @@ impl Decode for Metadata {
         decode_struct!(node, path, cx, Metadata {
             name: "name" required,
             labels: "labels" optional,
+            node_selector: "nodeSelector" optional,
         })
     }
 }

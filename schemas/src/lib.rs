@@ -11,6 +11,7 @@ pub mod device;
 pub mod diagnostic;
 pub mod duration;
 pub mod exec_stream;
+pub mod fleet;
 pub mod interpolate;
 pub mod normalize;
 pub mod record;

@@ -312,6 +312,7 @@ pub fn normalize(spec: &AllocSpec) -> AllocSpec {
         metadata: Metadata {
             name: spec.metadata.name.clone(),
             labels,
+            node_selector: None,
         },
         spec: AllocBody {
             alloc_type: Some(alloc_type),

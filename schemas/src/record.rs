@@ -434,6 +434,7 @@ mod tests {
             metadata: crate::spec::Metadata {
                 name: name.clone(),
                 labels: None,
+                node_selector: None,
             },
             spec: AllocBody {
                 alloc_type: None,

@@ -57,6 +57,22 @@ pub struct Metadata {
     /// Free-form labels.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub labels: Option<BTreeMap<LabelKey, String>>,
+    /// For a spec under the fleet's `desired/_all/` prefix: the node labels it needs,
+    /// each equal (as a DaemonSet's `nodeSelector`); unset runs it on every node. It says
+    /// where an alloc runs, not what it is, so it is not part of the revision.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub node_selector: Option<BTreeMap<LabelKey, String>>,
+}
+
+impl Metadata {
+    /// Whether a node with `labels` is one this spec's `nodeSelector` picks.
+    pub fn selects(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.node_selector.as_ref().is_none_or(|selector| {
+            selector
+                .iter()
+                .all(|(key, value)| labels.get(key.as_ref()) == Some(value))
+        })
+    }
 }
 
 /// `spec`: the group of tasks and its policies.

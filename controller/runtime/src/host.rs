@@ -74,6 +74,15 @@ fn memory_mb(meminfo: &str) -> Option<u64> {
     })
 }
 
+/// The host name from `/proc`, or `localhost` when it cannot be read.
+pub fn host_name() -> String {
+    std::fs::read_to_string("/proc/sys/kernel/hostname")
+        .map(|name| name.trim().to_owned())
+        .ok()
+        .filter(|name| !name.is_empty())
+        .unwrap_or_else(|| "localhost".to_owned())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

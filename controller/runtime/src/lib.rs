@@ -10,6 +10,7 @@ pub mod clock;
 pub mod devices;
 pub mod driver;
 pub mod errors;
+pub mod fleet;
 pub mod gc;
 pub mod host;
 pub mod metrics;

@@ -94,6 +94,8 @@ struct Conditions {
     /// The alloc names the last complete listing of the specs dir declared (valid or
     /// not); `None` before one, or while some entry cannot be read.
     declared: Option<std::collections::BTreeSet<String>>,
+    /// The fleet source's state: `None` without one, else why it is degraded, if it is.
+    fleet: Option<Option<String>>,
 }
 
 /// What the node's methods and its background loops share.
@@ -787,6 +789,22 @@ impl Node {
     /// source reports degraded while there is one.
     pub fn set_source_unreadable(&self, entries: Vec<String>) {
         self.conditions().source = entries;
+    }
+
+    /// Sets the fleet source's state (it has one from then on): `Some(why)` while it is
+    /// degraded.
+    pub fn set_fleet_health(&self, degraded: Option<String>) {
+        self.conditions().fleet = Some(degraded);
+    }
+
+    /// The fleet source's state: `None` without one, else why it is degraded, if it is.
+    pub fn fleet_health(&self) -> Option<Option<String>> {
+        self.conditions().fleet.clone()
+    }
+
+    /// Changes whenever an alloc publishes a status: to wait on for a change of any.
+    pub fn status_changes(&self) -> tokio::sync::watch::Receiver<u64> {
+        self.shared.registry.version.subscribe()
     }
 
     /// The specs dir's entries that could not be read at the last listing.

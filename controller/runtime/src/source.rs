@@ -171,18 +171,29 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
                 },
             );
         }
+        listing.add_file(&path, &file);
+    }
+    listing.settle_broken();
+    cache.files = seen;
+    listing
+}
+
+impl Listing {
+    /// Adds the declarations of `file`, read at `path`, after those added before it (which
+    /// take precedence).
+    pub(crate) fn add_file(&mut self, path: &Path, file: &SpecFile) {
         let diagnostics = file.all_diagnostics();
         if file.documents.is_empty() || file.documents.iter().any(|d| d.name.is_none()) {
-            listing.unnamed.insert(path.clone(), diagnostics.clone());
+            self.unnamed.insert(path.to_owned(), diagnostics.clone());
         }
-        listing.diagnostics.extend(diagnostics);
+        self.diagnostics.extend(diagnostics);
         for document in file.documents.iter().cloned() {
             let Some(name) = document.name else { continue };
             match document.spec {
-                Some(spec) => match listing.specs.get(&name) {
+                Some(spec) => match self.specs.get(&name) {
                     Some((first, _)) => {
                         let diagnostic = Diagnostic::new(
-                            &path,
+                            path,
                             document.location,
                             "metadata.name",
                             format!(
@@ -191,16 +202,15 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
                                 first.display()
                             ),
                         );
-                        listing.diagnostics.push(diagnostic.clone());
-                        listing.conflicts.entry(name).or_default().push(diagnostic);
+                        self.diagnostics.push(diagnostic.clone());
+                        self.conflicts.entry(name).or_default().push(diagnostic);
                     }
                     None => {
-                        listing.specs.insert(name, (path.clone(), spec));
+                        self.specs.insert(name, (path.to_owned(), spec));
                     }
                 },
                 None => {
-                    listing
-                        .broken
+                    self.broken
                         .entry(name)
                         .or_default()
                         .extend(document.diagnostics);
@@ -208,25 +218,20 @@ pub fn list_specs_cached(dir: &Path, cache: &mut ListingCache, now: Timestamp) -
             }
         }
     }
-    // A name that is valid in one file and broken in another is declared twice; the
-    // valid declaration runs, and the broken one is shown on it.
-    let broken = std::mem::take(&mut listing.broken);
-    for (name, diagnostics) in broken {
-        if listing.specs.contains_key(&name) {
-            listing
-                .conflicts
-                .entry(name)
-                .or_default()
-                .extend(diagnostics);
-        } else {
-            listing.broken.insert(name, diagnostics);
+
+    /// A name that is valid in one declaration and broken in another is declared twice:
+    /// the valid declaration runs, and the broken one is shown on it.
+    pub(crate) fn settle_broken(&mut self) {
+        let broken = std::mem::take(&mut self.broken);
+        for (name, diagnostics) in broken {
+            if self.specs.contains_key(&name) {
+                self.conflicts.entry(name).or_default().extend(diagnostics);
+            } else {
+                self.broken.insert(name, diagnostics);
+            }
         }
     }
-    cache.files = seen;
-    listing
-}
 
-impl Listing {
     /// Records that the entry at `path` could not be read.
     fn unread(&mut self, path: &Path, error: &std::io::Error) {
         let why = error.to_string();
@@ -246,7 +251,7 @@ impl Listing {
 
     /// Whether `path` (a spec file an alloc was last declared in) is, or is below, an
     /// entry that could not be read.
-    fn unreadable_at(&self, path: &Path) -> bool {
+    pub(crate) fn unreadable_at(&self, path: &Path) -> bool {
         self.unreadable
             .keys()
             .any(|entry| path == entry || path.starts_with(entry))

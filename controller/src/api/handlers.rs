@@ -492,6 +492,18 @@ pub(super) async fn health(State(state): State<ApiState>, headers: HeaderMap) ->
             }),
         },
     );
+    if let Some(fleet) = state.node().fleet_health() {
+        components.insert(
+            "fleet".to_owned(),
+            ComponentHealth {
+                healthy: fleet.is_none(),
+                message: Some(match fleet {
+                    None => "etcd is reached; desired state and status are in step".to_owned(),
+                    Some(why) => format!("degraded: {why}"),
+                }),
+            },
+        );
+    }
     for (name, fingerprint) in fingerprints(&state).await {
         components.insert(
             format!("driver.{name}"),

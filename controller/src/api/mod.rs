@@ -123,7 +123,7 @@ impl ApiState {
                 data_dir: data_dir.into(),
                 token: None,
                 metrics: None,
-                node_name: host_name(),
+                node_name: crate::host::host_name(),
                 started_at,
                 log_ticker: Arc::new(logs::LogTicker::new(DEFAULT_LOG_POLL)),
                 log_streams: Arc::new(tokio::sync::Semaphore::new(DEFAULT_MAX_LOG_STREAMS)),
@@ -203,15 +203,6 @@ impl ApiState {
     pub(crate) fn node_arc(&self) -> Arc<Node> {
         Arc::clone(&self.inner.node)
     }
-}
-
-/// The host name from `/proc`, or `localhost` when it cannot be read.
-fn host_name() -> String {
-    std::fs::read_to_string("/proc/sys/kernel/hostname")
-        .map(|name| name.trim().to_owned())
-        .ok()
-        .filter(|name| !name.is_empty())
-        .unwrap_or_else(|| "localhost".to_owned())
 }
 
 /// The whole API over `state`; no IO until it is served.

@@ -736,12 +736,17 @@ pub(crate) fn alloc_spec() -> impl Strategy<Value = AllocSpec> {
     (
         name(),
         prop::option::of(prop::collection::btree_map(label_key(), text(), 0..4)),
+        prop::option::of(prop::collection::btree_map(label_key(), text(), 0..3)),
         alloc_body(),
     )
-        .prop_map(|(name, labels, spec)| AllocSpec {
+        .prop_map(|(name, labels, node_selector, spec)| AllocSpec {
             api_version: API_VERSION.to_owned(),
             kind: KIND_ALLOC.to_owned(),
-            metadata: Metadata { name, labels },
+            metadata: Metadata {
+                name,
+                labels,
+                node_selector,
+            },
             spec,
         })
 }

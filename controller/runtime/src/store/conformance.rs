@@ -46,6 +46,7 @@ pub fn sample_record(name: &str, generation: u32) -> AllocRecord {
         metadata: Metadata {
             name: name.clone(),
             labels: None,
+            node_selector: None,
         },
         spec: AllocBody {
             alloc_type: None,

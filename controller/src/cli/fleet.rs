@@ -1,0 +1,545 @@
+//! `stead fleet …`: the fleet's desired allocs and status in etcd, edited and shown.
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::io::Write;
+use std::path::PathBuf;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand};
+use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
+use stead_schemas::fleet::{DEFAULT_PREFIX, FleetAllocStatus, FleetNodeStatus};
+use stead_schemas::spec::Name;
+use stead_schemas::{Diagnostic, Location, parse_spec_bytes};
+
+use super::{EXIT_INVALID, EXIT_OK};
+use crate::fleet::{FleetKeys, Target};
+use crate::spec_files::{collect_spec_files, read_spec_file};
+
+/// Where the fleet is.
+#[derive(Debug, Args)]
+pub(super) struct FleetArgs {
+    /// The etcd cluster's client URLs, comma-separated.
+    #[arg(long, env = "STEAD_ETCD", value_delimiter = ',', global = true)]
+    etcd: Vec<String>,
+    /// The key prefix.
+    #[arg(long, default_value = DEFAULT_PREFIX, global = true)]
+    prefix: String,
+}
+
+/// Which node's keys a command edits.
+#[derive(Debug, Args)]
+#[group(required = true, multiple = false)]
+pub(super) struct TargetArgs {
+    /// One node.
+    #[arg(long)]
+    node: Option<String>,
+    /// Every node whose labels the spec's `metadata.nodeSelector` matches.
+    #[arg(long)]
+    all: bool,
+}
+
+/// `stead fleet …`.
+#[derive(Debug, Subcommand)]
+pub(super) enum FleetCommand {
+    /// Validate spec files, then write each alloc under a node's key (or `_all`), printing
+    /// what changes; a key edited by someone else meanwhile is a conflict.
+    Apply {
+        /// Spec files or directories of them.
+        #[arg(short = 'f', long = "file", required = true)]
+        files: Vec<PathBuf>,
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Also delete the target's allocs that the files do not declare.
+        #[arg(long)]
+        prune: bool,
+    },
+    /// Print what `apply` would change, without changing it; exits 1 when something would.
+    Diff {
+        /// Spec files or directories of them.
+        #[arg(short = 'f', long = "file", required = true)]
+        files: Vec<PathBuf>,
+        #[command(flatten)]
+        target: TargetArgs,
+        /// Also show the target's allocs the files do not declare.
+        #[arg(long)]
+        prune: bool,
+    },
+    /// Delete an alloc's key: the node (or every node) stops and removes it.
+    Delete {
+        /// The alloc.
+        alloc: String,
+        #[command(flatten)]
+        target: TargetArgs,
+    },
+    /// Every node: up or down (by its lease), its allocs by client status, the age of its
+    /// newest status, and its failing allocs with their last event.
+    Status {
+        /// Only this node.
+        #[arg(long)]
+        node: Option<String>,
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// The nodes that claim a name now, with their labels.
+    Nodes {
+        /// Print JSON.
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+/// Runs a `stead fleet` command.
+pub(super) fn run(
+    args: &FleetArgs,
+    command: FleetCommand,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    if args.etcd.is_empty() {
+        bail!("no etcd cluster named: give --etcd URLS or set STEAD_ETCD");
+    }
+    let runtime = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .context("starting the runtime")?;
+    runtime.block_on(async {
+        let client = crate::fleet::connect(&args.etcd, Some(std::time::Duration::from_secs(10)))
+            .await
+            .context("connecting to etcd")?;
+        let keys = FleetKeys::new(&args.prefix);
+        match command {
+            FleetCommand::Apply {
+                files,
+                target,
+                prune,
+            } => apply(&client, &keys, &files, &target, prune, true, out).await,
+            FleetCommand::Diff {
+                files,
+                target,
+                prune,
+            } => apply(&client, &keys, &files, &target, prune, false, out).await,
+            FleetCommand::Delete { alloc, target } => {
+                delete(&client, &keys, &alloc, &target, out).await
+            }
+            FleetCommand::Status { node, json } => {
+                status(&client, &keys, node.as_deref(), json, out).await
+            }
+            FleetCommand::Nodes { json } => nodes(&client, &keys, json, out).await,
+        }
+    })
+}
+
+impl TargetArgs {
+    fn target(&self) -> anyhow::Result<Target> {
+        match (&self.node, self.all) {
+            (Some(node), false) => {
+                node.parse::<Name>()
+                    .map_err(|why| anyhow::anyhow!("--node: {why}"))?;
+                Ok(Target::Node(node.clone()))
+            }
+            _ => Ok(Target::All),
+        }
+    }
+}
+
+/// One spec to write: its alloc and its document's text.
+struct Document {
+    alloc: Name,
+    text: String,
+    path: PathBuf,
+}
+
+/// Reads and validates `paths`: the documents, or every problem found.
+fn read_documents(paths: &[PathBuf]) -> Result<Vec<Document>, Vec<Diagnostic>> {
+    let (files, unreadable) = collect_spec_files(paths);
+    let mut problems: Vec<Diagnostic> = unreadable
+        .iter()
+        .map(|e| {
+            Diagnostic::new(
+                &e.path,
+                Location::START,
+                "",
+                format!("cannot read: {}", e.source),
+            )
+        })
+        .collect();
+    if files.is_empty() && unreadable.is_empty() {
+        for path in paths {
+            problems.push(Diagnostic::new(
+                path,
+                Location::START,
+                "",
+                "no spec files here: a spec file ends in .yaml or .yml",
+            ));
+        }
+    }
+    let mut documents = Vec::new();
+    let mut declared: BTreeMap<Name, PathBuf> = BTreeMap::new();
+    for found in files {
+        let bytes = match read_spec_file(&found.path) {
+            Ok(bytes) => bytes,
+            Err(error) => {
+                problems.push(Diagnostic::new(
+                    &found.path,
+                    Location::START,
+                    "",
+                    format!("cannot read: {error}"),
+                ));
+                continue;
+            }
+        };
+        let file = parse_spec_bytes(&found.path, &bytes);
+        problems.extend(file.all_diagnostics());
+        let text = String::from_utf8_lossy(&bytes);
+        let texts = split_documents(&text);
+        let specs: Vec<_> = file.specs().collect();
+        for (index, spec) in specs.iter().enumerate() {
+            let alloc = spec.spec.metadata.name.clone();
+            if let Some(first) = declared.insert(alloc.clone(), found.path.clone()) {
+                problems.push(Diagnostic::new(
+                    &found.path,
+                    Location::START,
+                    "metadata.name",
+                    format!(
+                        "alloc {:?} is also declared in {}",
+                        alloc.as_str(),
+                        first.display()
+                    ),
+                ));
+            }
+            // Each document's own text; JSON (which is YAML) where it cannot be told apart.
+            let text = match texts.len() == file.documents.len() {
+                true => texts[index].clone(),
+                false => serde_json::to_string_pretty(&spec.spec).expect("a spec serializes"),
+            };
+            documents.push(Document {
+                alloc,
+                text,
+                path: found.path.clone(),
+            });
+        }
+    }
+    match problems.is_empty() {
+        true => Ok(documents),
+        false => Err(problems),
+    }
+}
+
+/// The documents of a YAML stream's text, split at `---` lines; those holding nothing
+/// but comments and blank lines are left out, as the parser leaves them out.
+fn split_documents(text: &str) -> Vec<String> {
+    let mut documents = vec![String::new()];
+    for line in text.split_inclusive('\n') {
+        if line.starts_with("---") && line[3..].trim().is_empty() {
+            documents.push(String::new());
+        } else if line.starts_with("...") && line[3..].trim().is_empty() {
+            continue;
+        } else if let Some(last) = documents.last_mut() {
+            last.push_str(line);
+        }
+    }
+    documents
+        .into_iter()
+        .filter(|d| {
+            d.lines()
+                .any(|l| !l.trim().is_empty() && !l.trim_start().starts_with('#'))
+        })
+        .collect()
+}
+
+/// `apply` (`write`) or `diff`.
+async fn apply(
+    client: &Client,
+    keys: &FleetKeys,
+    paths: &[PathBuf],
+    target: &TargetArgs,
+    prune: bool,
+    write: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let documents = match read_documents(paths) {
+        Ok(documents) => documents,
+        Err(problems) => {
+            for problem in problems {
+                writeln!(out, "{problem}")?;
+            }
+            writeln!(out, "nothing applied: fix the problems above first")?;
+            return Ok(EXIT_INVALID);
+        }
+    };
+    let target = target.target()?;
+    let prefix = keys.desired_of(&target);
+    let mut kv = client.kv_client();
+    let current = kv
+        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+        .await
+        .context("reading the desired keys")?;
+    let revision = current.header().map_or(0, |h| h.revision());
+    let existing: BTreeMap<String, (String, i64)> = current
+        .kvs()
+        .iter()
+        .filter_map(|kv| {
+            Some((
+                kv.key_str().ok()?.to_owned(),
+                (
+                    String::from_utf8_lossy(kv.value()).into_owned(),
+                    kv.mod_revision(),
+                ),
+            ))
+        })
+        .collect();
+    let mut changes: Vec<(String, Option<String>, &'static str)> = Vec::new();
+    let mut declared = BTreeSet::new();
+    for document in &documents {
+        let key = keys.desired_key(&target, &document.alloc);
+        declared.insert(key.clone());
+        let verb = match existing.get(&key) {
+            None => "created",
+            Some((text, _)) if *text == document.text => {
+                writeln!(out, "{key}: unchanged ({})", document.path.display())?;
+                continue;
+            }
+            Some(_) => "configured",
+        };
+        changes.push((key, Some(document.text.clone()), verb));
+    }
+    if prune {
+        for key in existing.keys().filter(|k| !declared.contains(*k)) {
+            changes.push((key.clone(), None, "pruned"));
+        }
+    }
+    for (key, _, verb) in &changes {
+        let verb = match write {
+            true => (*verb).to_owned(),
+            false => format!("would be {verb}"),
+        };
+        writeln!(out, "{key}: {verb}")?;
+    }
+    if !write {
+        return Ok(if changes.is_empty() {
+            EXIT_OK
+        } else {
+            EXIT_INVALID
+        });
+    }
+    if changes.is_empty() {
+        return Ok(EXIT_OK);
+    }
+    // All or nothing, and only over what was read: a key created, changed or deleted
+    // since is a conflict.
+    let compares: Vec<Compare> = changes
+        .iter()
+        .map(|(key, _, _)| {
+            let seen = existing.get(key).map_or(0, |(_, at)| *at);
+            Compare::mod_revision(key.as_str(), CompareOp::Equal, seen)
+        })
+        .collect();
+    let ops: Vec<TxnOp> = changes
+        .iter()
+        .map(|(key, text, _)| match text {
+            Some(text) => TxnOp::put(key.as_str(), text.as_str(), None),
+            None => TxnOp::delete(key.as_str(), None),
+        })
+        .collect();
+    let done = kv
+        .txn(Txn::new().when(compares).and_then(ops))
+        .await
+        .context("writing the desired keys")?;
+    if !done.succeeded() {
+        bail!(
+            "conflict: a key under {prefix} changed after it was read at revision {revision}; nothing was written, run the command again"
+        );
+    }
+    Ok(EXIT_OK)
+}
+
+async fn delete(
+    client: &Client,
+    keys: &FleetKeys,
+    alloc: &str,
+    target: &TargetArgs,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let alloc: Name = alloc
+        .parse()
+        .map_err(|why| anyhow::anyhow!("alloc: {why}"))?;
+    let key = keys.desired_key(&target.target()?, &alloc);
+    let deleted = client
+        .kv_client()
+        .delete(key.as_str(), None)
+        .await
+        .context("deleting the key")?;
+    if deleted.deleted() == 0 {
+        bail!("{key} does not exist");
+    }
+    writeln!(out, "{key}: deleted")?;
+    Ok(EXIT_OK)
+}
+
+/// Every key below `prefix` with its value.
+async fn list(client: &Client, prefix: &str) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
+    let listed = client
+        .kv_client()
+        .get(prefix, Some(GetOptions::new().with_prefix()))
+        .await
+        .with_context(|| format!("reading {prefix}"))?;
+    Ok(listed
+        .kvs()
+        .iter()
+        .filter_map(|kv| Some((kv.key_str().ok()?.to_owned(), kv.value().to_vec())))
+        .collect())
+}
+
+/// The nodes up now, by name.
+async fn up_nodes(
+    client: &Client,
+    keys: &FleetKeys,
+) -> anyhow::Result<BTreeMap<String, FleetNodeStatus>> {
+    Ok(list(client, &keys.nodes())
+        .await?
+        .into_iter()
+        .filter_map(|(key, value)| {
+            let name = key.strip_prefix(&keys.nodes())?.to_owned();
+            Some((name, serde_json::from_slice(&value).ok()?))
+        })
+        .collect())
+}
+
+async fn nodes(
+    client: &Client,
+    keys: &FleetKeys,
+    json: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let up = up_nodes(client, keys).await?;
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&up)?)?;
+        return Ok(EXIT_OK);
+    }
+    writeln!(out, "NAME\tVERSION\tHOST\tCLAIMED\tLABELS")?;
+    for (name, node) in &up {
+        let labels: Vec<String> = node
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect();
+        writeln!(
+            out,
+            "{name}\t{}\t{}\t{}\t{}",
+            node.version,
+            super::render::terminal_text(&node.hostname),
+            node.claimed_at,
+            super::render::terminal_text(&labels.join(","))
+        )?;
+    }
+    Ok(EXIT_OK)
+}
+
+async fn status(
+    client: &Client,
+    keys: &FleetKeys,
+    only: Option<&str>,
+    json: bool,
+    out: &mut dyn Write,
+) -> anyhow::Result<u8> {
+    let up = up_nodes(client, keys).await?;
+    let mut statuses: BTreeMap<String, BTreeMap<String, FleetAllocStatus>> = BTreeMap::new();
+    for (key, value) in list(client, &keys.status()).await? {
+        let Some((node, alloc)) = keys.parse_status(&key) else {
+            continue;
+        };
+        if let Ok(status) = serde_json::from_slice::<FleetAllocStatus>(&value) {
+            statuses.entry(node).or_default().insert(alloc, status);
+        }
+    }
+    // Nodes named by a desired key but never seen are shown too (down).
+    let mut names: BTreeSet<String> = up.keys().chain(statuses.keys()).cloned().collect();
+    for (key, _) in list(client, &keys.desired()).await? {
+        if let Some((Target::Node(node), _)) = keys.parse_desired(&key) {
+            names.insert(node);
+        }
+    }
+    if let Some(only) = only {
+        names.retain(|n| n == only);
+    }
+    let now = crate::clock::Clock::system().now();
+    let mut report = Vec::new();
+    for name in &names {
+        let allocs = statuses.get(name).cloned().unwrap_or_default();
+        let mut by_status: BTreeMap<String, usize> = BTreeMap::new();
+        let mut failing = Vec::new();
+        for (alloc, status) in &allocs {
+            *by_status
+                .entry(status.status.client_status.clone())
+                .or_default() += 1;
+            if status.status.client_status == "failed"
+                || status.status.tasks.values().any(|t| t.failed)
+            {
+                let last = status
+                    .status
+                    .tasks
+                    .values()
+                    .flat_map(|t| t.events.iter())
+                    .max_by_key(|e| e.time)
+                    .map(|e| format!("{}: {}", e.event_type, e.message))
+                    .unwrap_or_default();
+                failing.push(serde_json::json!({"alloc": alloc, "lastEvent": last}));
+            }
+        }
+        let newest = allocs.values().map(|s| s.written_at).max();
+        let age = newest.map(|at| now.saturating_duration_since(at).as_secs());
+        report.push(serde_json::json!({
+            "node": name,
+            "up": up.contains_key(name),
+            "labels": up.get(name).map(|n| n.labels.clone()),
+            "allocs": by_status,
+            "lastStatusAgeSeconds": age,
+            "failing": failing,
+        }));
+    }
+    if json {
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+        return Ok(EXIT_OK);
+    }
+    writeln!(out, "NODE\tSTATE\tALLOCS\tLAST STATUS\tFAILING")?;
+    for row in &report {
+        let allocs: Vec<String> = row["allocs"]
+            .as_object()
+            .map(|m| m.iter().map(|(k, v)| format!("{v} {k}")).collect())
+            .unwrap_or_default();
+        let age = row["lastStatusAgeSeconds"]
+            .as_u64()
+            .map_or("-".to_owned(), |s| format!("{s}s ago"));
+        let failing: Vec<String> = row["failing"]
+            .as_array()
+            .map(|a| {
+                a.iter()
+                    .map(|f| {
+                        format!(
+                            "{} ({})",
+                            f["alloc"].as_str().unwrap_or(""),
+                            f["lastEvent"].as_str().unwrap_or("")
+                        )
+                    })
+                    .collect()
+            })
+            .unwrap_or_default();
+        writeln!(
+            out,
+            "{}\t{}\t{}\t{age}\t{}",
+            row["node"].as_str().unwrap_or(""),
+            if row["up"].as_bool() == Some(true) {
+                "up"
+            } else {
+                "down"
+            },
+            if allocs.is_empty() {
+                "-".to_owned()
+            } else {
+                allocs.join(", ")
+            },
+            super::render::terminal_text(&failing.join("; ")),
+        )?;
+    }
+    Ok(EXIT_OK)
+}

@@ -1,0 +1,812 @@
+//! The fleet source: desired allocs from etcd beside the specs dir, status written back,
+//! and the node's claim under a lease.
+//!
+//! Three loops share one etcd client and report into the node's health:
+//! - the desired loop lists `desired/` (this node's keys and `_all`'s), then watches from
+//!   the listed revision + 1, tracking the next revision from every response (the client
+//!   does not resume watches): a dropped stream is watched again from it, with backoff and
+//!   jitter; a compacted revision is listed again; a full listing comes every
+//!   [`RELIST_PERIOD`] as a safety net. Every change is kept in
+//!   `<dataDir>/fleet-desired.json` and handed to the agent's loop, which adds it to the
+//!   specs dir's listing for the one `Syncer`;
+//! - the status loop writes `status/<node>/<alloc>` when an alloc's status changed (at
+//!   most once per alloc per [`STATUS_INTERVAL`]), deletes the keys of allocs gone, and
+//!   keeps what it could not write for the next pass: the newest status of each alloc
+//!   wins, and nothing is written for an idle node;
+//! - the lease loop claims `nodes/<node>` under a [`LEASE_TTL`] lease, created only when
+//!   absent (a second agent with the same node name is refused), and keeps it alive.
+//!
+//! While etcd is away nothing is stopped: the node keeps the last listing it had (kept
+//! across agent restarts), restart policies run as always, and `/v1/health` says
+//! `fleet: degraded` with why.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use etcd_client::{
+    Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
+    TxnOpResponse, WatchOptions,
+};
+use stead_schemas::config::FleetConfig;
+use stead_schemas::fleet::{DEFAULT_PREFIX, FleetAllocStatus, FleetCheckpoint, FleetNodeStatus};
+use stead_schemas::spec::Name;
+use tokio::sync::watch;
+use tokio_util::sync::CancellationToken;
+
+use crate::clock::Clock;
+use crate::node::Node;
+pub use stead_runtime::fleet::{FleetDesired, FleetKeys, FleetNode, Target};
+
+/// The node key's lease: the node shows down this long after its agent stops renewing it.
+pub const LEASE_TTL: i64 = 15;
+/// How often the lease is renewed.
+pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
+/// The least time between two status writes of one alloc.
+pub const STATUS_INTERVAL: Duration = Duration::from_millis(200);
+/// How often the desired keys are listed whole, whatever the watch said.
+pub const RELIST_PERIOD: Duration = Duration::from_secs(600);
+/// How long one request to etcd may take.
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// The first retry's delay; it doubles up to [`BACKOFF_MAX`], jittered.
+const BACKOFF_MIN: Duration = Duration::from_millis(200);
+const BACKOFF_MAX: Duration = Duration::from_secs(2);
+/// How long start-up tries to claim the node before it goes on without etcd.
+const CLAIM_AT_START: Duration = Duration::from_secs(3);
+
+/// The agent's file holding the last desired listing.
+const CHECKPOINT_FILE: &str = "fleet-desired.json";
+/// The agent's file holding the lease its node key is under.
+const LEASE_FILE: &str = "fleet-lease";
+
+/// Why the fleet source cannot run.
+#[derive(Debug, thiserror::Error)]
+pub enum FleetError {
+    /// The `fleet` config is not usable.
+    #[error("agent config: fleet: {0}")]
+    Config(String),
+    /// Another agent holds the node's key.
+    #[error(
+        "node name {node:?} is claimed by another agent (key {key}, lease {lease:x}); it is freed {ttl}s after that agent stops, or give this agent another fleet.node.name",
+        ttl = LEASE_TTL
+    )]
+    Claimed {
+        /// The node name.
+        node: String,
+        /// Its key.
+        key: String,
+        /// The other agent's lease.
+        lease: i64,
+    },
+    /// etcd failed or could not be reached.
+    #[error("etcd: {0}")]
+    Etcd(#[from] etcd_client::Error),
+    /// A request did not finish in time.
+    #[error("etcd: no answer within {0:?}")]
+    Timeout(Duration),
+}
+
+/// The fleet settings, resolved.
+#[derive(Debug, Clone)]
+pub struct FleetSettings {
+    /// Client URLs.
+    pub endpoints: Vec<String>,
+    /// Where the keys are.
+    pub keys: FleetKeys,
+    /// This node.
+    pub node: FleetNode,
+}
+
+impl FleetSettings {
+    /// The settings `config` describes; `None` when it names no etcd endpoint.
+    pub fn resolve(config: Option<&FleetConfig>) -> Result<Option<Self>, FleetError> {
+        let Some(config) = config.filter(|c| !c.etcd.is_empty()) else {
+            return Ok(None);
+        };
+        let prefix = config.prefix.as_deref().unwrap_or(DEFAULT_PREFIX);
+        if !prefix.starts_with('/') || prefix.trim_end_matches('/').is_empty() {
+            return Err(FleetError::Config(format!(
+                "prefix {prefix:?} must start with '/' and name something below the root"
+            )));
+        }
+        let node = config.node.clone().unwrap_or_default();
+        let name = node.name.unwrap_or_else(crate::host::host_name);
+        if let Err(why) = name.parse::<Name>() {
+            return Err(FleetError::Config(format!("node.name: {why}")));
+        }
+        for key in node.labels.keys() {
+            if let Err(why) = key.parse::<stead_schemas::spec::LabelKey>() {
+                return Err(FleetError::Config(format!("node.labels: {why}")));
+            }
+        }
+        Ok(Some(FleetSettings {
+            endpoints: config.etcd.clone(),
+            keys: FleetKeys::new(prefix),
+            node: FleetNode {
+                name,
+                labels: node.labels,
+            },
+        }))
+    }
+}
+
+/// Connects to `endpoints` (lazily: a cluster that is down fails the first request, not
+/// this).
+pub async fn connect(
+    endpoints: &[String],
+    timeout: Option<Duration>,
+) -> Result<Client, FleetError> {
+    let mut options = ConnectOptions::new()
+        .with_connect_timeout(Duration::from_secs(2))
+        .with_keep_alive(Duration::from_secs(2), Duration::from_secs(2))
+        .with_keep_alive_while_idle(true)
+        .with_require_leader(true);
+    if let Some(timeout) = timeout {
+        options = options.with_timeout(timeout);
+    }
+    Ok(Client::connect(endpoints, Some(options)).await?)
+}
+
+/// Runs `request`, failing it after [`REQUEST_TIMEOUT`].
+async fn bounded<T>(
+    request: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, FleetError> {
+    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+        Ok(result) => Ok(result?),
+        Err(_) => Err(FleetError::Timeout(REQUEST_TIMEOUT)),
+    }
+}
+
+/// Retry delays: doubling from [`BACKOFF_MIN`] to [`BACKOFF_MAX`], each between half and
+/// all of its step.
+struct Backoff(Duration);
+
+impl Backoff {
+    fn new() -> Self {
+        Backoff(BACKOFF_MIN)
+    }
+
+    fn reset(&mut self) {
+        self.0 = BACKOFF_MIN;
+    }
+
+    async fn wait(&mut self) {
+        let step = self.0;
+        self.0 = (step * 2).min(BACKOFF_MAX);
+        let half = step / 2;
+        let jitter = half.mul_f64(fastrand::f64());
+        tokio::time::sleep(half + jitter).await;
+    }
+}
+
+/// The parts of the fleet's health, joined into the node's report.
+#[derive(Debug, Default)]
+struct HealthParts {
+    desired: Option<String>,
+    lease: Option<String>,
+    status: Option<String>,
+}
+
+/// The running fleet source: what the agent's loop takes the desired keys from.
+pub struct Fleet {
+    settings: FleetSettings,
+    desired: watch::Receiver<Option<Arc<FleetDesired>>>,
+    stop: CancellationToken,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// What the three loops share.
+struct Shared {
+    settings: FleetSettings,
+    node: Arc<Node>,
+    clock: Clock,
+    data_dir: PathBuf,
+    health: Mutex<HealthParts>,
+    /// The lease the node key is held under, once claimed; the status loop writes only
+    /// while there is one.
+    lease: watch::Sender<Option<i64>>,
+    stop: CancellationToken,
+}
+
+impl Shared {
+    fn report(&self, set: impl FnOnce(&mut HealthParts)) {
+        let mut parts = self
+            .health
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        let before = (
+            parts.desired.clone(),
+            parts.lease.clone(),
+            parts.status.clone(),
+        );
+        set(&mut parts);
+        let why: Vec<&str> = [&parts.desired, &parts.lease, &parts.status]
+            .into_iter()
+            .flatten()
+            .map(String::as_str)
+            .collect();
+        let changed = before
+            != (
+                parts.desired.clone(),
+                parts.lease.clone(),
+                parts.status.clone(),
+            );
+        self.node
+            .set_fleet_health((!why.is_empty()).then(|| why.join("; ")));
+        if changed {
+            match why.is_empty() {
+                true => tracing::info!("fleet: etcd reached, in step again"),
+                false => tracing::warn!(reason = why.join("; "), "fleet degraded"),
+            }
+        }
+    }
+}
+
+impl Fleet {
+    /// Starts the fleet source for `node`: the last desired listing kept in `data_dir`
+    /// is handed over at once; the node's claim is tried for a few seconds (a node name
+    /// another agent holds fails the start; a cluster out of reach does not), then the
+    /// loops run until [`Fleet::stop`].
+    pub async fn start(
+        settings: FleetSettings,
+        node: Arc<Node>,
+        clock: Clock,
+        data_dir: &Path,
+    ) -> Result<Fleet, FleetError> {
+        let kept = read_checkpoint(&data_dir.join(CHECKPOINT_FILE))
+            .and_then(|c| FleetDesired::from_checkpoint(&settings.keys, &settings.node.name, &c));
+        if let Some(kept) = &kept {
+            tracing::info!(
+                keys = kept.len(),
+                revision = kept.revision,
+                "fleet: running the desired keys last listed"
+            );
+        }
+        let (desired_tx, desired_rx) = watch::channel(kept.map(Arc::new));
+        let (lease_tx, _) = watch::channel(None);
+        let stop = CancellationToken::new();
+        let shared = Arc::new(Shared {
+            settings: settings.clone(),
+            node,
+            clock,
+            data_dir: data_dir.to_owned(),
+            health: Mutex::new(HealthParts {
+                desired: Some("not connected to etcd yet".to_owned()),
+                ..HealthParts::default()
+            }),
+            lease: lease_tx,
+            stop: stop.clone(),
+        });
+        shared.report(|_| {});
+        let client = connect(&settings.endpoints, None).await?;
+        // A refused claim fails the start; etcd out of reach leaves it to the lease loop.
+        let claimed = match tokio::time::timeout(CLAIM_AT_START, claim(&shared, &client)).await {
+            Ok(Ok(lease)) => Some(lease),
+            Ok(Err(error @ FleetError::Claimed { .. })) => return Err(error),
+            Ok(Err(error)) => {
+                tracing::warn!(%error, "fleet: cannot claim the node yet; running what was last listed");
+                None
+            }
+            Err(_) => {
+                tracing::warn!("fleet: etcd does not answer; running what was last listed");
+                None
+            }
+        };
+        let tasks = vec![
+            tokio::spawn(lease_loop(shared.clone(), client.clone(), claimed)),
+            tokio::spawn(desired_loop(shared.clone(), client.clone(), desired_tx)),
+            tokio::spawn(status_loop(shared.clone(), client)),
+        ];
+        Ok(Fleet {
+            settings,
+            desired: desired_rx,
+            stop,
+            tasks,
+        })
+    }
+
+    /// The settings it runs with.
+    pub fn settings(&self) -> &FleetSettings {
+        &self.settings
+    }
+
+    /// The desired keys as last listed (`None` before any listing), changed at each
+    /// change.
+    pub fn desired(&self) -> watch::Receiver<Option<Arc<FleetDesired>>> {
+        self.desired.clone()
+    }
+
+    /// Stops the loops, then gives the node's key up (its lease revoked), so that the
+    /// node shows down at once rather than when the lease runs out.
+    pub async fn stop(self) {
+        self.stop.cancel();
+        for task in self.tasks {
+            let _ = tokio::time::timeout(REQUEST_TIMEOUT, task).await;
+        }
+    }
+}
+
+/// Reads the kept desired listing; a missing or unreadable one is none.
+fn read_checkpoint(path: &Path) -> Option<FleetCheckpoint> {
+    let text = match std::fs::read(path) {
+        Ok(text) => text,
+        Err(error) if error.kind() == std::io::ErrorKind::NotFound => return None,
+        Err(error) => {
+            tracing::warn!(path = %path.display(), %error, "fleet: cannot read the kept desired listing");
+            return None;
+        }
+    };
+    match serde_json::from_slice(&text) {
+        Ok(checkpoint) => Some(checkpoint),
+        Err(error) => {
+            tracing::warn!(path = %path.display(), %error, "fleet: ignoring the kept desired listing");
+            None
+        }
+    }
+}
+
+/// Keeps `desired` in the data dir, so an agent started while etcd is away runs it.
+fn write_checkpoint(shared: &Shared, desired: &FleetDesired) {
+    let checkpoint = desired.checkpoint(&shared.settings.keys, &shared.settings.node.name);
+    let path = shared.data_dir.join(CHECKPOINT_FILE);
+    let text = serde_json::to_vec(&checkpoint).expect("the checkpoint serializes");
+    if let Err(error) = crate::atomic::write_atomic(&path, &text) {
+        tracing::warn!(path = %path.display(), %error, "fleet: cannot keep the desired listing");
+    }
+}
+
+/// Lists the desired keys this node runs: its own and `_all`'s, at one revision.
+async fn list_desired(
+    shared: &Shared,
+    client: &Client,
+    before: Option<&FleetDesired>,
+) -> Result<FleetDesired, FleetError> {
+    let keys = &shared.settings.keys;
+    let mut kv = client.kv_client();
+    let own = keys.desired_of(&Target::Node(shared.settings.node.name.clone()));
+    let first = bounded(kv.get(own.as_str(), Some(GetOptions::new().with_prefix()))).await?;
+    let revision = first.header().map_or(0, |h| h.revision());
+    let all = keys.desired_of(&Target::All);
+    let second = bounded(kv.get(
+        all.as_str(),
+        Some(GetOptions::new().with_prefix().with_revision(revision)),
+    ))
+    .await?;
+    // Parses of unchanged values are kept.
+    let mut desired = before.cloned().unwrap_or_default();
+    let listed: BTreeMap<String, String> = first
+        .kvs()
+        .iter()
+        .chain(second.kvs())
+        .filter_map(|kv| {
+            Some((
+                kv.key_str().ok()?.to_owned(),
+                kv.value_str().ok()?.to_owned(),
+            ))
+        })
+        .filter(|(key, _)| keys.parse_desired(key).is_some())
+        .collect();
+    let gone: Vec<String> = desired
+        .entries()
+        .map(|(key, _)| key.to_owned())
+        .filter(|key| !listed.contains_key(key))
+        .collect();
+    for key in gone {
+        desired.delete(&key);
+    }
+    for (key, value) in &listed {
+        desired.put(keys, key, value);
+    }
+    desired.revision = revision;
+    Ok(desired)
+}
+
+/// Whether `key` is one this node runs from.
+fn runs_from(settings: &FleetSettings, key: &str) -> bool {
+    match settings.keys.parse_desired(key) {
+        Some((Target::All, _)) => true,
+        Some((Target::Node(node), _)) => node == settings.node.name,
+        None => false,
+    }
+}
+
+/// Lists, then watches, the desired keys, handing every change to `tx`, until stopped.
+async fn desired_loop(
+    shared: Arc<Shared>,
+    client: Client,
+    tx: watch::Sender<Option<Arc<FleetDesired>>>,
+) {
+    let mut backoff = Backoff::new();
+    let mut current: Option<FleetDesired> = tx.borrow().as_deref().cloned();
+    let mut listed_at: Option<tokio::time::Instant> = None;
+    let publish = |desired: &FleetDesired| {
+        write_checkpoint(&shared, desired);
+        tx.send_replace(Some(Arc::new(desired.clone())));
+    };
+    loop {
+        let due = listed_at.is_none_or(|at| at.elapsed() >= RELIST_PERIOD);
+        if due {
+            let listed = tokio::select! {
+                () = shared.stop.cancelled() => return,
+                listed = list_desired(&shared, &client, current.as_ref()) => listed,
+            };
+            match listed {
+                Ok(desired) => {
+                    let changed = current
+                        .as_ref()
+                        .is_none_or(|c| !c.entries().eq(desired.entries()));
+                    if changed {
+                        tracing::info!(
+                            keys = desired.len(),
+                            revision = desired.revision,
+                            "fleet: desired keys listed"
+                        );
+                        publish(&desired);
+                    }
+                    current = Some(desired);
+                    listed_at = Some(tokio::time::Instant::now());
+                    shared.report(|h| h.desired = None);
+                }
+                Err(error) => {
+                    shared.report(|h| {
+                        h.desired = Some(format!("cannot list the desired keys: {error}"))
+                    });
+                    tokio::select! {
+                        () = shared.stop.cancelled() => return,
+                        () = backoff.wait() => continue,
+                    }
+                }
+            }
+        }
+        let Some(desired) = current.as_mut() else {
+            continue;
+        };
+        let watched = tokio::select! {
+            () = shared.stop.cancelled() => return,
+            watched = watch_desired(&shared, &client, desired, listed_at, &publish, &mut backoff) => watched,
+        };
+        match watched {
+            WatchEnd::Relist => listed_at = None,
+            WatchEnd::Period => {}
+            WatchEnd::Failed(why) => {
+                shared.report(|h| h.desired = Some(why));
+                tokio::select! {
+                    () = shared.stop.cancelled() => return,
+                    () = backoff.wait() => {}
+                }
+            }
+        }
+    }
+}
+
+/// Why a watch ended.
+enum WatchEnd {
+    /// Its revision was compacted: list again.
+    Relist,
+    /// The safety-net listing is due.
+    Period,
+    /// The stream failed or ended: watch again from the next revision.
+    Failed(String),
+}
+
+/// Watches the desired keys from `desired.revision + 1`, applying every event to
+/// `desired` and publishing each change, until the stream ends, its revision is
+/// compacted or the next full listing is due.
+async fn watch_desired(
+    shared: &Shared,
+    client: &Client,
+    desired: &mut FleetDesired,
+    listed_at: Option<tokio::time::Instant>,
+    publish: &impl Fn(&FleetDesired),
+    backoff: &mut Backoff,
+) -> WatchEnd {
+    let settings = &shared.settings;
+    let mut watch_client = client.watch_client();
+    let options = WatchOptions::new()
+        .with_prefix()
+        .with_start_revision(desired.revision + 1)
+        .with_progress_notify();
+    let mut stream = match bounded(watch_client.watch(settings.keys.desired(), Some(options))).await
+    {
+        Ok(stream) => stream,
+        Err(error) => return WatchEnd::Failed(format!("cannot watch the desired keys: {error}")),
+    };
+    let relist_at = listed_at.map_or_else(tokio::time::Instant::now, |at| at + RELIST_PERIOD);
+    loop {
+        let message = tokio::select! {
+            () = tokio::time::sleep_until(relist_at) => return WatchEnd::Period,
+            message = stream.message() => message,
+        };
+        let response = match message {
+            Ok(Some(response)) => response,
+            Ok(None) => return WatchEnd::Failed("the watch of the desired keys ended".to_owned()),
+            Err(error) => {
+                return WatchEnd::Failed(format!("the watch of the desired keys failed: {error}"));
+            }
+        };
+        if response.compact_revision() > 0 {
+            tracing::info!(
+                from = desired.revision + 1,
+                compacted = response.compact_revision(),
+                "fleet: the watched revision was compacted; listing again"
+            );
+            return WatchEnd::Relist;
+        }
+        if response.canceled() {
+            return WatchEnd::Failed(format!(
+                "etcd cancelled the watch of the desired keys: {}",
+                response.cancel_reason()
+            ));
+        }
+        // Streaming again: etcd is back.
+        backoff.reset();
+        shared.report(|h| h.desired = None);
+        let mut changed = false;
+        for event in response.events() {
+            let Some(kv) = event.kv() else { continue };
+            let Ok(key) = kv.key_str() else { continue };
+            if !runs_from(settings, key) {
+                continue;
+            }
+            changed |= match event.event_type() {
+                EventType::Put => match kv.value_str() {
+                    Ok(value) => desired.put(&settings.keys, key, value),
+                    Err(_) => desired.put(&settings.keys, key, "<not UTF-8>"),
+                },
+                EventType::Delete => desired.delete(key),
+            };
+        }
+        if let Some(header) = response.header() {
+            desired.revision = desired.revision.max(header.revision());
+        }
+        if changed {
+            publish(desired);
+        }
+    }
+}
+
+/// Claims the node's key under a new lease (or takes back the one this agent's data dir
+/// held it under before a crash); the lease.
+async fn claim(shared: &Shared, client: &Client) -> Result<i64, FleetError> {
+    let settings = &shared.settings;
+    let key = settings.keys.node_key(&settings.node.name);
+    let mut kv = client.kv_client();
+    let lease_path = shared.data_dir.join(LEASE_FILE);
+    let kept: Option<i64> = std::fs::read_to_string(&lease_path)
+        .ok()
+        .and_then(|text| text.trim().parse().ok());
+    let mut leases = client.lease_client();
+    let granted = bounded(leases.grant(LEASE_TTL, None)).await?.id();
+    let record = FleetNodeStatus {
+        name: settings.node.name.clone(),
+        labels: settings.node.labels.clone(),
+        version: env!("CARGO_PKG_VERSION").to_owned(),
+        hostname: crate::host::host_name(),
+        claimed_at: shared.clock.now(),
+    };
+    let value = serde_json::to_string(&record).expect("the node record serializes");
+    // Created only when absent; or over this agent's own key, held under the lease its
+    // data dir kept (the agent crashed and came back before the lease ran out).
+    let absent = Compare::create_revision(key.as_str(), CompareOp::Equal, 0);
+    let ours = kept.map(|lease| Compare::lease(key.as_str(), CompareOp::Equal, lease));
+    let put = TxnOp::put(
+        key.as_str(),
+        value.as_str(),
+        Some(PutOptions::new().with_lease(granted)),
+    );
+    let txn = Txn::new()
+        .when(vec![absent])
+        .and_then(vec![put.clone()])
+        .or_else(vec![TxnOp::get(key.as_str(), None)]);
+    let response = bounded(kv.txn(txn)).await?;
+    let mut claimed = response.succeeded();
+    let mut holder = 0;
+    if !claimed {
+        holder = response
+            .op_responses()
+            .into_iter()
+            .find_map(|op| match op {
+                TxnOpResponse::Get(get) => get.kvs().first().map(|kv| kv.lease()),
+                _ => None,
+            })
+            .unwrap_or(0);
+        if let Some(ours) = ours.filter(|_| kept == Some(holder)) {
+            let retake = Txn::new().when(vec![ours]).and_then(vec![put]);
+            claimed = bounded(kv.txn(retake)).await?.succeeded();
+            if claimed {
+                let _ = bounded(leases.revoke(holder)).await;
+            }
+        }
+    }
+    if !claimed {
+        let _ = bounded(leases.revoke(granted)).await;
+        return Err(FleetError::Claimed {
+            node: settings.node.name.clone(),
+            key,
+            lease: holder,
+        });
+    }
+    if let Err(error) = crate::atomic::write_atomic(&lease_path, granted.to_string().as_bytes()) {
+        tracing::warn!(path = %lease_path.display(), %error, "fleet: cannot keep the node's lease id");
+    }
+    tracing::info!(node = %settings.node.name, lease = format!("{granted:x}"), "fleet: node claimed");
+    Ok(granted)
+}
+
+/// Holds the node's key: claims it (again, after its lease ran out) and renews the lease
+/// every [`KEEP_ALIVE`]; gives it up when stopped.
+async fn lease_loop(shared: Arc<Shared>, client: Client, mut lease: Option<i64>) {
+    let mut backoff = Backoff::new();
+    loop {
+        let id = match lease {
+            Some(id) => id,
+            None => {
+                let claimed = tokio::select! {
+                    () = shared.stop.cancelled() => return,
+                    claimed = claim(&shared, &client) => claimed,
+                };
+                match claimed {
+                    Ok(id) => id,
+                    Err(error) => {
+                        shared.report(|h| {
+                            h.lease = Some(format!("the node is not claimed: {error}"))
+                        });
+                        tokio::select! {
+                            () = shared.stop.cancelled() => return,
+                            () = backoff.wait() => continue,
+                        }
+                    }
+                }
+            }
+        };
+        lease = Some(id);
+        shared.lease.send_replace(Some(id));
+        shared.report(|h| h.lease = None);
+        let kept = tokio::select! {
+            () = shared.stop.cancelled() => {
+                let mut leases = client.lease_client();
+                let _ = bounded(leases.revoke(id)).await;
+                let _ = std::fs::remove_file(shared.data_dir.join(LEASE_FILE));
+                return;
+            }
+            kept = keep_alive(&client, id) => kept,
+        };
+        match kept {
+            // The lease ran out (etcd was away longer than its TTL): claim anew.
+            Ok(()) => {
+                tracing::warn!(
+                    lease = format!("{id:x}"),
+                    "fleet: the node's lease ran out; claiming it again"
+                );
+                lease = None;
+                shared.lease.send_replace(None);
+            }
+            Err(error) => {
+                shared
+                    .report(|h| h.lease = Some(format!("cannot renew the node's lease: {error}")));
+                tokio::select! {
+                    () = shared.stop.cancelled() => return,
+                    () = backoff.wait() => {}
+                }
+            }
+        }
+    }
+}
+
+/// Renews lease `id` every [`KEEP_ALIVE`]; returns `Ok` when it ran out, an error when
+/// etcd cannot be reached.
+async fn keep_alive(client: &Client, id: i64) -> Result<(), FleetError> {
+    let mut leases = client.lease_client();
+    let (mut keeper, mut stream) = bounded(leases.keep_alive(id)).await?;
+    loop {
+        bounded(keeper.keep_alive()).await?;
+        match bounded(stream.message()).await? {
+            Some(answer) if answer.ttl() > 0 => {}
+            Some(_) => return Ok(()),
+            None => return Err(FleetError::Timeout(REQUEST_TIMEOUT)),
+        }
+        tokio::time::sleep(KEEP_ALIVE).await;
+    }
+}
+
+/// Writes each alloc's status to `status/<node>/<alloc>` when it changed, and deletes
+/// the keys of allocs gone; what could not be written is written at a later pass.
+async fn status_loop(shared: Arc<Shared>, client: Client) {
+    let settings = &shared.settings;
+    let node_name = settings.node.name.as_str();
+    let mut changes = shared.node.status_changes();
+    let mut lease = shared.lease.subscribe();
+    let mut kv = client.kv_client();
+    let mut backoff = Backoff::new();
+    // What etcd holds, as this loop last wrote or read it: `None` until read once.
+    let mut written: Option<BTreeMap<String, stead_schemas::status::AllocStatus>> = None;
+    loop {
+        // Only while the node is claimed: a refused agent must not write another's status.
+        if lease.borrow_and_update().is_none() {
+            tokio::select! {
+                () = shared.stop.cancelled() => return,
+                _ = lease.changed() => continue,
+            }
+        }
+        let pass = tokio::time::Instant::now();
+        let result = status_pass(&shared, &mut kv, node_name, &mut written).await;
+        match result {
+            Ok(()) => {
+                backoff.reset();
+                shared.report(|h| h.status = None);
+            }
+            Err(error) => {
+                shared.report(|h| h.status = Some(format!("status not written: {error}")));
+                tokio::select! {
+                    () = shared.stop.cancelled() => return,
+                    () = backoff.wait() => continue,
+                }
+            }
+        }
+        // At most one pass per interval, and none without a change.
+        tokio::select! {
+            () = shared.stop.cancelled() => return,
+            _ = changes.changed() => {}
+            _ = lease.changed() => {}
+        }
+        tokio::time::sleep_until(pass + STATUS_INTERVAL).await;
+    }
+}
+
+/// One pass of the status loop.
+async fn status_pass(
+    shared: &Shared,
+    kv: &mut etcd_client::KvClient,
+    node_name: &str,
+    written: &mut Option<BTreeMap<String, stead_schemas::status::AllocStatus>>,
+) -> Result<(), FleetError> {
+    let keys = &shared.settings.keys;
+    let written = match written {
+        Some(written) => written,
+        None => {
+            let prefix = keys.status_of(node_name);
+            let listed =
+                bounded(kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix()))).await?;
+            let read = listed
+                .kvs()
+                .iter()
+                .filter_map(|kv| {
+                    let (_, alloc) = keys.parse_status(kv.key_str().ok()?)?;
+                    let status: FleetAllocStatus = serde_json::from_slice(kv.value()).ok()?;
+                    Some((alloc, status.status))
+                })
+                .collect();
+            written.insert(read)
+        }
+    };
+    let now: BTreeMap<String, stead_schemas::status::AllocStatus> = shared
+        .node
+        .statuses()
+        .iter()
+        .filter_map(|status| shared.node.full_status(&status.name))
+        .map(|status| (status.name.clone(), (*status).clone()))
+        .collect();
+    for (alloc, status) in &now {
+        if written.get(alloc) == Some(status) {
+            continue;
+        }
+        let document = FleetAllocStatus {
+            written_at: shared.clock.now(),
+            status: status.clone(),
+        };
+        let value = serde_json::to_vec(&document).expect("a status serializes");
+        bounded(kv.put(keys.status_key(node_name, alloc), value, None)).await?;
+        written.insert(alloc.clone(), status.clone());
+    }
+    let gone: Vec<String> = written
+        .keys()
+        .filter(|alloc| !now.contains_key(*alloc))
+        .cloned()
+        .collect();
+    for alloc in gone {
+        bounded(kv.delete(keys.status_key(node_name, &alloc), None)).await?;
+        written.remove(&alloc);
+    }
+    Ok(())
+}
