@@ -45,10 +45,13 @@ pub const LEASE_TTL: i64 = 15;
 pub const KEEP_ALIVE: Duration = Duration::from_secs(5);
 /// The least time between two status writes of one alloc.
 pub const STATUS_INTERVAL: Duration = Duration::from_millis(200);
+/// The most status writes one transaction carries (etcd's default limit is 128).
+const STATUS_BATCH: usize = 100;
 /// How often the desired keys are listed whole, whatever the watch said.
 pub const RELIST_PERIOD: Duration = Duration::from_secs(600);
-/// How long one request to etcd may take.
-const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// How long one request to etcd may take: a write a member cannot commit (its leader
+/// just died) is tried again, rather than waited for through the server's own timeout.
+const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
 /// The first retry's delay; it doubles up to [`BACKOFF_MAX`], jittered.
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -146,6 +149,37 @@ pub async fn connect(
         options = options.with_timeout(timeout);
     }
     Ok(Client::connect(endpoints, Some(options)).await?)
+}
+
+/// One edit of a key: its new value (`None` deletes it) and the modification revision
+/// it had when read (0 for a key that did not exist).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KeyEdit {
+    /// The key.
+    pub key: String,
+    /// Its new value, or `None` to delete it.
+    pub value: Option<String>,
+    /// Its `mod_revision` as read.
+    pub read_at: i64,
+}
+
+/// Writes `edits` all or none, and only if no key changed since it was read (a
+/// compare-and-swap on each key's modification revision); false when one did.
+pub async fn write_edits(client: &Client, edits: &[KeyEdit]) -> Result<bool, FleetError> {
+    let compares: Vec<Compare> = edits
+        .iter()
+        .map(|edit| Compare::mod_revision(edit.key.as_str(), CompareOp::Equal, edit.read_at))
+        .collect();
+    let ops: Vec<TxnOp> = edits
+        .iter()
+        .map(|edit| match &edit.value {
+            Some(value) => TxnOp::put(edit.key.as_str(), value.as_str(), None),
+            None => TxnOp::delete(edit.key.as_str(), None),
+        })
+        .collect();
+    let mut kv = client.kv_client();
+    let done = kv.txn(Txn::new().when(compares).and_then(ops)).await?;
+    Ok(done.succeeded())
 }
 
 /// Runs `request`, failing it after [`REQUEST_TIMEOUT`].
@@ -425,7 +459,7 @@ async fn desired_loop(
         tx.send_replace(Some(Arc::new(desired.clone())));
     };
     loop {
-        let due = listed_at.is_none_or(|at| at.elapsed() >= RELIST_PERIOD);
+        let due = listed_at.is_none_or(|at| shared.clock.instant() >= at + RELIST_PERIOD);
         if due {
             let listed = tokio::select! {
                 () = shared.stop.cancelled() => return,
@@ -445,7 +479,7 @@ async fn desired_loop(
                         publish(&desired);
                     }
                     current = Some(desired);
-                    listed_at = Some(tokio::time::Instant::now());
+                    listed_at = Some(shared.clock.instant());
                     shared.report(|h| h.desired = None);
                 }
                 Err(error) => {
@@ -512,7 +546,7 @@ async fn watch_desired(
         Ok(stream) => stream,
         Err(error) => return WatchEnd::Failed(format!("cannot watch the desired keys: {error}")),
     };
-    let relist_at = listed_at.map_or_else(tokio::time::Instant::now, |at| at + RELIST_PERIOD);
+    let relist_at = listed_at.map_or_else(|| shared.clock.instant(), |at| at + RELIST_PERIOD);
     loop {
         let message = tokio::select! {
             () = tokio::time::sleep_until(relist_at) => return WatchEnd::Period,
@@ -729,7 +763,7 @@ async fn status_loop(shared: Arc<Shared>, client: Client) {
                 _ = lease.changed() => continue,
             }
         }
-        let pass = tokio::time::Instant::now();
+        let pass = shared.clock.instant();
         let result = status_pass(&shared, &mut kv, node_name, &mut written).await;
         match result {
             Ok(()) => {
@@ -787,26 +821,101 @@ async fn status_pass(
         .filter_map(|status| shared.node.full_status(&status.name))
         .map(|status| (status.name.clone(), (*status).clone()))
         .collect();
+    // Every change of the pass, in transactions of up to [`STATUS_BATCH`] writes: one
+    // round to etcd per node and pass, however many allocs changed.
+    let mut ops: Vec<(String, Option<stead_schemas::status::AllocStatus>)> = Vec::new();
     for (alloc, status) in &now {
-        if written.get(alloc) == Some(status) {
-            continue;
+        if written.get(alloc) != Some(status) {
+            ops.push((alloc.clone(), Some(status.clone())));
         }
-        let document = FleetAllocStatus {
-            written_at: shared.clock.now(),
-            status: status.clone(),
-        };
-        let value = serde_json::to_vec(&document).expect("a status serializes");
-        bounded(kv.put(keys.status_key(node_name, alloc), value, None)).await?;
-        written.insert(alloc.clone(), status.clone());
     }
-    let gone: Vec<String> = written
-        .keys()
-        .filter(|alloc| !now.contains_key(*alloc))
-        .cloned()
-        .collect();
-    for alloc in gone {
-        bounded(kv.delete(keys.status_key(node_name, &alloc), None)).await?;
-        written.remove(&alloc);
+    for alloc in written.keys().filter(|alloc| !now.contains_key(*alloc)) {
+        ops.push((alloc.clone(), None));
+    }
+    let at = shared.clock.now();
+    for batch in ops.chunks(STATUS_BATCH) {
+        let txn: Vec<TxnOp> = batch
+            .iter()
+            .map(|(alloc, status)| {
+                let key = keys.status_key(node_name, alloc);
+                match status {
+                    Some(status) => {
+                        let document = FleetAllocStatus {
+                            written_at: at,
+                            status: status.clone(),
+                        };
+                        let value = serde_json::to_vec(&document).expect("a status serializes");
+                        TxnOp::put(key, value, None)
+                    }
+                    None => TxnOp::delete(key, None),
+                }
+            })
+            .collect();
+        bounded(kv.txn(Txn::new().and_then(txn))).await?;
+        for (alloc, status) in batch {
+            match status {
+                Some(status) => written.insert(alloc.clone(), status.clone()),
+                None => written.remove(alloc),
+            };
+        }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(json: &str) -> FleetConfig {
+        serde_json::from_str(json).expect("a fleet config")
+    }
+
+    #[test]
+    fn no_endpoint_is_no_fleet_and_a_bad_prefix_name_or_label_is_refused() {
+        assert!(FleetSettings::resolve(None).expect("fine").is_none());
+        assert!(
+            FleetSettings::resolve(Some(&config(r#"{"etcd": []}"#)))
+                .expect("fine")
+                .is_none()
+        );
+        let settings = FleetSettings::resolve(Some(&config(
+            r#"{"etcd": ["http://127.0.0.1:2379"], "node": {"name": "web-1", "labels": {"zone": "a"}}}"#,
+        )))
+        .expect("valid")
+        .expect("a fleet");
+        assert_eq!(settings.keys.prefix(), DEFAULT_PREFIX);
+        assert_eq!(settings.node.name, "web-1");
+        for (json, says) in [
+            (r#"{"etcd": ["x"], "prefix": "stead"}"#, "prefix"),
+            (r#"{"etcd": ["x"], "prefix": "/"}"#, "prefix"),
+            (
+                r#"{"etcd": ["x"], "node": {"name": "../etc"}}"#,
+                "node.name",
+            ),
+            (
+                r#"{"etcd": ["x"], "node": {"name": "a", "labels": {"bad key!": "x"}}}"#,
+                "node.labels",
+            ),
+        ] {
+            let error = FleetSettings::resolve(Some(&config(json))).expect_err(json);
+            assert!(error.to_string().contains(says), "{json}: {error}");
+        }
+    }
+
+    #[test]
+    fn only_the_nodes_own_keys_and_all_keys_are_run_from() {
+        let settings = FleetSettings {
+            endpoints: vec![],
+            keys: FleetKeys::new("/s"),
+            node: FleetNode {
+                name: "n1".to_owned(),
+                labels: BTreeMap::new(),
+            },
+        };
+        assert!(runs_from(&settings, "/s/desired/n1/web"));
+        assert!(runs_from(&settings, "/s/desired/_all/web"));
+        assert!(!runs_from(&settings, "/s/desired/n2/web"));
+        assert!(!runs_from(&settings, "/s/status/n1/web"));
+        assert!(!runs_from(&settings, "/s/desired/n1/Bad"));
+    }
 }

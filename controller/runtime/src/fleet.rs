@@ -290,7 +290,6 @@ impl Listing {
                 .entries
                 .range(prefix.clone()..)
                 .take_while(move |(key, _)| key.starts_with(&prefix))
-                .map(|(key, entry)| (key, entry))
         };
         for (key, entry) in of(&own) {
             self.add_file(&FleetKeys::path_of(key), &entry.file);

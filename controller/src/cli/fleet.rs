@@ -6,13 +6,13 @@ use std::path::PathBuf;
 
 use anyhow::{Context, bail};
 use clap::{Args, Subcommand};
-use etcd_client::{Client, Compare, CompareOp, GetOptions, Txn, TxnOp};
+use etcd_client::{Client, GetOptions};
 use stead_schemas::fleet::{DEFAULT_PREFIX, FleetAllocStatus, FleetNodeStatus};
 use stead_schemas::spec::Name;
 use stead_schemas::{Diagnostic, Location, parse_spec_bytes};
 
 use super::{EXIT_INVALID, EXIT_OK};
-use crate::fleet::{FleetKeys, Target};
+use crate::fleet::{FleetKeys, KeyEdit, Target};
 use crate::spec_files::{collect_spec_files, read_spec_file};
 
 /// Where the fleet is.
@@ -269,8 +269,8 @@ async fn apply(
     };
     let target = target.target()?;
     let prefix = keys.desired_of(&target);
-    let mut kv = client.kv_client();
-    let current = kv
+    let current = client
+        .kv_client()
         .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
         .await
         .context("reading the desired keys")?;
@@ -327,25 +327,18 @@ async fn apply(
     }
     // All or nothing, and only over what was read: a key created, changed or deleted
     // since is a conflict.
-    let compares: Vec<Compare> = changes
-        .iter()
-        .map(|(key, _, _)| {
-            let seen = existing.get(key).map_or(0, |(_, at)| *at);
-            Compare::mod_revision(key.as_str(), CompareOp::Equal, seen)
+    let edits: Vec<KeyEdit> = changes
+        .into_iter()
+        .map(|(key, value, _)| KeyEdit {
+            read_at: existing.get(&key).map_or(0, |(_, at)| *at),
+            key,
+            value,
         })
         .collect();
-    let ops: Vec<TxnOp> = changes
-        .iter()
-        .map(|(key, text, _)| match text {
-            Some(text) => TxnOp::put(key.as_str(), text.as_str(), None),
-            None => TxnOp::delete(key.as_str(), None),
-        })
-        .collect();
-    let done = kv
-        .txn(Txn::new().when(compares).and_then(ops))
+    let done = crate::fleet::write_edits(client, &edits)
         .await
         .context("writing the desired keys")?;
-    if !done.succeeded() {
+    if !done {
         bail!(
             "conflict: a key under {prefix} changed after it was read at revision {revision}; nothing was written, run the command again"
         );

@@ -4,6 +4,7 @@
 
 mod agent_support;
 mod api_support;
+mod etcd_support;
 mod exec_support;
 
 mod agent_bounds;
@@ -25,6 +26,7 @@ mod exec_agent;
 mod exec_cli_agent;
 mod exec_driver;
 mod exec_scenarios;
+mod fleet_agent;
 mod gpu_agent;
 mod hardening_agent;
 mod interpolation_agent;
