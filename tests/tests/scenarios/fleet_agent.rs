@@ -600,7 +600,7 @@ fn fleet_apply_validates_first_shows_and_prunes_changes_and_refuses_a_concurrent
     let (code, out, _) = fleet(&urls, prefix, &["apply", "-f", dir, "--node", "n1"]);
     assert_eq!(code, 1);
     assert!(
-        out.contains("bad.yaml:7:") && out.contains("runFr"),
+        out.contains("bad.yaml:8:16: spec.tasks[0].config.runFr"),
         "{out}"
     );
     assert_eq!(
