@@ -745,42 +745,52 @@ async fn keep_alive(client: &Client, id: i64) -> Result<(), FleetError> {
 }
 
 /// Writes each alloc's status to `status/<node>/<alloc>` when it changed, and deletes
-/// the keys of allocs gone; what could not be written is written at a later pass.
+/// the keys of allocs gone; what could not be written is written at a later pass. When
+/// stopped, one last pass sends what the shutdown changed (a drain's stopped allocs).
 async fn status_loop(shared: Arc<Shared>, client: Client) {
-    let settings = &shared.settings;
-    let node_name = settings.node.name.as_str();
-    let mut changes = shared.node.status_changes();
-    let mut lease = shared.lease.subscribe();
     let mut kv = client.kv_client();
-    let mut backoff = Backoff::new();
     // What etcd holds, as this loop last wrote or read it: `None` until read once.
     let mut written: Option<BTreeMap<String, stead_schemas::status::AllocStatus>> = None;
+    tokio::select! {
+        () = status_passes(&shared, &mut kv, &mut written) => {}
+        () = shared.stop.cancelled() => {}
+    }
+    if shared.lease.borrow().is_some()
+        && let Err(error) = status_pass(&shared, &mut kv, &mut written).await
+    {
+        tracing::warn!(%error, "fleet: the last status was not written");
+    }
+}
+
+/// The status loop's passes: one after each change of status, at most one per
+/// [`STATUS_INTERVAL`], and only while the node is claimed (an agent refused its name
+/// must not write another's status).
+async fn status_passes(
+    shared: &Shared,
+    kv: &mut etcd_client::KvClient,
+    written: &mut Option<BTreeMap<String, stead_schemas::status::AllocStatus>>,
+) {
+    let mut changes = shared.node.status_changes();
+    let mut lease = shared.lease.subscribe();
+    let mut backoff = Backoff::new();
     loop {
-        // Only while the node is claimed: a refused agent must not write another's status.
         if lease.borrow_and_update().is_none() {
-            tokio::select! {
-                () = shared.stop.cancelled() => return,
-                _ = lease.changed() => continue,
-            }
+            let _ = lease.changed().await;
+            continue;
         }
         let pass = shared.clock.instant();
-        let result = status_pass(&shared, &mut kv, node_name, &mut written).await;
-        match result {
+        match status_pass(shared, kv, written).await {
             Ok(()) => {
                 backoff.reset();
                 shared.report(|h| h.status = None);
             }
             Err(error) => {
                 shared.report(|h| h.status = Some(format!("status not written: {error}")));
-                tokio::select! {
-                    () = shared.stop.cancelled() => return,
-                    () = backoff.wait() => continue,
-                }
+                backoff.wait().await;
+                continue;
             }
         }
-        // At most one pass per interval, and none without a change.
         tokio::select! {
-            () = shared.stop.cancelled() => return,
             _ = changes.changed() => {}
             _ = lease.changed() => {}
         }
@@ -792,10 +802,10 @@ async fn status_loop(shared: Arc<Shared>, client: Client) {
 async fn status_pass(
     shared: &Shared,
     kv: &mut etcd_client::KvClient,
-    node_name: &str,
     written: &mut Option<BTreeMap<String, stead_schemas::status::AllocStatus>>,
 ) -> Result<(), FleetError> {
     let keys = &shared.settings.keys;
+    let node_name = shared.settings.node.name.as_str();
     let written = match written {
         Some(written) => written,
         None => {

@@ -778,7 +778,7 @@ oomScoreAdj: -900
         let error = AgentConfig::parse(Path::new("agent.yaml"), text).unwrap_err();
         expect_test::expect![[r#"
             agent.yaml:1:7: tick: a period must be longer than 0s
-            agent.yaml:2:1: unknown field `listen_addr`, expected one of specsDir, dataDir, listen, socket, token, tokenFile, tick, resync, watch, maxKillTimeout, maxTaskEvents, shutdown, allowRoot, limits, cgroupParent, gc, store, drivers, devices, logFormat, api, oomScoreAdj
+            agent.yaml:2:1: unknown field `listen_addr`, expected one of specsDir, dataDir, listen, socket, token, tokenFile, tick, resync, watch, maxKillTimeout, maxTaskEvents, shutdown, allowRoot, limits, cgroupParent, gc, store, drivers, devices, logFormat, api, oomScoreAdj, fleet
             agent.yaml:4:13: gc.interval: a period must be longer than 0s
             agent.yaml:6:21: invalid u32
             agent.yaml:8:1: duplicate key "tick" (first at 1:1)"#]].assert_eq(&error.to_string());
