@@ -51,7 +51,9 @@ const STATUS_BATCH: usize = 100;
 pub const RELIST_PERIOD: Duration = Duration::from_secs(600);
 /// How long one request to etcd may take: a write a member cannot commit (its leader
 /// just died) is tried again, rather than waited for through the server's own timeout.
-const REQUEST_TIMEOUT: Duration = Duration::from_millis(1500);
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long a listing of the desired keys may take (it may be large).
+const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The first retry's delay; it doubles up to [`BACKOFF_MAX`], jittered.
 const BACKOFF_MIN: Duration = Duration::from_millis(200);
 const BACKOFF_MAX: Duration = Duration::from_secs(2);
@@ -186,9 +188,17 @@ pub async fn write_edits(client: &Client, edits: &[KeyEdit]) -> Result<bool, Fle
 async fn bounded<T>(
     request: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
 ) -> Result<T, FleetError> {
-    match tokio::time::timeout(REQUEST_TIMEOUT, request).await {
+    bounded_by(REQUEST_TIMEOUT, request).await
+}
+
+/// Runs `request`, failing it after `limit`.
+async fn bounded_by<T>(
+    limit: Duration,
+    request: impl std::future::Future<Output = Result<T, etcd_client::Error>>,
+) -> Result<T, FleetError> {
+    match tokio::time::timeout(limit, request).await {
         Ok(result) => Ok(result?),
-        Err(_) => Err(FleetError::Timeout(REQUEST_TIMEOUT)),
+        Err(_) => Err(FleetError::Timeout(limit)),
     }
 }
 
@@ -399,13 +409,20 @@ async fn list_desired(
     let keys = &shared.settings.keys;
     let mut kv = client.kv_client();
     let own = keys.desired_of(&Target::Node(shared.settings.node.name.clone()));
-    let first = bounded(kv.get(own.as_str(), Some(GetOptions::new().with_prefix()))).await?;
+    let first = bounded_by(
+        LIST_TIMEOUT,
+        kv.get(own.as_str(), Some(GetOptions::new().with_prefix())),
+    )
+    .await?;
     let revision = first.header().map_or(0, |h| h.revision());
     let all = keys.desired_of(&Target::All);
-    let second = bounded(kv.get(
-        all.as_str(),
-        Some(GetOptions::new().with_prefix().with_revision(revision)),
-    ))
+    let second = bounded_by(
+        LIST_TIMEOUT,
+        kv.get(
+            all.as_str(),
+            Some(GetOptions::new().with_prefix().with_revision(revision)),
+        ),
+    )
     .await?;
     // Parses of unchanged values are kept.
     let mut desired = before.cloned().unwrap_or_default();

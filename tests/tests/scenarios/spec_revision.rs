@@ -968,3 +968,15 @@ fn every_limit_set_changes_the_revision() {
         assert!(seen.insert(revision(&edited)), "{limit} kept the revision");
     }
 }
+
+#[test]
+fn a_node_selector_says_where_an_alloc_runs_not_what_it_is_so_it_keeps_the_revision() {
+    let plain = revision(BASE);
+    let selected = BASE.replacen(
+        "metadata:\n",
+        "metadata:\n  nodeSelector: {zone: a, disk.kind/ssd: \"yes\"}\n",
+        1,
+    );
+    assert_ne!(selected, BASE, "the selector was added");
+    assert_eq!(revision(&selected), plain);
+}
