@@ -95,8 +95,8 @@ SCALE_TASKS ?= 2000
 # Before them, SIM_SEEDS histories of the deterministic simulator (`make test` runs
 # 500); a failure prints the one line that replays its seed.
 SIM_SEEDS ?= 10000
-# Then FLEET_SCALE (nodes,allocs) agents of one etcd fleet converging on one apply
-# (`make test` runs 10,20).
+# Then FLEET_SCALE (nodes,allocs) release agents of one etcd fleet converging on one
+# apply (`make test` runs 5,20 debug agents).
 FLEET_SCALE ?= 50,20
 soak: deps
 	STEAD_SIM_SEEDS=$(SIM_SEEDS) \
@@ -107,7 +107,8 @@ soak: deps
 	  $(CARGO) test --locked -p stead-tests --test scenarios agent_bounds::two_thousand -- --nocapture
 	STEAD_SCALE_TASKS=$(SCALE_TASKS) \
 	  $(CARGO) test --locked -p stead-tests --test scenarios scale_agent -- --nocapture
-	STEAD_FLEET_SCALE=$(FLEET_SCALE) \
+	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-controller stead-supervisor
+	STEAD_FLEET_SCALE=$(FLEET_SCALE) STEAD_FLEET_AGENT=$(CURDIR)/target/dist/stead \
 	  $(CARGO) test --locked -p stead-tests --test scenarios fleet_agent::fleet_nodes_converge -- --nocapture
 
 # Fuzz the spec parser (needs a nightly toolchain and cargo-fuzz; not part of `make test`).

@@ -52,6 +52,9 @@ pub const RELIST_PERIOD: Duration = Duration::from_secs(600);
 /// How long one request to etcd may take: a write a member cannot commit (its leader
 /// just died) is tried again, rather than waited for through the server's own timeout.
 const REQUEST_TIMEOUT: Duration = Duration::from_secs(1);
+/// How long the loops get to end when the agent stops: the last status pass, the
+/// lease's revocation.
+const STOP_DEADLINE: Duration = Duration::from_secs(5);
 /// How long a listing of the desired keys may take (it may be large).
 const LIST_TIMEOUT: Duration = Duration::from_secs(10);
 /// The first retry's delay; it doubles up to [`BACKOFF_MAX`], jittered.
@@ -87,6 +90,12 @@ pub enum FleetError {
     /// etcd failed or could not be reached.
     #[error("etcd: {0}")]
     Etcd(#[from] etcd_client::Error),
+    /// The node's key is not under this agent's lease (it ran out, or the key went).
+    #[error("{key} is not held under this agent's lease")]
+    NotHolder {
+        /// The node's key.
+        key: String,
+    },
     /// A request did not finish in time.
     #[error("etcd: no answer within {0:?}")]
     Timeout(Duration),
@@ -237,6 +246,8 @@ pub struct Fleet {
     settings: FleetSettings,
     desired: watch::Receiver<Option<Arc<FleetDesired>>>,
     stop: CancellationToken,
+    stop_status: CancellationToken,
+    status: tokio::task::JoinHandle<()>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -250,7 +261,12 @@ struct Shared {
     /// The lease the node key is held under, once claimed; the status loop writes only
     /// while there is one.
     lease: watch::Sender<Option<i64>>,
+    /// Told by the status loop when a write found the node's key not under the lease.
+    lost: tokio::sync::Notify,
+    /// Ends the desired and lease loops.
     stop: CancellationToken,
+    /// Ends the status loop (first, so that its last pass runs under the lease).
+    stop_status: CancellationToken,
 }
 
 impl Shared {
@@ -310,6 +326,7 @@ impl Fleet {
         let (desired_tx, desired_rx) = watch::channel(kept.map(Arc::new));
         let (lease_tx, _) = watch::channel(None);
         let stop = CancellationToken::new();
+        let stop_status = CancellationToken::new();
         let shared = Arc::new(Shared {
             settings: settings.clone(),
             node,
@@ -320,7 +337,9 @@ impl Fleet {
                 ..HealthParts::default()
             }),
             lease: lease_tx,
+            lost: tokio::sync::Notify::new(),
             stop: stop.clone(),
+            stop_status: stop_status.clone(),
         });
         shared.report(|_| {});
         let client = connect(&settings.endpoints, None).await?;
@@ -337,15 +356,17 @@ impl Fleet {
                 None
             }
         };
+        let status = tokio::spawn(status_loop(shared.clone(), client.clone()));
         let tasks = vec![
             tokio::spawn(lease_loop(shared.clone(), client.clone(), claimed)),
-            tokio::spawn(desired_loop(shared.clone(), client.clone(), desired_tx)),
-            tokio::spawn(status_loop(shared.clone(), client)),
+            tokio::spawn(desired_loop(shared.clone(), client, desired_tx)),
         ];
         Ok(Fleet {
             settings,
             desired: desired_rx,
             stop,
+            stop_status,
+            status,
             tasks,
         })
     }
@@ -361,12 +382,15 @@ impl Fleet {
         self.desired.clone()
     }
 
-    /// Stops the loops, then gives the node's key up (its lease revoked), so that the
+    /// Stops the loops: the status loop first, after one last pass (a drain's stopped
+    /// allocs), then the others, giving the node's key up (its lease revoked) so that the
     /// node shows down at once rather than when the lease runs out.
     pub async fn stop(self) {
+        self.stop_status.cancel();
+        let _ = tokio::time::timeout(STOP_DEADLINE, self.status).await;
         self.stop.cancel();
         for task in self.tasks {
-            let _ = tokio::time::timeout(REQUEST_TIMEOUT, task).await;
+            let _ = tokio::time::timeout(STOP_DEADLINE, task).await;
         }
     }
 }
@@ -431,9 +455,10 @@ async fn list_desired(
         .iter()
         .chain(second.kvs())
         .filter_map(|kv| {
+            // A value that is not UTF-8 is kept, as a broken spec of its key's name.
             Some((
                 kv.key_str().ok()?.to_owned(),
-                kv.value_str().ok()?.to_owned(),
+                String::from_utf8_lossy(kv.value()).into_owned(),
             ))
         })
         .filter(|(key, _)| keys.parse_desired(key).is_some())
@@ -596,19 +621,27 @@ async fn watch_desired(
         let mut changed = false;
         for event in response.events() {
             let Some(kv) = event.kv() else { continue };
+            // Every event counts towards the revision, whoever's key it is.
+            desired.revision = desired.revision.max(kv.mod_revision());
             let Ok(key) = kv.key_str() else { continue };
             if !runs_from(settings, key) {
                 continue;
             }
             changed |= match event.event_type() {
-                EventType::Put => match kv.value_str() {
-                    Ok(value) => desired.put(&settings.keys, key, value),
-                    Err(_) => desired.put(&settings.keys, key, "<not UTF-8>"),
-                },
+                EventType::Put => {
+                    desired.put(&settings.keys, key, &String::from_utf8_lossy(kv.value()))
+                }
                 EventType::Delete => desired.delete(key),
             };
         }
-        if let Some(header) = response.header() {
+        // The header's revision vouches for what was sent only in a progress notification
+        // (sent once the watch has caught up): the creation's header names the store's
+        // revision before the catch-up's events have come, and a catch-up batch the
+        // revision of the store, not of its last event.
+        if !response.created()
+            && response.events().is_empty()
+            && let Some(header) = response.header()
+        {
             desired.revision = desired.revision.max(header.revision());
         }
         if changed {
@@ -624,11 +657,26 @@ async fn claim(shared: &Shared, client: &Client) -> Result<i64, FleetError> {
     let key = settings.keys.node_key(&settings.node.name);
     let mut kv = client.kv_client();
     let lease_path = shared.data_dir.join(LEASE_FILE);
-    let kept: Option<i64> = std::fs::read_to_string(&lease_path)
-        .ok()
-        .and_then(|text| text.trim().parse().ok());
+    // The leases this agent's data dir may hold the key under: the last granted, and
+    // the one before it.
+    let kept: Vec<i64> = std::fs::read_to_string(&lease_path)
+        .map(|text| {
+            text.split_whitespace()
+                .filter_map(|id| id.parse().ok())
+                .collect()
+        })
+        .unwrap_or_default();
     let mut leases = client.lease_client();
     let granted = bounded(leases.grant(LEASE_TTL, None)).await?.id();
+    // Kept before the claim is tried: a claim that commits while its caller gave up
+    // waiting is recognised as this agent's at the next try.
+    let ids = match kept.first() {
+        Some(before) => format!("{granted} {before}\n"),
+        None => format!("{granted}\n"),
+    };
+    if let Err(error) = crate::atomic::write_atomic(&lease_path, ids.as_bytes()) {
+        tracing::warn!(path = %lease_path.display(), %error, "fleet: cannot keep the node's lease id");
+    }
     let record = FleetNodeStatus {
         name: settings.node.name.clone(),
         labels: settings.node.labels.clone(),
@@ -640,7 +688,6 @@ async fn claim(shared: &Shared, client: &Client) -> Result<i64, FleetError> {
     // Created only when absent; or over this agent's own key, held under the lease its
     // data dir kept (the agent crashed and came back before the lease ran out).
     let absent = Compare::create_revision(key.as_str(), CompareOp::Equal, 0);
-    let ours = kept.map(|lease| Compare::lease(key.as_str(), CompareOp::Equal, lease));
     let put = TxnOp::put(
         key.as_str(),
         value.as_str(),
@@ -662,7 +709,8 @@ async fn claim(shared: &Shared, client: &Client) -> Result<i64, FleetError> {
                 _ => None,
             })
             .unwrap_or(0);
-        if let Some(ours) = ours.filter(|_| kept == Some(holder)) {
+        if holder != 0 && kept.contains(&holder) {
+            let ours = Compare::lease(key.as_str(), CompareOp::Equal, holder);
             let retake = Txn::new().when(vec![ours]).and_then(vec![put]);
             claimed = bounded(kv.txn(retake)).await?.succeeded();
             if claimed {
@@ -678,68 +726,67 @@ async fn claim(shared: &Shared, client: &Client) -> Result<i64, FleetError> {
             lease: holder,
         });
     }
-    if let Err(error) = crate::atomic::write_atomic(&lease_path, granted.to_string().as_bytes()) {
-        tracing::warn!(path = %lease_path.display(), %error, "fleet: cannot keep the node's lease id");
-    }
     tracing::info!(node = %settings.node.name, lease = format!("{granted:x}"), "fleet: node claimed");
     Ok(granted)
 }
 
-/// Holds the node's key: claims it (again, after its lease ran out) and renews the lease
-/// every [`KEEP_ALIVE`]; gives it up when stopped.
-async fn lease_loop(shared: Arc<Shared>, client: Client, mut lease: Option<i64>) {
+/// Holds the node's key: claims it (again, after its lease ran out or the key was
+/// found not to be under it) and renews the lease every [`KEEP_ALIVE`]; gives it up
+/// however the loop ends, so that the node shows down at once.
+async fn lease_loop(shared: Arc<Shared>, client: Client, claimed: Option<i64>) {
+    let mut lease = claimed;
+    tokio::select! {
+        () = hold_node(&shared, &client, &mut lease) => {}
+        () = shared.stop.cancelled() => {}
+    }
+    if let Some(id) = lease {
+        let mut leases = client.lease_client();
+        let _ = bounded(leases.revoke(id)).await;
+        let _ = std::fs::remove_file(shared.data_dir.join(LEASE_FILE));
+    }
+}
+
+/// The lease loop's work, until the agent stops; `lease` is the one held now.
+async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
     let mut backoff = Backoff::new();
     loop {
-        let id = match lease {
+        let id = match *lease {
             Some(id) => id,
-            None => {
-                let claimed = tokio::select! {
-                    () = shared.stop.cancelled() => return,
-                    claimed = claim(&shared, &client) => claimed,
-                };
-                match claimed {
-                    Ok(id) => id,
-                    Err(error) => {
-                        shared.report(|h| {
-                            h.lease = Some(format!("the node is not claimed: {error}"))
-                        });
-                        tokio::select! {
-                            () = shared.stop.cancelled() => return,
-                            () = backoff.wait() => continue,
-                        }
-                    }
+            None => match claim(shared, client).await {
+                Ok(id) => {
+                    backoff.reset();
+                    id
                 }
-            }
+                Err(error) => {
+                    shared.report(|h| h.lease = Some(format!("the node is not claimed: {error}")));
+                    backoff.wait().await;
+                    continue;
+                }
+            },
         };
-        lease = Some(id);
+        *lease = Some(id);
         shared.lease.send_replace(Some(id));
         shared.report(|h| h.lease = None);
-        let kept = tokio::select! {
-            () = shared.stop.cancelled() => {
-                let mut leases = client.lease_client();
-                let _ = bounded(leases.revoke(id)).await;
-                let _ = std::fs::remove_file(shared.data_dir.join(LEASE_FILE));
-                return;
-            }
-            kept = keep_alive(&client, id) => kept,
+        let ended = tokio::select! {
+            kept = keep_alive(client, id) => kept.map(|()| "the node's lease ran out"),
+            () = shared.lost.notified() => Ok("the node's key is not under its lease"),
         };
-        match kept {
-            // The lease ran out (etcd was away longer than its TTL): claim anew.
-            Ok(()) => {
+        match ended {
+            // etcd was away longer than the lease's TTL, or the key went: claim anew.
+            Ok(why) => {
                 tracing::warn!(
                     lease = format!("{id:x}"),
-                    "fleet: the node's lease ran out; claiming it again"
+                    "fleet: {why}; claiming the node again"
                 );
-                lease = None;
+                let mut leases = client.lease_client();
+                let _ = bounded(leases.revoke(id)).await;
+                *lease = None;
                 shared.lease.send_replace(None);
             }
             Err(error) => {
                 shared
                     .report(|h| h.lease = Some(format!("cannot renew the node's lease: {error}")));
-                tokio::select! {
-                    () = shared.stop.cancelled() => return,
-                    () = backoff.wait() => {}
-                }
+                backoff.wait().await;
             }
         }
     }
@@ -770,10 +817,11 @@ async fn status_loop(shared: Arc<Shared>, client: Client) {
     let mut written: Option<BTreeMap<String, stead_schemas::status::AllocStatus>> = None;
     tokio::select! {
         () = status_passes(&shared, &mut kv, &mut written) => {}
-        () = shared.stop.cancelled() => {}
+        () = shared.stop_status.cancelled() => {}
     }
-    if shared.lease.borrow().is_some()
-        && let Err(error) = status_pass(&shared, &mut kv, &mut written).await
+    let lease = *shared.lease.borrow();
+    if let Some(lease) = lease
+        && let Err(error) = status_pass(&shared, &mut kv, lease, &mut written).await
     {
         tracing::warn!(%error, "fleet: the last status was not written");
     }
@@ -790,16 +838,32 @@ async fn status_passes(
     let mut changes = shared.node.status_changes();
     let mut lease = shared.lease.subscribe();
     let mut backoff = Backoff::new();
+    let mut held: Option<i64> = None;
     loop {
-        if lease.borrow_and_update().is_none() {
+        let Some(id) = *lease.borrow_and_update() else {
             let _ = lease.changed().await;
             continue;
+        };
+        if held != Some(id) {
+            // Claimed anew: what etcd holds is read again (another agent may have
+            // written meanwhile).
+            *written = None;
+            held = Some(id);
         }
         let pass = shared.clock.instant();
-        match status_pass(shared, kv, written).await {
+        match status_pass(shared, kv, id, written).await {
             Ok(()) => {
                 backoff.reset();
                 shared.report(|h| h.status = None);
+            }
+            Err(FleetError::NotHolder { .. }) => {
+                // The lease loop claims the node again; writes wait for that.
+                shared.report(|h| {
+                    h.status = Some("status not written: the node's key is not held".to_owned())
+                });
+                shared.lost.notify_one();
+                let _ = lease.changed().await;
+                continue;
             }
             Err(error) => {
                 shared.report(|h| h.status = Some(format!("status not written: {error}")));
@@ -819,10 +883,12 @@ async fn status_passes(
 async fn status_pass(
     shared: &Shared,
     kv: &mut etcd_client::KvClient,
+    lease: i64,
     written: &mut Option<BTreeMap<String, stead_schemas::status::AllocStatus>>,
 ) -> Result<(), FleetError> {
     let keys = &shared.settings.keys;
     let node_name = shared.settings.node.name.as_str();
+    let node_key = keys.node_key(node_name);
     let written = match written {
         Some(written) => written,
         None => {
@@ -878,7 +944,12 @@ async fn status_pass(
                 }
             })
             .collect();
-        bounded(kv.txn(Txn::new().and_then(txn))).await?;
+        // Only while this agent holds the node: never over another agent's status.
+        let held = Compare::lease(node_key.as_str(), CompareOp::Equal, lease);
+        let done = bounded(kv.txn(Txn::new().when(vec![held]).and_then(txn))).await?;
+        if !done.succeeded() {
+            return Err(FleetError::NotHolder { key: node_key });
+        }
         for (alloc, status) in batch {
             match status {
                 Some(status) => written.insert(alloc.clone(), status.clone()),

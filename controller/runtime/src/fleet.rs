@@ -232,7 +232,26 @@ fn parse_key(keys: &FleetKeys, key: &str, value: &str) -> SpecFile {
         return file;
     };
     let misnamed = |document: &SpecDocument| document.name.as_ref() != Some(&alloc);
-    if file.documents.len() > 1 || file.documents.iter().any(misnamed) {
+    if file.documents.is_empty() {
+        // Empty, not YAML, or no document: a broken spec of the key's alloc (whose last
+        // good revision keeps running), never a file that names nothing.
+        let mut diagnostics = file.all_diagnostics();
+        if diagnostics.is_empty() {
+            diagnostics.push(Diagnostic::new(
+                &path,
+                Location::START,
+                "",
+                "the key holds no spec document",
+            ));
+        }
+        file.diagnostics.clear();
+        file.documents = vec![SpecDocument {
+            location: Location::START,
+            name: Some(alloc),
+            spec: None,
+            diagnostics,
+        }];
+    } else if file.documents.len() > 1 || file.documents.iter().any(misnamed) {
         let declared: Vec<String> = file
             .documents
             .iter()
@@ -423,16 +442,17 @@ mod tests {
         );
         let two = format!("{}---\n{}", spec("two"), spec("extra"));
         desired.put(&keys, "/stead/v1/desired/web-1/two", &two);
+        desired.put(&keys, "/stead/v1/desired/web-1/empty", "");
+        desired.put(&keys, "/stead/v1/desired/_all/syntax", "a: [unclosed");
         let mut listing = Listing::default();
         listing.add_fleet(Some(&desired), &keys, &node("web-1", &[]));
         assert!(listing.specs.is_empty(), "{:?}", names(&listing));
-        for name in ["api", "db", "two"] {
+        assert!(listing.unnamed.is_empty(), "{:?}", listing.unnamed);
+        for name in ["api", "db", "two", "empty", "syntax"] {
             let broken = &listing.broken[&name.parse::<Name>().expect("name")];
             let text = broken[0].to_string();
-            assert!(
-                text.contains(&format!("etcd:/stead/v1/desired/web-1/{name}")),
-                "{text}"
-            );
+            assert!(text.contains("etcd:/stead/v1/desired/"), "{text}");
+            assert!(text.contains(&format!("/{name}")), "{text}");
         }
         assert!(
             listing.broken[&"api".parse::<Name>().expect("name")]

@@ -269,11 +269,16 @@ async fn apply(
     };
     let target = target.target()?;
     let prefix = keys.desired_of(&target);
-    let current = client
-        .kv_client()
-        .get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
-        .await
-        .context("reading the desired keys")?;
+    let current = retried(|| {
+        let mut kv = client.kv_client();
+        let prefix = prefix.clone();
+        async move {
+            kv.get(prefix.as_str(), Some(GetOptions::new().with_prefix()))
+                .await
+        }
+    })
+    .await
+    .context("reading the desired keys")?;
     let revision = current.header().map_or(0, |h| h.revision());
     let existing: BTreeMap<String, (String, i64)> = current
         .kvs()
@@ -296,7 +301,12 @@ async fn apply(
         let verb = match existing.get(&key) {
             None => "created",
             Some((text, _)) if *text == document.text => {
-                writeln!(out, "{key}: unchanged ({})", document.path.display())?;
+                writeln!(
+                    out,
+                    "{}: unchanged ({})",
+                    cell(&key),
+                    cell(&document.path.display().to_string())
+                )?;
                 continue;
             }
             Some(_) => "configured",
@@ -308,12 +318,24 @@ async fn apply(
             changes.push((key.clone(), None, "pruned"));
         }
     }
-    for (key, _, verb) in &changes {
+    for (key, text, verb) in &changes {
         let verb = match write {
             true => (*verb).to_owned(),
             false => format!("would be {verb}"),
         };
-        writeln!(out, "{key}: {verb}")?;
+        writeln!(out, "{}: {verb}", cell(key))?;
+        if !write {
+            // What would change, as a unified diff of the key's text.
+            let before = existing.get(key).map_or("", |(text, _)| text.as_str());
+            let after = text.as_deref().unwrap_or("");
+            let diff = similar::TextDiff::from_lines(before, after);
+            let shown = diff
+                .unified_diff()
+                .context_radius(2)
+                .header(&format!("etcd:{key}"), "applied")
+                .to_string();
+            write!(out, "{}", super::render::terminal_text(&shown))?;
+        }
     }
     if !write {
         return Ok(if changes.is_empty() {
@@ -335,9 +357,20 @@ async fn apply(
             value,
         })
         .collect();
-    let done = crate::fleet::write_edits(client, &edits)
-        .await
-        .context("writing the desired keys")?;
+    // Tried again while the cluster elects a leader: the compare-and-swap keeps a second
+    // try from writing over anything (a first try that was applied makes it a conflict).
+    let mut tries = 0;
+    let done = retried(|| {
+        tries += 1;
+        crate::fleet::write_edits(client, &edits)
+    })
+    .await
+    .context("writing the desired keys")?;
+    if !done && tries > 1 {
+        bail!(
+            "conflict, or an earlier try of this write was applied while etcd did not answer: see `stead fleet diff`"
+        );
+    }
     if !done {
         bail!(
             "conflict: a key under {prefix} changed after it was read at revision {revision}; nothing was written, run the command again"
@@ -357,11 +390,13 @@ async fn delete(
         .parse()
         .map_err(|why| anyhow::anyhow!("alloc: {why}"))?;
     let key = keys.desired_key(&target.target()?, &alloc);
-    let deleted = client
-        .kv_client()
-        .delete(key.as_str(), None)
-        .await
-        .context("deleting the key")?;
+    let deleted = retried(|| {
+        let mut kv = client.kv_client();
+        let key = key.clone();
+        async move { kv.delete(key.as_str(), None).await }
+    })
+    .await
+    .context("deleting the key")?;
     if deleted.deleted() == 0 {
         bail!("{key} does not exist");
     }
@@ -371,11 +406,12 @@ async fn delete(
 
 /// Every key below `prefix` with its value.
 async fn list(client: &Client, prefix: &str) -> anyhow::Result<Vec<(String, Vec<u8>)>> {
-    let listed = client
-        .kv_client()
-        .get(prefix, Some(GetOptions::new().with_prefix()))
-        .await
-        .with_context(|| format!("reading {prefix}"))?;
+    let listed = retried(|| {
+        let mut kv = client.kv_client();
+        async move { kv.get(prefix, Some(GetOptions::new().with_prefix())).await }
+    })
+    .await
+    .with_context(|| format!("reading {prefix}"))?;
     Ok(listed
         .kvs()
         .iter()
@@ -418,11 +454,12 @@ async fn nodes(
             .collect();
         writeln!(
             out,
-            "{name}\t{}\t{}\t{}\t{}",
-            node.version,
-            super::render::terminal_text(&node.hostname),
+            "{}\t{}\t{}\t{}\t{}",
+            cell(name),
+            cell(&node.version),
+            cell(&node.hostname),
             node.claimed_at,
-            super::render::terminal_text(&labels.join(","))
+            cell(&labels.join(","))
         )?;
     }
     Ok(EXIT_OK)
@@ -498,7 +535,7 @@ async fn status(
     for row in &report {
         let allocs: Vec<String> = row["allocs"]
             .as_object()
-            .map(|m| m.iter().map(|(k, v)| format!("{v} {k}")).collect())
+            .map(|m| m.iter().map(|(k, v)| format!("{v} {}", cell(k))).collect())
             .unwrap_or_default();
         let age = row["lastStatusAgeSeconds"]
             .as_u64()
@@ -510,8 +547,8 @@ async fn status(
                     .map(|f| {
                         format!(
                             "{} ({})",
-                            f["alloc"].as_str().unwrap_or(""),
-                            f["lastEvent"].as_str().unwrap_or("")
+                            cell(f["alloc"].as_str().unwrap_or("")),
+                            cell(f["lastEvent"].as_str().unwrap_or(""))
                         )
                     })
                     .collect()
@@ -520,7 +557,7 @@ async fn status(
         writeln!(
             out,
             "{}\t{}\t{}\t{age}\t{}",
-            row["node"].as_str().unwrap_or(""),
+            cell(row["node"].as_str().unwrap_or("")),
             if row["up"].as_bool() == Some(true) {
                 "up"
             } else {
@@ -535,4 +572,52 @@ async fn status(
         )?;
     }
     Ok(EXIT_OK)
+}
+
+/// Runs `request` up to five times, 200 ms apart, while it fails (a cluster electing a
+/// leader answers `no leader` for a moment); the last error otherwise.
+async fn retried<T, E, F, Fut>(mut request: F) -> Result<T, E>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, E>>,
+{
+    let mut tries = 1;
+    loop {
+        match request().await {
+            Err(_) if tries < 5 => {
+                tries += 1;
+                tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+            }
+            done => return done,
+        }
+    }
+}
+
+/// `text`, from etcd, as one cell of a tab-separated row: every control character
+/// (a tab, a newline, an escape) shown escaped, so no value forges a column, a row or a
+/// terminal command.
+fn cell(text: &str) -> String {
+    text.chars()
+        .map(|c| match c.is_control() {
+            true => c.escape_default().to_string(),
+            false => c.to_string(),
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cell_escapes_what_would_forge_a_column_a_row_or_a_terminal_command() {
+        assert_eq!(cell("web-1"), "web-1");
+        assert_eq!(cell("a\tb\nc\u{1b}[2J"), "a\\tb\\nc\\u{1b}[2J");
+    }
+
+    #[test]
+    fn documents_are_split_at_separator_lines_and_empty_ones_dropped() {
+        let text = "# head\n---\na: 1\n---  \n# only a comment\n---\nb: 2\n...\n";
+        assert_eq!(split_documents(text), ["a: 1\n", "b: 2\n"]);
+    }
 }

@@ -378,6 +378,25 @@ fn fleet_an_agent_restarted_while_etcd_is_down_restarts_no_task() {
     });
     assert_eq!(task.pid, pid, "{}", agent.log_text());
     assert_eq!(task.restarts, 0);
+    // It runs from the listing kept in its data dir, not only from its store: the alloc
+    // is declared by its key.
+    assert!(
+        agent
+            .log_text()
+            .contains("running the desired keys last listed"),
+        "{}",
+        agent.log_text()
+    );
+    let status = wait_for("svc's key is named", Duration::from_secs(10), || {
+        agent
+            .status("svc")
+            .filter(|s| s.spec_file.is_some())
+            .ok_or_else(|| "no specFile yet".to_owned())
+    });
+    assert_eq!(
+        status.spec_file.as_deref(),
+        Some(format!("etcd:{prefix}/desired/n1/svc").as_str())
+    );
     cluster.signal_all(Signal::CONT);
     drop(agent);
     crate::agent_support::kill_all_with(&marker);
@@ -449,9 +468,9 @@ fn fleet_a_killed_agent_shows_down_within_its_lease_and_its_name_cannot_be_taken
     crate::agent_support::kill_all_with(&marker);
 }
 
-/// How many agents and allocs the scale test runs: 10 × 20 in `make test` (ten debug
+/// How many agents and allocs the scale test runs: 5 × 20 in `make test` (five debug
 /// agents and three etcd members share two cores there); `make soak` runs the 50 × 20
-/// of the fleet's target with `STEAD_FLEET_SCALE=NODES,ALLOCS`.
+/// of the fleet's target with `STEAD_FLEET_SCALE=NODES,ALLOCS`, release agents.
 fn scale() -> (usize, usize) {
     std::env::var("STEAD_FLEET_SCALE")
         .ok()
@@ -459,7 +478,7 @@ fn scale() -> (usize, usize) {
             let (nodes, allocs) = v.split_once(',')?;
             Some((nodes.parse().ok()?, allocs.parse().ok()?))
         })
-        .unwrap_or((10, 20))
+        .unwrap_or((5, 20))
 }
 
 #[test]
@@ -476,7 +495,15 @@ fn fleet_nodes_converge_on_one_apply_within_two_seconds_and_an_idle_fleet_writes
             ))
         })
         .collect();
-    let agents: Vec<Agent> = dirs.iter().map(AgentDirs::launch).collect();
+    // `STEAD_FLEET_AGENT` runs another build (the release `stead`) as every agent.
+    let program = std::env::var_os("STEAD_FLEET_AGENT").map(std::path::PathBuf::from);
+    let agents: Vec<Agent> = dirs
+        .iter()
+        .map(|dirs| match &program {
+            Some(program) => dirs.launch_program(program),
+            None => dirs.launch(),
+        })
+        .collect();
     let specs = tempfile::tempdir().expect("dir");
     let write_specs = |version: u32| {
         for a in 0..allocs {
@@ -588,6 +615,12 @@ fn fleet_apply_validates_first_shows_and_prunes_changes_and_refuses_a_concurrent
     assert_eq!(code, 1);
     assert!(
         out.contains("/cli/desired/n1/a: would be configured"),
+        "{out}"
+    );
+    assert!(
+        out.contains("--- etcd:/cli/desired/n1/a\n+++ applied\n")
+            && out.contains("-      config: {runFor: 1h, stdoutString: \"v1\"}\n")
+            && out.contains("+      config: {runFor: 1h, stdoutString: \"v2\"}\n"),
         "{out}"
     );
     assert_eq!(

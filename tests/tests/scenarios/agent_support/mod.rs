@@ -136,6 +136,11 @@ impl AgentDirs {
         self.start_with(shell, &supervisor_binary())
     }
 
+    /// Starts `program` (another build of `stead`) as the agent, without waiting.
+    pub fn launch_program(&self, program: &Path) -> Agent {
+        self.launch_with(Command::new(program), &supervisor_binary())
+    }
+
     /// Starts the agent without waiting for anything.
     pub fn launch(&self) -> Agent {
         self.launch_with(Command::new(agent_binary()), &supervisor_binary())
