@@ -138,8 +138,14 @@ fn schema(out: &mut dyn Write) -> anyhow::Result<u8> {
     Ok(EXIT_OK)
 }
 
-fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Result<u8> {
-    let (files, unreadable) = collect_spec_files(paths);
+/// What is wrong with the spec files found at `paths` before any is read: the entries
+/// that could not be listed, and nothing found at all (a mistyped path or extension is a
+/// mistake, not a success).
+fn listing_problems(
+    paths: &[PathBuf],
+    files: &[crate::spec_files::FoundSpec],
+    unreadable: &[crate::spec_files::SpecFileError],
+) -> Vec<Diagnostic> {
     let mut diagnostics: Vec<Diagnostic> = unreadable
         .iter()
         .map(|e| {
@@ -151,7 +157,6 @@ fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Re
             )
         })
         .collect();
-    // Nothing to check is a mistake (a mistyped path or extension), not a success.
     if files.is_empty() && unreadable.is_empty() {
         for path in paths {
             diagnostics.push(Diagnostic::new(
@@ -162,6 +167,12 @@ fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Re
             ));
         }
     }
+    diagnostics
+}
+
+fn validate(paths: &[PathBuf], as_json: bool, out: &mut dyn Write) -> anyhow::Result<u8> {
+    let (files, unreadable) = collect_spec_files(paths);
+    let mut diagnostics = listing_problems(paths, &files, &unreadable);
     let mut parsed: Vec<SpecFile> = Vec::new();
     for path in files.iter().map(|found| &found.path) {
         match read_spec_file(path) {

@@ -38,32 +38,28 @@ pub(super) struct TargetArgs {
     all: bool,
 }
 
+/// What `apply` and `diff` take.
+#[derive(Debug, Args)]
+pub(super) struct ApplyArgs {
+    /// Spec files or directories of them.
+    #[arg(short = 'f', long = "file", required = true)]
+    files: Vec<PathBuf>,
+    #[command(flatten)]
+    target: TargetArgs,
+    /// Also delete (or, for `diff`, show) the target's allocs the files do not declare.
+    #[arg(long)]
+    prune: bool,
+}
+
 /// `stead fleet …`.
 #[derive(Debug, Subcommand)]
 pub(super) enum FleetCommand {
     /// Validate spec files, then write each alloc under a node's key (or `_all`), printing
     /// what changes; a key edited by someone else meanwhile is a conflict.
-    Apply {
-        /// Spec files or directories of them.
-        #[arg(short = 'f', long = "file", required = true)]
-        files: Vec<PathBuf>,
-        #[command(flatten)]
-        target: TargetArgs,
-        /// Also delete the target's allocs that the files do not declare.
-        #[arg(long)]
-        prune: bool,
-    },
-    /// Print what `apply` would change, without changing it; exits 1 when something would.
-    Diff {
-        /// Spec files or directories of them.
-        #[arg(short = 'f', long = "file", required = true)]
-        files: Vec<PathBuf>,
-        #[command(flatten)]
-        target: TargetArgs,
-        /// Also show the target's allocs the files do not declare.
-        #[arg(long)]
-        prune: bool,
-    },
+    Apply(ApplyArgs),
+    /// Print what `apply` would change (with a diff of each key), without changing it;
+    /// exits 1 when something would.
+    Diff(ApplyArgs),
     /// Delete an alloc's key: the node (or every node) stops and removes it.
     Delete {
         /// The alloc.
@@ -108,16 +104,8 @@ pub(super) fn run(
             .context("connecting to etcd")?;
         let keys = FleetKeys::new(&args.prefix);
         match command {
-            FleetCommand::Apply {
-                files,
-                target,
-                prune,
-            } => apply(&client, &keys, &files, &target, prune, true, out).await,
-            FleetCommand::Diff {
-                files,
-                target,
-                prune,
-            } => apply(&client, &keys, &files, &target, prune, false, out).await,
+            FleetCommand::Apply(args) => apply(&client, &keys, &args, true, out).await,
+            FleetCommand::Diff(args) => apply(&client, &keys, &args, false, out).await,
             FleetCommand::Delete { alloc, target } => {
                 delete(&client, &keys, &alloc, &target, out).await
             }
@@ -152,27 +140,7 @@ struct Document {
 /// Reads and validates `paths`: the documents, or every problem found.
 fn read_documents(paths: &[PathBuf]) -> Result<Vec<Document>, Vec<Diagnostic>> {
     let (files, unreadable) = collect_spec_files(paths);
-    let mut problems: Vec<Diagnostic> = unreadable
-        .iter()
-        .map(|e| {
-            Diagnostic::new(
-                &e.path,
-                Location::START,
-                "",
-                format!("cannot read: {}", e.source),
-            )
-        })
-        .collect();
-    if files.is_empty() && unreadable.is_empty() {
-        for path in paths {
-            problems.push(Diagnostic::new(
-                path,
-                Location::START,
-                "",
-                "no spec files here: a spec file ends in .yaml or .yml",
-            ));
-        }
-    }
+    let mut problems = super::listing_problems(paths, &files, &unreadable);
     let mut documents = Vec::new();
     let mut declared: BTreeMap<Name, PathBuf> = BTreeMap::new();
     for found in files {
@@ -251,12 +219,11 @@ fn split_documents(text: &str) -> Vec<String> {
 async fn apply(
     client: &Client,
     keys: &FleetKeys,
-    paths: &[PathBuf],
-    target: &TargetArgs,
-    prune: bool,
+    args: &ApplyArgs,
     write: bool,
     out: &mut dyn Write,
 ) -> anyhow::Result<u8> {
+    let (paths, target, prune) = (&args.files, &args.target, args.prune);
     let documents = match read_documents(paths) {
         Ok(documents) => documents,
         Err(problems) => {

@@ -63,6 +63,20 @@ fn written(cluster: &EtcdCluster, prefix: &str, node: &str) -> Vec<(String, Flee
         .collect()
 }
 
+/// Waits until node n1's status of `alloc` in etcd says `complete`.
+fn wait_for_complete(cluster: &EtcdCluster, prefix: &str, alloc: &str) {
+    wait_for(
+        &format!("{alloc}'s stop is written"),
+        Duration::from_secs(15),
+        || {
+            written(cluster, prefix, "n1")
+                .into_iter()
+                .find(|(name, s)| name == alloc && s.status.client_status == "complete")
+                .ok_or_else(|| "not yet".to_owned())
+        },
+    );
+}
+
 /// `/v1/health`'s fleet component: healthy, and its message.
 fn fleet_health(agent: &Agent) -> Option<(bool, String)> {
     let (_, body) = agent.try_get("/v1/health")?;
@@ -210,12 +224,7 @@ fn fleet_a_killed_etcd_leader_restarts_no_task_and_status_catches_up() {
     // A change of status right after: it reaches etcd within 3 s of the kill.
     let killed = Instant::now();
     agent.post("/v1/allocs/b/stop").expect("stopped");
-    wait_for("b's stop is written", Duration::from_secs(10), || {
-        written(&cluster, prefix, "n1")
-            .into_iter()
-            .find(|(alloc, s)| alloc == "b" && s.status.client_status == "complete")
-            .ok_or_else(|| "not yet".to_owned())
-    });
+    wait_for_complete(&cluster, prefix, "b");
     let caught_up = killed.elapsed();
     eprintln!("status caught up {caught_up:?} after the leader's SIGKILL");
     assert!(caught_up <= Duration::from_secs(3), "{caught_up:?}");
@@ -259,12 +268,7 @@ fn fleet_a_minute_without_etcd_stops_nothing_and_status_converges_after() {
     }
     cluster.signal_all(Signal::CONT);
     let resumed = Instant::now();
-    wait_for("b's stop reaches etcd", Duration::from_secs(15), || {
-        written(&cluster, prefix, "n1")
-            .into_iter()
-            .find(|(alloc, s)| alloc == "b" && s.status.client_status == "complete")
-            .ok_or_else(|| "not yet".to_owned())
-    });
+    wait_for_complete(&cluster, prefix, "b");
     let converged = resumed.elapsed();
     eprintln!("status converged {converged:?} after SIGCONT");
     assert!(converged <= Duration::from_secs(5), "{converged:?}");
@@ -500,8 +504,8 @@ fn fleet_nodes_converge_on_one_apply_within_two_seconds_and_an_idle_fleet_writes
     let agents: Vec<Agent> = dirs
         .iter()
         .map(|dirs| match &program {
-            Some(program) => dirs.launch_program(program),
-            None => dirs.launch(),
+            Some(program) => dirs.start_program(program),
+            None => dirs.start(),
         })
         .collect();
     let specs = tempfile::tempdir().expect("dir");
@@ -522,17 +526,25 @@ fn fleet_nodes_converge_on_one_apply_within_two_seconds_and_an_idle_fleet_writes
             .map(|a| revision_of(&mock_spec(&format!("a{a}"), version)))
             .collect();
         let statuses = cluster.get_prefix(&format!("{prefix}/status/"));
-        let done = statuses
-            .iter()
-            .filter(|(_, value)| {
-                let status: FleetAllocStatus = serde_json::from_str(value).expect("status");
-                status.status.client_status == "running"
-                    && revisions.contains(&status.status.revision)
-            })
-            .count();
-        (done == nodes * allocs)
-            .then_some(())
-            .ok_or_else(|| format!("{done} of {} allocs converged", nodes * allocs))
+        let mut per_node = vec![0; nodes];
+        for (key, value) in &statuses {
+            let status: FleetAllocStatus = serde_json::from_str(value).expect("status");
+            let node = key.split('/').nth(3).and_then(|n| n.strip_prefix('n'));
+            if status.status.client_status == "running"
+                && revisions.contains(&status.status.revision)
+                && let Some(node) = node.and_then(|n| n.parse::<usize>().ok())
+            {
+                per_node[node] += 1;
+            }
+        }
+        let behind: Vec<usize> = (0..nodes).filter(|n| per_node[*n] < allocs).collect();
+        match behind.first() {
+            None => Ok(()),
+            Some(first) => Err(format!(
+                "nodes {behind:?} have not converged; the log of n{first}:\n{}",
+                agents[*first].log_text()
+            )),
+        }
     };
     write_specs(1);
     let (code, out, err) = fleet(

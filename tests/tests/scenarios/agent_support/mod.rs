@@ -27,12 +27,24 @@ pub fn supervisor_binary() -> PathBuf {
 #[allow(unused_imports)]
 pub use stead_tests::running_as_root;
 
-/// A free loopback port (bound and released; the agent binds it right after).
+/// A free loopback port (bound and released; the agent binds it right after), never
+/// one this process was given before: the kernel may hand a released port out again at
+/// once, and two agents (or an agent and an etcd member) of one test would then share it.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+    static GIVEN: std::sync::Mutex<Vec<u16>> = std::sync::Mutex::new(Vec::new());
+    loop {
+        let port = TcpListener::bind("127.0.0.1:0")
+            .and_then(|l| l.local_addr())
+            .map(|a| a.port())
+            .expect("a free port");
+        let mut given = GIVEN
+            .lock()
+            .unwrap_or_else(std::sync::PoisonError::into_inner);
+        if !given.contains(&port) {
+            given.push(port);
+            return port;
+        }
+    }
 }
 
 /// The directories and config of one agent, kept across its restarts.
@@ -136,9 +148,10 @@ impl AgentDirs {
         self.start_with(shell, &supervisor_binary())
     }
 
-    /// Starts `program` (another build of `stead`) as the agent, without waiting.
-    pub fn launch_program(&self, program: &Path) -> Agent {
-        self.launch_with(Command::new(program), &supervisor_binary())
+    /// Starts `program` (another build of `stead`) as the agent and waits until its API
+    /// answers.
+    pub fn start_program(&self, program: &Path) -> Agent {
+        self.start_with(Command::new(program), &supervisor_binary())
     }
 
     /// Starts the agent without waiting for anything.
