@@ -63,6 +63,32 @@ fn written(cluster: &EtcdCluster, prefix: &str, node: &str) -> Vec<(String, Flee
         .collect()
 }
 
+/// Starts the agent of `dirs` (node n1) and puts an exec service `svc` (its command
+/// line carrying `marker`) under n1's key; the agent and the task's pid once it runs.
+fn start_service(
+    cluster: &EtcdCluster,
+    prefix: &str,
+    dirs: &AgentDirs,
+    marker: &str,
+) -> (Agent, Option<u32>) {
+    let agent = dirs.start();
+    cluster.put(
+        &format!("{prefix}/desired/n1/svc"),
+        &service_spec("svc", marker),
+    );
+    let task = agent.wait_for_task("svc", "svc runs", Duration::from_secs(15), |t| {
+        t.state == "running"
+    });
+    (agent, task.pid)
+}
+
+/// Waits until `svc` runs on `agent` (started again), and returns its task.
+fn reattached(agent: &Agent) -> stead_schemas::status::TaskStatus {
+    agent.wait_for_task("svc", "svc reattached", Duration::from_secs(15), |t| {
+        t.state == "running"
+    })
+}
+
 /// Waits until node n1's status of `alloc` in etcd says `complete`.
 fn wait_for_complete(cluster: &EtcdCluster, prefix: &str, alloc: &str) {
     wait_for(
@@ -363,23 +389,12 @@ fn fleet_an_agent_restarted_while_etcd_is_down_restarts_no_task() {
         cluster.urls().join(", ")
     ));
     let marker = unique_nap();
-    let agent = dirs.start();
-    cluster.put(
-        &format!("{prefix}/desired/n1/svc"),
-        &service_spec("svc", &marker),
-    );
-    let pid = agent
-        .wait_for_task("svc", "svc runs", Duration::from_secs(15), |t| {
-            t.state == "running"
-        })
-        .pid;
+    let (agent, pid) = start_service(&cluster, prefix, &dirs, &marker);
     agent.kill9();
     cluster.signal_all(Signal::STOP);
     let agent = dirs.start();
     // The agent came up on the listing it kept: svc is the same process.
-    let task = agent.wait_for_task("svc", "svc reattached", Duration::from_secs(15), |t| {
-        t.state == "running"
-    });
+    let task = reattached(&agent);
     assert_eq!(task.pid, pid, "{}", agent.log_text());
     assert_eq!(task.restarts, 0);
     // It runs from the listing kept in its data dir, not only from its store: the alloc
@@ -417,16 +432,7 @@ fn fleet_a_killed_agent_shows_down_within_its_lease_and_its_name_cannot_be_taken
     );
     let dirs = AgentDirs::new(&config);
     let marker = unique_nap();
-    let agent = dirs.start();
-    cluster.put(
-        &format!("{prefix}/desired/n1/svc"),
-        &service_spec("svc", &marker),
-    );
-    let pid = agent
-        .wait_for_task("svc", "svc runs", Duration::from_secs(15), |t| {
-            t.state == "running"
-        })
-        .pid;
+    let (agent, pid) = start_service(&cluster, prefix, &dirs, &marker);
     let node_up = |want: bool| {
         let (code, out, err) = fleet(&urls, prefix, &["status", "--json"]);
         assert_eq!(code, 0, "{err}");
@@ -449,9 +455,7 @@ fn fleet_a_killed_agent_shows_down_within_its_lease_and_its_name_cannot_be_taken
     // Killed and started again at once: it takes its own claim back.
     agent.kill9();
     let agent = dirs.start();
-    let task = agent.wait_for_task("svc", "svc reattached", Duration::from_secs(15), |t| {
-        t.state == "running"
-    });
+    let task = reattached(&agent);
     assert_eq!(task.pid, pid);
 
     // Killed for good: down once the lease runs out.
@@ -463,9 +467,7 @@ fn fleet_a_killed_agent_shows_down_within_its_lease_and_its_name_cannot_be_taken
     assert!(down <= Duration::from_secs(16), "{down:?}");
     let agent = dirs.start();
     wait_for("n1 is up again", Duration::from_secs(10), || node_up(true));
-    let task = agent.wait_for_task("svc", "svc reattached", Duration::from_secs(15), |t| {
-        t.state == "running"
-    });
+    let task = reattached(&agent);
     assert_eq!(task.pid, pid, "reattached, not restarted");
     assert_eq!(task.restarts, 0);
     drop(agent);
