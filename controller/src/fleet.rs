@@ -234,7 +234,7 @@ impl Backoff {
 }
 
 /// The parts of the fleet's health, joined into the node's report.
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
 struct HealthParts {
     desired: Option<String>,
     lease: Option<String>,
@@ -275,23 +275,14 @@ impl Shared {
             .health
             .lock()
             .unwrap_or_else(std::sync::PoisonError::into_inner);
-        let before = (
-            parts.desired.clone(),
-            parts.lease.clone(),
-            parts.status.clone(),
-        );
+        let before = parts.clone();
         set(&mut parts);
         let why: Vec<&str> = [&parts.desired, &parts.lease, &parts.status]
             .into_iter()
             .flatten()
             .map(String::as_str)
             .collect();
-        let changed = before
-            != (
-                parts.desired.clone(),
-                parts.lease.clone(),
-                parts.status.clone(),
-            );
+        let changed = *parts != before;
         self.node
             .set_fleet_health((!why.is_empty()).then(|| why.join("; ")));
         if changed {

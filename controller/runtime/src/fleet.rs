@@ -12,7 +12,7 @@
 //!   the keys are unknown, not gone: every alloc they may declare is held.
 
 use std::collections::BTreeMap;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::sync::Arc;
 
 use stead_schemas::fleet::{ALL_NODES, FleetCheckpoint};
@@ -326,15 +326,12 @@ impl Listing {
         }
         self.settle_broken();
     }
-
-    /// Whether `path` is a fleet key's.
-    pub fn is_fleet_path(path: &Path) -> bool {
-        path.to_str().is_some_and(|p| p.starts_with("etcd:"))
-    }
 }
 
 #[cfg(test)]
 mod tests {
+    use std::path::Path;
+
     use super::*;
 
     const SPEC: &str = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: NAME}\nspec:\n  tasks:\n    - {name: t, driver: mock, config: {}}\n";

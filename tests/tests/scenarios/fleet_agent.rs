@@ -210,15 +210,41 @@ fn fleet_an_all_spec_runs_on_every_node_its_selector_matches_and_on_no_other() {
     for agent in &agents[..2] {
         assert!(!agent.alloc_names().contains(&"marker".to_owned()));
     }
-    // `stead fleet status` shows the three up, with their allocs.
-    let (code, out, _) = fleet(&cluster.urls_flag(), prefix, &["status", "--json"]);
-    assert_eq!(code, 0);
-    let report: Vec<serde_json::Value> = serde_json::from_str(&out).expect("json");
+    // A failing alloc on n3, for `stead fleet status` to show with its last event.
+    let failing = mock_spec("broken", 1)
+        .replace(
+            "spec:\n",
+            "spec:\n  type: batch\n  restart: {attempts: 0, mode: fail}\n",
+        )
+        .replace("runFor: 1h", "runFor: 10ms, exitCode: 1");
+    cluster.put(&format!("{prefix}/desired/n3/broken"), &failing);
+    // `stead fleet status` shows the three up, with their allocs by client status, the
+    // age of their newest status, and n3's failing alloc with its last event.
+    let report = wait_for("every status is written", Duration::from_secs(15), || {
+        let (code, out, err) = fleet(&cluster.urls_flag(), prefix, &["status", "--json"]);
+        assert_eq!(code, 0, "{err}");
+        let report: Vec<serde_json::Value> = serde_json::from_str(&out).expect("json");
+        (report[2]["allocs"]["failed"] == 1
+            && report[0]["allocs"]["running"] == 2
+            && report[1]["allocs"]["running"] == 2)
+            .then_some(report)
+            .ok_or(out)
+    });
     let up: Vec<bool> = report
         .iter()
         .map(|n| n["up"].as_bool() == Some(true))
         .collect();
-    assert_eq!(up, [true, true, true], "{out}");
+    assert_eq!(up, [true, true, true], "{report:?}");
+    assert!(report[0]["lastStatusAgeSeconds"].is_u64(), "{report:?}");
+    assert_eq!(report[2]["failing"][0]["alloc"], "broken", "{report:?}");
+    let last = report[2]["failing"][0]["lastEvent"].as_str().unwrap_or("");
+    assert!(last.contains("Not Restarting"), "{report:?}");
+    let (code, table, _) = fleet(&cluster.urls_flag(), prefix, &["status"]);
+    assert_eq!(code, 0);
+    assert!(
+        table.contains("n3\tup\t") && table.contains("broken ("),
+        "{table}"
+    );
 }
 
 #[test]
