@@ -405,12 +405,22 @@ fn read_checkpoint(path: &Path) -> Option<FleetCheckpoint> {
     }
 }
 
-/// Keeps `desired` in the data dir, so an agent started while etcd is away runs it.
-fn write_checkpoint(shared: &Shared, desired: &FleetDesired) {
+/// Hands `desired` to the agent's loop, then keeps it in the data dir (on the blocking
+/// pool: the write is synced), so an agent started while etcd is away runs it.
+async fn publish(
+    shared: &Shared,
+    tx: &watch::Sender<Option<Arc<FleetDesired>>>,
+    desired: &FleetDesired,
+) {
+    tx.send_replace(Some(Arc::new(desired.clone())));
     let checkpoint = desired.checkpoint(&shared.settings.keys, &shared.settings.node.name);
     let path = shared.data_dir.join(CHECKPOINT_FILE);
-    let text = serde_json::to_vec(&checkpoint).expect("the checkpoint serializes");
-    if let Err(error) = crate::atomic::write_atomic(&path, &text) {
+    let written = tokio::task::spawn_blocking(move || {
+        let text = serde_json::to_vec(&checkpoint).expect("the checkpoint serializes");
+        crate::atomic::write_atomic(&path, &text).map_err(|error| (path, error))
+    })
+    .await;
+    if let Ok(Err((path, error))) = written {
         tracing::warn!(path = %path.display(), %error, "fleet: cannot keep the desired listing");
     }
 }
@@ -487,10 +497,6 @@ async fn desired_loop(
     let mut backoff = Backoff::new();
     let mut current: Option<FleetDesired> = tx.borrow().as_deref().cloned();
     let mut listed_at: Option<tokio::time::Instant> = None;
-    let publish = |desired: &FleetDesired| {
-        write_checkpoint(&shared, desired);
-        tx.send_replace(Some(Arc::new(desired.clone())));
-    };
     loop {
         let due = listed_at.is_none_or(|at| shared.clock.instant() >= at + RELIST_PERIOD);
         if due {
@@ -509,7 +515,7 @@ async fn desired_loop(
                             revision = desired.revision,
                             "fleet: desired keys listed"
                         );
-                        publish(&desired);
+                        publish(&shared, &tx, &desired).await;
                     }
                     current = Some(desired);
                     listed_at = Some(shared.clock.instant());
@@ -531,7 +537,7 @@ async fn desired_loop(
         };
         let watched = tokio::select! {
             () = shared.stop.cancelled() => return,
-            watched = watch_desired(&shared, &client, desired, listed_at, &publish, &mut backoff) => watched,
+            watched = watch_desired(&shared, &client, desired, listed_at, &tx, &mut backoff) => watched,
         };
         match watched {
             WatchEnd::Relist => listed_at = None,
@@ -565,7 +571,7 @@ async fn watch_desired(
     client: &Client,
     desired: &mut FleetDesired,
     listed_at: Option<tokio::time::Instant>,
-    publish: &impl Fn(&FleetDesired),
+    tx: &watch::Sender<Option<Arc<FleetDesired>>>,
     backoff: &mut Backoff,
 ) -> WatchEnd {
     let settings = &shared.settings;
@@ -636,7 +642,7 @@ async fn watch_desired(
             desired.revision = desired.revision.max(header.revision());
         }
         if changed {
-            publish(desired);
+            publish(shared, tx, desired).await;
         }
     }
 }
