@@ -494,60 +494,59 @@ async fn desired_loop(
     client: Client,
     tx: watch::Sender<Option<Arc<FleetDesired>>>,
 ) {
+    tokio::select! {
+        () = follow_desired(&shared, &client, &tx) => {}
+        () = shared.stop.cancelled() => {}
+    }
+}
+
+/// The desired loop's work: a listing when none was taken, when the last watch's
+/// revision was compacted or every [`RELIST_PERIOD`]; a watch from it meanwhile.
+async fn follow_desired(
+    shared: &Shared,
+    client: &Client,
+    tx: &watch::Sender<Option<Arc<FleetDesired>>>,
+) {
     let mut backoff = Backoff::new();
     let mut current: Option<FleetDesired> = tx.borrow().as_deref().cloned();
     let mut listed_at: Option<tokio::time::Instant> = None;
     loop {
-        let due = listed_at.is_none_or(|at| shared.clock.instant() >= at + RELIST_PERIOD);
-        if due {
-            let listed = tokio::select! {
-                () = shared.stop.cancelled() => return,
-                listed = list_desired(&shared, &client, current.as_ref()) => listed,
-            };
-            match listed {
-                Ok(desired) => {
-                    let changed = current
-                        .as_ref()
-                        .is_none_or(|c| !c.entries().eq(desired.entries()));
-                    if changed {
-                        tracing::info!(
-                            keys = desired.len(),
-                            revision = desired.revision,
-                            "fleet: desired keys listed"
-                        );
-                        publish(&shared, &tx, &desired).await;
+        let (desired, listed) = match (current.as_mut(), listed_at) {
+            (Some(desired), Some(listed)) => (desired, listed),
+            _ => {
+                match list_desired(shared, client, current.as_ref()).await {
+                    Ok(desired) => {
+                        if current
+                            .as_ref()
+                            .is_none_or(|c| !c.entries().eq(desired.entries()))
+                        {
+                            tracing::info!(
+                                keys = desired.len(),
+                                revision = desired.revision,
+                                "fleet: desired keys listed"
+                            );
+                            publish(shared, tx, &desired).await;
+                        }
+                        current = Some(desired);
+                        listed_at = Some(shared.clock.instant());
+                        shared.report(|h| h.desired = None);
                     }
-                    current = Some(desired);
-                    listed_at = Some(shared.clock.instant());
-                    shared.report(|h| h.desired = None);
-                }
-                Err(error) => {
-                    shared.report(|h| {
-                        h.desired = Some(format!("cannot list the desired keys: {error}"))
-                    });
-                    tokio::select! {
-                        () = shared.stop.cancelled() => return,
-                        () = backoff.wait() => continue,
+                    Err(error) => {
+                        shared.report(|h| {
+                            h.desired = Some(format!("cannot list the desired keys: {error}"))
+                        });
+                        backoff.wait().await;
                     }
                 }
+                continue;
             }
-        }
-        let Some(desired) = current.as_mut() else {
-            continue;
         };
-        let watched = tokio::select! {
-            () = shared.stop.cancelled() => return,
-            watched = watch_desired(&shared, &client, desired, listed_at, &tx, &mut backoff) => watched,
-        };
-        match watched {
+        let relist_at = listed + RELIST_PERIOD;
+        match watch_desired(shared, client, desired, relist_at, tx, &mut backoff).await {
             WatchEnd::Relist => listed_at = None,
-            WatchEnd::Period => {}
             WatchEnd::Failed(why) => {
                 shared.report(|h| h.desired = Some(why));
-                tokio::select! {
-                    () = shared.stop.cancelled() => return,
-                    () = backoff.wait() => {}
-                }
+                backoff.wait().await;
             }
         }
     }
@@ -555,10 +554,8 @@ async fn desired_loop(
 
 /// Why a watch ended.
 enum WatchEnd {
-    /// Its revision was compacted: list again.
+    /// Its revision was compacted, or the safety-net listing is due: list again.
     Relist,
-    /// The safety-net listing is due.
-    Period,
     /// The stream failed or ended: watch again from the next revision.
     Failed(String),
 }
@@ -570,7 +567,7 @@ async fn watch_desired(
     shared: &Shared,
     client: &Client,
     desired: &mut FleetDesired,
-    listed_at: Option<tokio::time::Instant>,
+    relist_at: tokio::time::Instant,
     tx: &watch::Sender<Option<Arc<FleetDesired>>>,
     backoff: &mut Backoff,
 ) -> WatchEnd {
@@ -585,10 +582,9 @@ async fn watch_desired(
         Ok(stream) => stream,
         Err(error) => return WatchEnd::Failed(format!("cannot watch the desired keys: {error}")),
     };
-    let relist_at = listed_at.map_or_else(|| shared.clock.instant(), |at| at + RELIST_PERIOD);
     loop {
         let message = tokio::select! {
-            () = tokio::time::sleep_until(relist_at) => return WatchEnd::Period,
+            () = tokio::time::sleep_until(relist_at) => return WatchEnd::Relist,
             message = stream.message() => message,
         };
         let response = match message {

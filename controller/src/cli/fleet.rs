@@ -460,85 +460,109 @@ async fn status(
         names.retain(|n| n == only);
     }
     let now = crate::clock::Clock::system().now();
-    let mut report = Vec::new();
-    for name in &names {
-        let allocs = statuses.get(name).cloned().unwrap_or_default();
-        let mut by_status: BTreeMap<String, usize> = BTreeMap::new();
-        let mut failing = Vec::new();
-        for (alloc, status) in &allocs {
-            *by_status
-                .entry(status.status.client_status.clone())
-                .or_default() += 1;
-            if status.status.client_status == "failed"
-                || status.status.tasks.values().any(|t| t.failed)
-            {
+    let rows: Vec<NodeRow> = names
+        .iter()
+        .map(|name| NodeRow::of(name, up.get(name), statuses.get(name), now))
+        .collect();
+    if json {
+        let report: Vec<serde_json::Value> = rows.iter().map(NodeRow::to_json).collect();
+        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
+        return Ok(EXIT_OK);
+    }
+    writeln!(out, "NODE\tSTATE\tALLOCS\tLAST STATUS\tFAILING")?;
+    for row in &rows {
+        let allocs: Vec<String> = row
+            .allocs
+            .iter()
+            .map(|(status, count)| format!("{count} {}", cell(status)))
+            .collect();
+        let failing: Vec<String> = row
+            .failing
+            .iter()
+            .map(|(alloc, event)| format!("{} ({})", cell(alloc), cell(event)))
+            .collect();
+        writeln!(
+            out,
+            "{}\t{}\t{}\t{}\t{}",
+            cell(&row.node),
+            if row.up { "up" } else { "down" },
+            if allocs.is_empty() {
+                "-".to_owned()
+            } else {
+                allocs.join(", ")
+            },
+            row.age.map_or("-".to_owned(), |s| format!("{s}s ago")),
+            failing.join("; "),
+        )?;
+    }
+    Ok(EXIT_OK)
+}
+
+/// One node in `stead fleet status`.
+struct NodeRow {
+    node: String,
+    /// Whether its key (under its agent's lease) exists.
+    up: bool,
+    labels: Option<BTreeMap<String, String>>,
+    /// Its allocs by client status.
+    allocs: BTreeMap<String, usize>,
+    /// Seconds since its newest status was written.
+    age: Option<u64>,
+    /// Its failing allocs, each with its last event.
+    failing: Vec<(String, String)>,
+}
+
+impl NodeRow {
+    fn of(
+        node: &str,
+        claim: Option<&FleetNodeStatus>,
+        statuses: Option<&BTreeMap<String, FleetAllocStatus>>,
+        now: stead_schemas::Timestamp,
+    ) -> Self {
+        let statuses = statuses.into_iter().flatten();
+        let mut row = NodeRow {
+            node: node.to_owned(),
+            up: claim.is_some(),
+            labels: claim.map(|c| c.labels.clone()),
+            allocs: BTreeMap::new(),
+            age: None,
+            failing: Vec::new(),
+        };
+        let mut newest = None;
+        for (alloc, written) in statuses {
+            let status = &written.status;
+            *row.allocs.entry(status.client_status.clone()).or_default() += 1;
+            newest = newest.max(Some(written.written_at));
+            if status.client_status == "failed" || status.tasks.values().any(|t| t.failed) {
                 let last = status
-                    .status
                     .tasks
                     .values()
                     .flat_map(|t| t.events.iter())
                     .max_by_key(|e| e.time)
                     .map(|e| format!("{}: {}", e.event_type, e.message))
                     .unwrap_or_default();
-                failing.push(serde_json::json!({"alloc": alloc, "lastEvent": last}));
+                row.failing.push((alloc.clone(), last));
             }
         }
-        let newest = allocs.values().map(|s| s.written_at).max();
-        let age = newest.map(|at| now.saturating_duration_since(at).as_secs());
-        report.push(serde_json::json!({
-            "node": name,
-            "up": up.contains_key(name),
-            "labels": up.get(name).map(|n| n.labels.clone()),
-            "allocs": by_status,
-            "lastStatusAgeSeconds": age,
+        row.age = newest.map(|at| now.saturating_duration_since(at).as_secs());
+        row
+    }
+
+    fn to_json(&self) -> serde_json::Value {
+        let failing: Vec<serde_json::Value> = self
+            .failing
+            .iter()
+            .map(|(alloc, last)| serde_json::json!({"alloc": alloc, "lastEvent": last}))
+            .collect();
+        serde_json::json!({
+            "node": self.node,
+            "up": self.up,
+            "labels": self.labels,
+            "allocs": self.allocs,
+            "lastStatusAgeSeconds": self.age,
             "failing": failing,
-        }));
+        })
     }
-    if json {
-        writeln!(out, "{}", serde_json::to_string_pretty(&report)?)?;
-        return Ok(EXIT_OK);
-    }
-    writeln!(out, "NODE\tSTATE\tALLOCS\tLAST STATUS\tFAILING")?;
-    for row in &report {
-        let allocs: Vec<String> = row["allocs"]
-            .as_object()
-            .map(|m| m.iter().map(|(k, v)| format!("{v} {}", cell(k))).collect())
-            .unwrap_or_default();
-        let age = row["lastStatusAgeSeconds"]
-            .as_u64()
-            .map_or("-".to_owned(), |s| format!("{s}s ago"));
-        let failing: Vec<String> = row["failing"]
-            .as_array()
-            .map(|a| {
-                a.iter()
-                    .map(|f| {
-                        format!(
-                            "{} ({})",
-                            cell(f["alloc"].as_str().unwrap_or("")),
-                            cell(f["lastEvent"].as_str().unwrap_or(""))
-                        )
-                    })
-                    .collect()
-            })
-            .unwrap_or_default();
-        writeln!(
-            out,
-            "{}\t{}\t{}\t{age}\t{}",
-            cell(row["node"].as_str().unwrap_or("")),
-            if row["up"].as_bool() == Some(true) {
-                "up"
-            } else {
-                "down"
-            },
-            if allocs.is_empty() {
-                "-".to_owned()
-            } else {
-                allocs.join(", ")
-            },
-            super::render::terminal_text(&failing.join("; ")),
-        )?;
-    }
-    Ok(EXIT_OK)
 }
 
 /// Runs `request` up to five times, 200 ms apart, while it fails (a cluster electing a

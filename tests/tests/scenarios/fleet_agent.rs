@@ -245,6 +245,21 @@ fn fleet_an_all_spec_runs_on_every_node_its_selector_matches_and_on_no_other() {
         table.contains("n3\tup\t") && table.contains("broken ("),
         "{table}"
     );
+    // `stead fleet nodes`: the three claims, with their labels.
+    let (code, out, err) = fleet(&cluster.urls_flag(), prefix, &["nodes", "--json"]);
+    assert_eq!(code, 0, "{err}");
+    let claims: serde_json::Value = serde_json::from_str(&out).expect("json");
+    let zones: Vec<&str> = ["n1", "n2", "n3"]
+        .iter()
+        .map(|n| claims[n]["labels"]["zone"].as_str().unwrap_or("?"))
+        .collect();
+    assert_eq!(zones, ["a", "a", "b"], "{out}");
+    let (code, table, _) = fleet(&cluster.urls_flag(), prefix, &["nodes"]);
+    assert_eq!(code, 0);
+    assert!(
+        table.contains("n3\t") && table.contains("zone=b"),
+        "{table}"
+    );
 }
 
 #[test]
