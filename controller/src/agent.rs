@@ -365,6 +365,7 @@ impl Settings {
                 fingerprint_period: Duration::from_secs(15),
                 devices: Arc::new(crate::devices::DeviceManager::new(plugins)),
                 plant_start_before_terminal: false,
+                plant_skip_kill_order: false,
             },
             shutdown: if drain {
                 Shutdown::Drain

@@ -11,7 +11,7 @@ use std::fmt;
 use std::time::Duration;
 
 use stead_schemas::Timestamp;
-use stead_schemas::spec::{AllocBody, DriverKind, LifecycleHook, Name, Signal};
+use stead_schemas::spec::{AllocBody, DriverKind, LifecycleHook, Name, RestartMode, Signal};
 
 use crate::check::{CheckResult, CheckStatus};
 use crate::event::{TaskEvent, TaskEventType};
@@ -53,6 +53,15 @@ pub struct AllocDesired {
     /// Why the alloc's devices cannot be assigned now, if so: no task starts until they
     /// are (the alloc is placed on the node as a whole, as a scheduler would place it).
     pub devices_unavailable: Option<String>,
+    /// Test hook, off but in the simulator's planted-bug test: a stop kills every stage
+    /// at once instead of waiting for each to die, breaking the kill order for the
+    /// simulator to catch.
+    pub plant_skip_kill_order: bool,
+    /// A later revision of the alloc has run already (its runs, found at restore, are
+    /// named by no record): this revision ended before that one started, whatever its
+    /// record (stale: the store failed to take the last writes) says, so none of its
+    /// poststop tasks runs again.
+    pub successor_ran: bool,
 }
 
 impl AllocDesired {
@@ -69,6 +78,8 @@ impl AllocDesired {
             max_events: limits.max_events,
             unavailable_drivers: BTreeMap::new(),
             devices_unavailable: None,
+            plant_skip_kill_order: false,
+            successor_ran: false,
         }
     }
 
@@ -496,7 +507,7 @@ impl AllocState {
                     task.request_kill(settings, reason.clone(), now, cap);
                 }
             }
-            if members.iter().any(|s| live(&self.tasks, s)) {
+            if members.iter().any(|s| live(&self.tasks, s)) && !desired.plant_skip_kill_order {
                 return want_run;
             }
         }
@@ -504,7 +515,7 @@ impl AllocState {
         // Everything else is dead: poststop tasks run, whatever stage the alloc reached
         // (as Nomad's lifecycle coordinator: after a prestart failure too), once something
         // of this run started.
-        if !self.run_started(desired) {
+        if !self.run_started(desired) || desired.successor_ran {
             self.give_up_poststop(desired, now);
             return want_run;
         }
@@ -526,6 +537,20 @@ impl AllocState {
     ) -> bool {
         let (Some(settings), Some(state)) = (desired.task(task), self.tasks.get_mut(task)) else {
             return false;
+        };
+        // While the alloc stops, mode `delay` fails a task past its attempts as mode
+        // `fail` does: a poststop task that keeps failing ends the stop rather than hold
+        // it (and the next revision) forever.
+        let stopping_settings;
+        let settings = if (!desired.run || self.shutdown.is_some())
+            && settings.restart.mode == RestartMode::Delay
+        {
+            let mut fails = settings.clone();
+            fails.restart.mode = RestartMode::Fail;
+            stopping_settings = fails;
+            &stopping_settings
+        } else {
+            settings
         };
         let cap = desired.max_events;
         let mut restarted = false;

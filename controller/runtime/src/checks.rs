@@ -158,6 +158,7 @@ pub(crate) async fn run(
             Poll::Pending
         });
         tokio::select! {
+            biased;
             () = timer => {
                 let now = clock.instant();
                 for (i, probe) in probes.iter().enumerate() {

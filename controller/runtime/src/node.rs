@@ -44,6 +44,9 @@ pub struct NodeConfig {
     /// soon as it is declared, without waiting for the old one to be terminal. It breaks
     /// the rule "never two revisions of one alloc running", for the simulator to catch.
     pub plant_start_before_terminal: bool,
+    /// Test hook, off but in the simulator's planted-bug test: a stop kills every task at
+    /// once, skipping the kill order (leader, other main tasks, sidecars, then poststop).
+    pub plant_skip_kill_order: bool,
 }
 
 /// The default level re-check period. Every time-based step (kill timeouts, restart
@@ -61,6 +64,7 @@ impl Default for NodeConfig {
             fingerprint_period: Duration::from_secs(15),
             devices: Arc::default(),
             plant_start_before_terminal: false,
+            plant_skip_kill_order: false,
         }
     }
 }
@@ -272,6 +276,7 @@ impl Node {
             seed: config.seed,
             devices: config.devices.clone(),
             plant_start_before_terminal: config.plant_start_before_terminal,
+            plant_skip_kill_order: config.plant_skip_kill_order,
         };
         let context = WorkerContext::new(
             worker_config,
@@ -292,7 +297,10 @@ impl Node {
         tokio::spawn(tick(Arc::downgrade(&node.shared)));
         tokio::spawn(fingerprint_drivers(Arc::downgrade(&node.shared)));
         tokio::spawn(watch_devices(Arc::downgrade(&node.shared)));
-        node.shared.config.devices.start(node.shared.context.clock);
+        node.shared
+            .config
+            .devices
+            .start_seeded(node.shared.context.clock, node.shared.config.seed);
         node
     }
 
@@ -765,11 +773,14 @@ impl Node {
     }
 
     /// Forgets the runs no record names whose process is gone; the ones left, described.
+    /// A run without a pid (a driver that names none) cannot be seen gone, so it stays
+    /// for its start to take: reading the node's health must not lose it (simulator
+    /// seed 22).
     pub fn unrecorded_runs_left(&self) -> Vec<String> {
         self.shared.context.unrecorded.left(|handle| {
             handle
                 .pid
-                .is_some_and(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
+                .is_none_or(|pid| std::path::Path::new(&format!("/proc/{pid}")).exists())
         })
     }
 

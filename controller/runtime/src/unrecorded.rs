@@ -55,6 +55,11 @@ impl Unrecorded {
         self.runs().drain(..).map(|run| run.handle).collect()
     }
 
+    /// Whether a run no start has taken belongs to alloc revision `alloc_id`.
+    pub(crate) fn holds_revision(&self, alloc_id: &str) -> bool {
+        self.runs().iter().any(|run| run.alloc_id == alloc_id)
+    }
+
     /// Whether a run no start has taken belongs to an alloc named `name`.
     pub(crate) fn holds_alloc(&self, name: &str) -> bool {
         self.runs().iter().any(|run| name_of(&run.alloc_id) == name)

@@ -114,6 +114,7 @@ impl Worker {
                 reports.send(reported.clone(), run, report);
             };
             tokio::select! {
+                biased;
                 () = crate::checks::run(probes, clock, first_runs, report) => {}
                 () = cancelled.cancelled() => {}
             }

@@ -98,11 +98,39 @@ impl Worker {
 
     /// Removes the alloc from the store, the status map and the registry, unless a new
     /// spec arrived meanwhile.
+    ///
+    /// A delete the store refuses is retried with the writes' backoff, the alloc shown
+    /// meanwhile (as stopped), so that no record outlives its alloc unnoticed to bring it
+    /// back at the next restore (simulator seed 459); an agent that leaves gives up, and
+    /// the next one removes the record again.
     pub(super) async fn finish_destroy(&mut self) -> Step {
         self.shared.config.devices.release(&self.name);
+        let now = self.shared.clock.now();
+        if self.shutdown.is_none()
+            && let Some(retry) = &self.store_retry
+            && now < retry.at
+        {
+            return Step::Wait(Some(retry.at));
+        }
         let delete = StoreWrite::Delete(self.name.clone());
-        if let Err(error) = self.shared.writer.write(delete).await {
-            self.shared.report_store_error(&self.name, &error);
+        match self.shared.writer.write(delete).await {
+            Ok(()) => {
+                if self.store_retry.take().is_some() {
+                    self.shared.store_recovered(&self.name);
+                }
+            }
+            Err(error) => {
+                self.shared.report_store_error(&self.name, &error);
+                if self.shutdown.is_none() {
+                    let retry = self.store_retry.get_or_insert_with(|| StoreRetry {
+                        at: now,
+                        delays: store_backoff(self.rng.u64(..)),
+                    });
+                    let delay = retry.delays.next().unwrap_or(STORE_RETRY_MAX);
+                    retry.at = now + delay;
+                    return Step::Wait(Some(retry.at));
+                }
+            }
         }
         if self.shared.retire(&self.name, &self.mailbox) {
             Step::Exit

@@ -92,6 +92,8 @@ pub(crate) struct WorkerConfig {
     pub(crate) devices: Arc<DeviceManager>,
     /// See [`crate::node::NodeConfig::plant_start_before_terminal`].
     pub(crate) plant_start_before_terminal: bool,
+    /// See [`crate::node::NodeConfig::plant_skip_kill_order`].
+    pub(crate) plant_skip_kill_order: bool,
 }
 
 impl WorkerContext {
@@ -406,6 +408,7 @@ impl Worker {
                 }
             };
             tokio::select! {
+                biased;
                 () = self.mailbox.changed() => {}
                 () = due => {}
             }
@@ -494,6 +497,13 @@ impl Worker {
             current.spec = spec.clone();
         }
         current.desired.run = reconcile.run;
+        // The target revision's runs that no record names were started after this
+        // revision ended (the node never runs two at once): its stale record must not
+        // run its poststop tasks again beside them.
+        current.desired.successor_ran = !reconcile.run
+            && matches!(&self.target, Target::Spec(spec)
+                if spec.id != current.spec.id
+                    && self.shared.unrecorded.holds_revision(spec.id.as_str()));
         if reconcile.clear_hand_over_error {
             current.hand_over_error = None;
         }
@@ -602,6 +612,9 @@ impl Worker {
         if !self.shared.unrecorded.holds_alloc(self.name.as_str()) {
             return;
         }
+        // The stops may take seconds: the alloc is shown (and stored) as it stands
+        // meanwhile, never hidden behind them (simulator seeds 346 and 459).
+        self.persist_and_publish().await;
         let keep = match (&self.target, self.shutdown) {
             (_, Some(Shutdown::Drain)) => None,
             (Target::Spec(spec), _) if !self.stops(spec) => Some(spec.id.to_string()),
@@ -632,7 +645,10 @@ impl Worker {
     }
 
     fn desired_for(&self, spec: &ValidSpec) -> AllocDesired {
-        AllocDesired::new(&spec.spec.spec, true, self.shared.config.limits)
+        AllocDesired {
+            plant_skip_kill_order: self.shared.config.plant_skip_kill_order,
+            ..AllocDesired::new(&spec.spec.spec, true, self.shared.config.limits)
+        }
     }
 }
 

@@ -119,6 +119,7 @@ pub(super) async fn watch_exit(
     run: u64,
 ) {
     tokio::select! {
+        biased;
         result = driver.wait(handle) => tx.send(task, run, OpReport::Exited(result)),
         () = cancel.cancelled() => {}
     }
@@ -334,9 +335,13 @@ impl Worker {
                     }
                 }
             }
+            // A start cancelled meanwhile (a stop, the agent leaving) is never begun: the
+            // stop of a run no record named can outlast the worker that asked for it
+            // (simulator seed 107).
             let started = tokio::select! {
-                result = driver.start(request) => Some(result),
+                biased;
                 () = cancel_start.cancelled() => None,
+                result = driver.start(request) => Some(result),
             };
             match started {
                 None => {

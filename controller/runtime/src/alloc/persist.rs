@@ -49,12 +49,14 @@ pub(super) const STORE_RETRY_MAX: Duration = Duration::from_secs(10);
 
 /// Retries of a failed store write: 100 ms doubling to 10 s, with jitter, forever (the
 /// tasks keep running meanwhile; the record is written as soon as storage takes it).
-pub(super) fn store_backoff() -> backon::ExponentialBackoff {
+/// The jitter is drawn from `seed`.
+pub(super) fn store_backoff(seed: u64) -> backon::ExponentialBackoff {
     use backon::BackoffBuilder;
     backon::ExponentialBuilder::default()
         .with_min_delay(Duration::from_millis(100))
         .with_max_delay(STORE_RETRY_MAX)
         .with_jitter()
+        .with_jitter_seed(seed)
         .without_max_times()
         .build()
 }
@@ -303,7 +305,7 @@ impl Worker {
                         self.shared.report_store_error(&self.name, &error);
                         let retry = self.store_retry.get_or_insert_with(|| StoreRetry {
                             at: now,
-                            delays: store_backoff(),
+                            delays: store_backoff(self.rng.u64(..)),
                         });
                         let delay = retry.delays.next().unwrap_or(STORE_RETRY_MAX);
                         retry.at = now + delay;

@@ -178,14 +178,30 @@ impl DeviceManager {
     /// Starts every plugin under its supervision loop (once; later calls do nothing),
     /// timing restarts with `clock`. Call from within a tokio runtime.
     pub fn start(self: &Arc<Self>, clock: Clock) {
+        self.start_seeded(clock, None);
+    }
+
+    /// [`DeviceManager::start`], with the restart delays' jitter drawn from `seed` (for
+    /// reproducible runs) rather than at random.
+    pub fn start_seeded(self: &Arc<Self>, clock: Clock, seed: Option<u64>) {
         if self.started.swap(true, Ordering::SeqCst) {
             return;
         }
         for plugin in self.plugins.values() {
+            let rng = match seed {
+                Some(seed) => {
+                    use std::hash::{Hash, Hasher};
+                    let mut hasher = std::collections::hash_map::DefaultHasher::new();
+                    plugin.name().hash(&mut hasher);
+                    fastrand::Rng::with_seed(seed ^ hasher.finish())
+                }
+                None => fastrand::Rng::new(),
+            };
             tokio::spawn(supervise(
                 Arc::downgrade(self),
                 plugin.clone(),
                 clock,
+                rng,
                 self.stop.child_token(),
             ));
         }
@@ -390,14 +406,16 @@ async fn supervise(
     manager: Weak<DeviceManager>,
     plugin: Arc<dyn DevicePlugin>,
     clock: Clock,
+    mut rng: fastrand::Rng,
     stop: CancellationToken,
 ) {
     let name = plugin.name().clone();
-    let backoff = || {
+    let mut backoff = || {
         backon::ExponentialBuilder::default()
             .with_min_delay(RESTART_MIN)
             .with_max_delay(RESTART_MAX)
             .with_jitter()
+            .with_jitter_seed(rng.u64(..))
             .without_max_times()
             .build()
     };
@@ -421,8 +439,9 @@ async fn supervise(
             }
         };
         let why = tokio::select! {
-            why = run => why,
+            biased;
             () = stop.cancelled() => return,
+            why = run => why,
         };
         let Some(manager) = manager.upgrade() else {
             return;
@@ -436,8 +455,9 @@ async fn supervise(
         }
         let delay = delays.next().unwrap_or(RESTART_MAX);
         tokio::select! {
-            () = tokio::time::sleep(delay) => {}
+            biased;
             () = stop.cancelled() => return,
+            () = tokio::time::sleep(delay) => {}
         }
     }
 }

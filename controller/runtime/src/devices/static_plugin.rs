@@ -205,8 +205,9 @@ impl DevicePlugin for StaticPlugin {
                 }
                 loop {
                     tokio::select! {
-                        () = tokio::time::sleep(interval) => {}
+                        biased;
                         () = tx.closed() => return,
+                        () = tokio::time::sleep(interval) => {}
                     }
                     let groups = groups.clone();
                     let now = match tokio::task::spawn_blocking(move || read_fingerprint(&groups))

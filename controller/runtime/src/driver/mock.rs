@@ -99,6 +99,11 @@ pub enum MockOp {
     },
     /// `destroy` was called.
     Destroy,
+    /// The task ended (on its own, by a signal or a kill, or destroyed while it ran).
+    Exited {
+        /// Its exit code.
+        exit_code: i32,
+    },
 }
 
 struct Inner {
@@ -107,6 +112,8 @@ struct Inner {
 }
 
 struct State {
+    /// Stamps the calls logged with the state's lock held (exits).
+    clock: Clock,
     /// Tasks not yet destroyed, by handle id.
     tasks: BTreeMap<String, MockTask>,
     /// Every task started and not destroyed, and the last `limit` destroyed, by handle
@@ -163,6 +170,7 @@ impl MockDriver {
             inner: Arc::new(Inner {
                 clock,
                 state: Mutex::new(State {
+                    clock,
                     tasks: BTreeMap::new(),
                     history: HashMap::new(),
                     retired: VecDeque::new(),
@@ -180,6 +188,12 @@ impl MockDriver {
     /// the last [`DEFAULT_HISTORY`] (or `with_history`'s limit).
     pub fn calls(&self) -> Vec<MockCall> {
         self.inner.lock().calls.iter().cloned().collect()
+    }
+
+    /// Test hook: takes the calls logged so far (as [`MockDriver::calls`]), leaving none,
+    /// so a test that reads them as they come misses none to the limit.
+    pub fn take_calls(&self) -> Vec<MockCall> {
+        std::mem::take(&mut self.inner.lock().calls).into()
     }
 
     /// Test hook: the tasks that are alive (started, not yet exited), by id.
@@ -322,11 +336,21 @@ impl State {
         if task.exit.borrow().is_some() {
             return false;
         }
+        let exit_code = result.exit_code;
         task.exit.send_replace(Some(Ended {
             result,
             interrupted: task.interrupted,
         }));
         task.ended.cancel();
+        if let Some(record) = self.history.get(id) {
+            let call = MockCall {
+                at: self.clock.now(),
+                alloc_id: record.alloc_id.clone(),
+                task: record.task.clone(),
+                op: MockOp::Exited { exit_code },
+            };
+            self.push_call(call);
+        }
         true
     }
 }
@@ -355,6 +379,7 @@ async fn live(inner: Weak<Inner>, id: String, config: MockConfig, ended: Cancell
         }
     };
     tokio::select! {
+        biased;
         () = ended.cancelled() => {}
         () = async { write_output.await; std::future::pending::<()>().await } => {}
         () = run_out => {
@@ -545,6 +570,7 @@ impl Driver for MockDriver {
                     let ended = task.ended.clone();
                     tokio::spawn(async move {
                         tokio::select! {
+                            biased;
                             () = ended.cancelled() => {}
                             () = tokio::time::sleep(delay) => {
                                 if let Some(inner) = inner.upgrade() {
