@@ -883,6 +883,51 @@ mod tests {
     }
 
     #[test]
+    fn a_revision_whose_successor_ran_runs_no_poststop_task_when_it_stops() {
+        let mut sim = Sim::new(LIFECYCLE);
+        sim.step();
+        sim.exit("init", 0);
+        sim.settle();
+        sim.log.clear();
+        sim.desired.run = false;
+        sim.desired.successor_ran = true;
+        sim.settle();
+        assert!(
+            !sim.log.iter().any(|l| l == "start cleanup"),
+            "{:?}",
+            sim.log
+        );
+        assert!(sim.state.is_terminal());
+        assert_eq!(sim.state.tasks[&name("cleanup")].phase, TaskPhase::Dead);
+    }
+
+    #[test]
+    fn a_poststop_task_failing_under_restart_mode_delay_fails_past_its_attempts_in_a_stop() {
+        let yaml = LIFECYCLE.replace(
+            "spec:\n",
+            "spec:\n  restart: {attempts: 1, interval: 1h, delay: 1s, mode: delay}\n",
+        );
+        let mut sim = Sim::new(&yaml);
+        sim.step();
+        sim.exit("init", 0);
+        sim.settle();
+        sim.desired.run = false;
+        sim.settle();
+        assert_eq!(sim.log.last().map(String::as_str), Some("start cleanup"));
+        // One attempt, then the task fails rather than wait out the hour.
+        sim.exit("cleanup", 1);
+        sim.now = at(2_000);
+        sim.settle();
+        assert_eq!(sim.log.last().map(String::as_str), Some("start cleanup"));
+        sim.exit("cleanup", 1);
+        sim.settle();
+        let cleanup = &sim.state.tasks[&name("cleanup")];
+        assert_eq!(cleanup.phase, TaskPhase::Dead);
+        assert!(cleanup.failed);
+        assert!(sim.state.is_terminal());
+    }
+
+    #[test]
     fn a_failed_prestart_task_fails_the_alloc_without_starting_main() {
         let mut sim = Sim::new(&LIFECYCLE.replace("spec:\n", "spec:\n  restart: {attempts: 0}\n"));
         sim.step();

@@ -15,6 +15,17 @@
 //! Seeds kept as regression tests, each for a product bug the simulator found:
 //! - 1084 (100 steps): a worker whose state came back to what its last successful write
 //!   stored kept a failed write's retry, due at once on every pass, and spun.
+//! - 19 and 16: restored from a record the failing store had left stale, an old revision
+//!   ran its poststop task again beside the runs of the newer revision that had started
+//!   after it ended (two revisions at once).
+//! - 11: a failing poststop task under restart mode `delay` held its revision's stop, and
+//!   so the next revision, forever.
+//! - 22: reading the node's health forgot the runs no record names whose driver gives no
+//!   pid, so their task started a second run beside them.
+//! - 107: a start cancelled while it stopped a run no record named (the agent left) was
+//!   still begun, and its task ran with no agent to stop it.
+//! - 459 and 346: a restored alloc was hidden (shown by no status, though stored) for the
+//!   seconds its runs that no record named took to stop.
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -429,6 +440,9 @@ struct Sim {
     lives: BTreeMap<(String, String), Life>,
     /// Revisions no longer declared, by alloc id: since when their tasks are to stop.
     stopping_since: BTreeMap<String, Timestamp>,
+    /// The store's writes and deletes and the node's status version at the last check
+    /// of the store against the statuses: unchanged since, it holds still.
+    store_checked: Option<(u64, u64, u64)>,
     trace: String,
     hasher: std::collections::hash_map::DefaultHasher,
 }
@@ -507,6 +521,7 @@ impl Sim {
             revisions: BTreeMap::new(),
             lives: BTreeMap::new(),
             stopping_since: BTreeMap::new(),
+            store_checked: None,
             trace: String::new(),
             hasher: std::collections::hash_map::DefaultHasher::new(),
         }
@@ -648,6 +663,7 @@ impl Sim {
     /// A new agent over the surviving store, as after a restart: it restores, then the
     /// specs dir is listed again, as the agent's source does.
     fn restart_agent(&mut self) {
+        self.store_checked = None;
         self.node = new_node(
             self.seed,
             self.clock,
@@ -944,10 +960,20 @@ impl Sim {
     /// Once every write went through (the store takes writes and no alloc is behind),
     /// the store's records are what the node shows: the same allocs, revisions, task
     /// states, counts, times and events.
-    fn check_store(&self) -> Result<(), String> {
+    fn check_store(&mut self) -> Result<(), String> {
         if self.store_failing || !self.node.store_health().behind.is_empty() {
             return Ok(());
         }
+        let metrics = self.store.metrics();
+        let seen = (
+            metrics.writes,
+            metrics.deletes,
+            *self.node.status_changes().borrow(),
+        );
+        if self.store_checked == Some(seen) {
+            return Ok(());
+        }
+        self.store_checked = Some(seen);
         let records = self
             .store
             .load_allocs()
@@ -1324,4 +1350,31 @@ fn check_seed_within_a_minute(seed: u64, steps: usize) {
 #[test]
 fn a_worker_whose_state_came_back_to_what_is_stored_drops_its_retry_and_does_not_spin() {
     check_seed_within_a_minute(1084, 100);
+}
+
+#[test]
+fn a_stale_record_runs_no_poststop_task_beside_the_newer_revision_that_ran_after_it() {
+    check_seed_within_a_minute(19, DEFAULT_STEPS);
+    check_seed_within_a_minute(16, DEFAULT_STEPS);
+}
+
+#[test]
+fn a_poststop_task_failing_under_restart_mode_delay_does_not_hold_a_stop_forever() {
+    check_seed_within_a_minute(11, DEFAULT_STEPS);
+}
+
+#[test]
+fn reading_the_health_keeps_the_runs_no_record_names_that_have_no_pid() {
+    check_seed_within_a_minute(22, DEFAULT_STEPS);
+}
+
+#[test]
+fn a_start_cancelled_while_it_stops_an_unrecorded_run_never_begins() {
+    check_seed_within_a_minute(107, DEFAULT_STEPS);
+}
+
+#[test]
+fn a_restored_alloc_is_shown_while_its_unrecorded_runs_stop() {
+    check_seed_within_a_minute(459, DEFAULT_STEPS);
+    check_seed_within_a_minute(346, DEFAULT_STEPS);
 }

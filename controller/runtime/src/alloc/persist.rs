@@ -250,8 +250,9 @@ impl Worker {
     pub(super) async fn persist_and_publish(&mut self) {
         let removed = matches!(self.target, Target::Absent);
         let Some(current) = &mut self.current else {
-            // Nothing to store: a retry of what an earlier revision was is moot.
-            if self.store_retry.take().is_some() {
+            // Nothing to store: a retry of what an earlier revision was is moot, but not
+            // the retry of the delete of a destroyed alloc's record.
+            if !removed && self.store_retry.take().is_some() {
                 self.shared.store_recovered(&self.name);
             }
             return;
