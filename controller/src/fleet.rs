@@ -16,6 +16,10 @@
 //! - the lease loop claims `nodes/<node>` under a [`LEASE_TTL`] lease, created only when
 //!   absent (a second agent with the same node name is refused), and keeps it alive.
 //!
+//! The desired loop reads etcd through one seam, [`DesiredKv`] (a listing at a revision,
+//! a watch from one), so that the simulator runs the same loop over an in-memory etcd
+//! ([`Fleet::start_desired`]).
+//!
 //! While etcd is away nothing is stopped: the node keeps the last listing it had (kept
 //! across agent restarts), restart policies run as always, and `/v1/health` says
 //! `fleet: degraded` with why.
@@ -27,7 +31,7 @@ use std::time::Duration;
 
 use etcd_client::{
     Client, Compare, CompareOp, ConnectOptions, EventType, GetOptions, PutOptions, Txn, TxnOp,
-    TxnOpResponse, WatchOptions,
+    TxnOpResponse,
 };
 use stead_schemas::config::FleetConfig;
 use stead_schemas::fleet::{DEFAULT_PREFIX, FleetAllocStatus, FleetCheckpoint, FleetNodeStatus};
@@ -38,6 +42,9 @@ use tokio_util::sync::CancellationToken;
 use crate::clock::Clock;
 use crate::node::Node;
 pub use stead_runtime::fleet::{FleetDesired, FleetKeys, FleetNode, Target};
+
+mod desired_kv;
+pub use desired_kv::{DesiredKv, DesiredWatch, KeyListing, KeyValue, WatchEvent, WatchMessage};
 
 /// The node key's lease: the node shows down this long after its agent stops renewing it.
 pub const LEASE_TTL: i64 = 15;
@@ -213,24 +220,45 @@ async fn bounded_by<T>(
 
 /// Retry delays: doubling from [`BACKOFF_MIN`] to [`BACKOFF_MAX`], each between half and
 /// all of its step.
-struct Backoff(Duration);
+struct Backoff {
+    step: Duration,
+    /// Draws the jitter (seeded in the simulator).
+    rng: fastrand::Rng,
+}
 
 impl Backoff {
-    fn new() -> Self {
-        Backoff(BACKOFF_MIN)
+    fn new(rng: fastrand::Rng) -> Self {
+        Backoff {
+            step: BACKOFF_MIN,
+            rng,
+        }
     }
 
     fn reset(&mut self) {
-        self.0 = BACKOFF_MIN;
+        self.step = BACKOFF_MIN;
     }
 
     async fn wait(&mut self) {
-        let step = self.0;
-        self.0 = (step * 2).min(BACKOFF_MAX);
+        let step = self.step;
+        self.step = (step * 2).min(BACKOFF_MAX);
         let half = step / 2;
-        let jitter = half.mul_f64(fastrand::f64());
+        let jitter = half.mul_f64(self.rng.f64());
         tokio::time::sleep(half + jitter).await;
     }
+}
+
+/// How [`Fleet::start_desired`] runs the desired loop: the simulator's knobs, which the
+/// agent's config cannot reach ([`Fleet::start`] runs with neither).
+#[derive(Debug, Clone, Copy, Default)]
+pub struct DesiredLoopOptions {
+    /// Seeds the retries' jitter, so that a seed replays one history; `None` draws it at
+    /// random.
+    pub seed: Option<u64>,
+    /// Test hook, off but in the simulator's planted-bug test: a watch's revision is
+    /// advanced to its creation's header, which names the store's revision before the
+    /// catch-up's events have come. It breaks the rule "what is published is the state at
+    /// its revision", for the simulator to catch.
+    pub plant_revision_from_creation: bool,
 }
 
 /// The parts of the fleet's health, joined into the node's report.
@@ -241,13 +269,17 @@ struct HealthParts {
     status: Option<String>,
 }
 
+/// What the desired loop hands the agent's loop: `None` before any listing.
+type Published = Option<Arc<FleetDesired>>;
+
 /// The running fleet source: what the agent's loop takes the desired keys from.
 pub struct Fleet {
     settings: FleetSettings,
     desired: watch::Receiver<Option<Arc<FleetDesired>>>,
     stop: CancellationToken,
     stop_status: CancellationToken,
-    status: tokio::task::JoinHandle<()>,
+    /// The status loop; none when only the desired loop runs.
+    status: Option<tokio::task::JoinHandle<()>>,
     tasks: Vec<tokio::task::JoinHandle<()>>,
 }
 
@@ -267,9 +299,19 @@ struct Shared {
     stop: CancellationToken,
     /// Ends the status loop (first, so that its last pass runs under the lease).
     stop_status: CancellationToken,
+    /// The simulator's knobs; the default in the agent.
+    options: DesiredLoopOptions,
 }
 
 impl Shared {
+    /// A retry schedule, its jitter seeded by `salt` when the loops run under a seed.
+    fn backoff(&self, salt: u64) -> Backoff {
+        Backoff::new(match self.options.seed {
+            Some(seed) => fastrand::Rng::with_seed(seed ^ salt),
+            None => fastrand::Rng::new(),
+        })
+    }
+
     fn report(&self, set: impl FnOnce(&mut HealthParts)) {
         let mut parts = self
             .health
@@ -305,34 +347,13 @@ impl Fleet {
         clock: Clock,
         data_dir: &Path,
     ) -> Result<Fleet, FleetError> {
-        let kept = read_checkpoint(&data_dir.join(CHECKPOINT_FILE))
-            .and_then(|c| FleetDesired::from_checkpoint(&settings.keys, &settings.node.name, &c));
-        if let Some(kept) = &kept {
-            tracing::info!(
-                keys = kept.len(),
-                revision = kept.revision,
-                "fleet: running the desired keys last listed"
-            );
-        }
-        let (desired_tx, desired_rx) = watch::channel(kept.map(Arc::new));
-        let (lease_tx, _) = watch::channel(None);
-        let stop = CancellationToken::new();
-        let stop_status = CancellationToken::new();
-        let shared = Arc::new(Shared {
-            settings: settings.clone(),
+        let (shared, desired_tx, desired_rx) = Self::begin(
+            settings.clone(),
             node,
             clock,
-            data_dir: data_dir.to_owned(),
-            health: Mutex::new(HealthParts {
-                desired: Some("not connected to etcd yet".to_owned()),
-                ..HealthParts::default()
-            }),
-            lease: lease_tx,
-            lost: tokio::sync::Notify::new(),
-            stop: stop.clone(),
-            stop_status: stop_status.clone(),
-        });
-        shared.report(|_| {});
+            data_dir,
+            DesiredLoopOptions::default(),
+        );
         let client = connect(&settings.endpoints, None).await?;
         // A refused claim fails the start; etcd out of reach leaves it to the lease loop.
         let claimed = match tokio::time::timeout(CLAIM_AT_START, claim(&shared, &client)).await {
@@ -355,11 +376,79 @@ impl Fleet {
         Ok(Fleet {
             settings,
             desired: desired_rx,
-            stop,
-            stop_status,
-            status,
+            stop: shared.stop.clone(),
+            stop_status: shared.stop_status.clone(),
+            status: Some(status),
             tasks,
         })
+    }
+
+    /// Starts the desired loop alone over `kv`, as [`Fleet::start`] runs it beside the
+    /// lease and status loops: the last desired listing kept in `data_dir` is handed over
+    /// at once, and every change after it. The simulator's way in, over its in-memory
+    /// etcd; `options` seeds the retries' jitter.
+    pub fn start_desired(
+        kv: impl DesiredKv,
+        settings: FleetSettings,
+        node: Arc<Node>,
+        clock: Clock,
+        data_dir: &Path,
+        options: DesiredLoopOptions,
+    ) -> Fleet {
+        let (shared, desired_tx, desired_rx) =
+            Self::begin(settings.clone(), node, clock, data_dir, options);
+        Fleet {
+            settings,
+            desired: desired_rx,
+            stop: shared.stop.clone(),
+            stop_status: shared.stop_status.clone(),
+            status: None,
+            tasks: vec![tokio::spawn(desired_loop(shared, kv, desired_tx))],
+        }
+    }
+
+    /// What the loops share, with the desired channel holding the listing kept in
+    /// `data_dir` (none when there is none); the node's health says etcd is not reached
+    /// yet.
+    fn begin(
+        settings: FleetSettings,
+        node: Arc<Node>,
+        clock: Clock,
+        data_dir: &Path,
+        options: DesiredLoopOptions,
+    ) -> (
+        Arc<Shared>,
+        watch::Sender<Published>,
+        watch::Receiver<Published>,
+    ) {
+        let kept = read_checkpoint(&data_dir.join(CHECKPOINT_FILE))
+            .and_then(|c| FleetDesired::from_checkpoint(&settings.keys, &settings.node.name, &c));
+        if let Some(kept) = &kept {
+            tracing::info!(
+                keys = kept.len(),
+                revision = kept.revision,
+                "fleet: running the desired keys last listed"
+            );
+        }
+        let (desired_tx, desired_rx) = watch::channel(kept.map(Arc::new));
+        let (lease_tx, _) = watch::channel(None);
+        let shared = Arc::new(Shared {
+            settings,
+            node,
+            clock,
+            data_dir: data_dir.to_owned(),
+            health: Mutex::new(HealthParts {
+                desired: Some("not connected to etcd yet".to_owned()),
+                ..HealthParts::default()
+            }),
+            lease: lease_tx,
+            lost: tokio::sync::Notify::new(),
+            stop: CancellationToken::new(),
+            stop_status: CancellationToken::new(),
+            options,
+        });
+        shared.report(|_| {});
+        (shared, desired_tx, desired_rx)
     }
 
     /// The settings it runs with.
@@ -378,7 +467,9 @@ impl Fleet {
     /// node shows down at once rather than when the lease runs out.
     pub async fn stop(self) {
         self.stop_status.cancel();
-        let _ = tokio::time::timeout(STOP_DEADLINE, self.status).await;
+        if let Some(status) = self.status {
+            let _ = tokio::time::timeout(STOP_DEADLINE, status).await;
+        }
         self.stop.cancel();
         for task in self.tasks {
             let _ = tokio::time::timeout(STOP_DEADLINE, task).await;
@@ -428,38 +519,26 @@ async fn publish(
 /// Lists the desired keys this node runs: its own and `_all`'s, at one revision.
 async fn list_desired(
     shared: &Shared,
-    client: &Client,
+    client: &impl DesiredKv,
     before: Option<&FleetDesired>,
 ) -> Result<FleetDesired, FleetError> {
     let keys = &shared.settings.keys;
-    let mut kv = client.kv_client();
     let own = keys.desired_of(&Target::Node(shared.settings.node.name.clone()));
-    let first = bounded_by(
-        LIST_TIMEOUT,
-        kv.get(own.as_str(), Some(GetOptions::new().with_prefix())),
-    )
-    .await?;
-    let revision = first.header().map_or(0, |h| h.revision());
+    let first = bounded_by(LIST_TIMEOUT, client.list(&own, None)).await?;
+    let revision = first.revision;
     let all = keys.desired_of(&Target::All);
-    let second = bounded_by(
-        LIST_TIMEOUT,
-        kv.get(
-            all.as_str(),
-            Some(GetOptions::new().with_prefix().with_revision(revision)),
-        ),
-    )
-    .await?;
+    let second = bounded_by(LIST_TIMEOUT, client.list(&all, Some(revision))).await?;
     // Parses of unchanged values are kept.
     let mut desired = before.cloned().unwrap_or_default();
     let listed: BTreeMap<String, String> = first
-        .kvs()
+        .kvs
         .iter()
-        .chain(second.kvs())
+        .chain(&second.kvs)
         .filter_map(|kv| {
             // A value that is not UTF-8 is kept, as a broken spec of its key's name.
             Some((
-                kv.key_str().ok()?.to_owned(),
-                String::from_utf8_lossy(kv.value()).into_owned(),
+                std::str::from_utf8(&kv.key).ok()?.to_owned(),
+                String::from_utf8_lossy(&kv.value).into_owned(),
             ))
         })
         .filter(|(key, _)| keys.parse_desired(key).is_some())
@@ -491,12 +570,14 @@ fn runs_from(settings: &FleetSettings, key: &str) -> bool {
 /// Lists, then watches, the desired keys, handing every change to `tx`, until stopped.
 async fn desired_loop(
     shared: Arc<Shared>,
-    client: Client,
+    client: impl DesiredKv,
     tx: watch::Sender<Option<Arc<FleetDesired>>>,
 ) {
+    // Biased, here and in the watch: a seed replays one history in the simulator.
     tokio::select! {
-        () = follow_desired(&shared, &client, &tx) => {}
+        biased;
         () = shared.stop.cancelled() => {}
+        () = follow_desired(&shared, &client, &tx) => {}
     }
 }
 
@@ -504,10 +585,10 @@ async fn desired_loop(
 /// revision was compacted or every [`RELIST_PERIOD`]; a watch from it meanwhile.
 async fn follow_desired(
     shared: &Shared,
-    client: &Client,
+    client: &impl DesiredKv,
     tx: &watch::Sender<Option<Arc<FleetDesired>>>,
 ) {
-    let mut backoff = Backoff::new();
+    let mut backoff = shared.backoff(1);
     let mut current: Option<FleetDesired> = tx.borrow().as_deref().cloned();
     let mut listed_at: Option<tokio::time::Instant> = None;
     loop {
@@ -565,77 +646,84 @@ enum WatchEnd {
 /// compacted or the next full listing is due.
 async fn watch_desired(
     shared: &Shared,
-    client: &Client,
+    client: &impl DesiredKv,
     desired: &mut FleetDesired,
     relist_at: tokio::time::Instant,
     tx: &watch::Sender<Option<Arc<FleetDesired>>>,
     backoff: &mut Backoff,
 ) -> WatchEnd {
     let settings = &shared.settings;
-    let mut watch_client = client.watch_client();
-    let options = WatchOptions::new()
-        .with_prefix()
-        .with_start_revision(desired.revision + 1)
-        .with_progress_notify();
-    let mut stream = match bounded(watch_client.watch(settings.keys.desired(), Some(options))).await
-    {
+    let prefix = settings.keys.desired();
+    let mut stream = match bounded(client.watch(&prefix, desired.revision + 1)).await {
         Ok(stream) => stream,
         Err(error) => return WatchEnd::Failed(format!("cannot watch the desired keys: {error}")),
     };
     loop {
+        // A listing due wins over a message that came at the same time (the listing
+        // holds what it says).
         let message = tokio::select! {
+            biased;
             () = tokio::time::sleep_until(relist_at) => return WatchEnd::Relist,
             message = stream.message() => message,
         };
-        let response = match message {
-            Ok(Some(response)) => response,
+        let message = match message {
+            Ok(Some(message)) => message,
             Ok(None) => return WatchEnd::Failed("the watch of the desired keys ended".to_owned()),
             Err(error) => {
                 return WatchEnd::Failed(format!("the watch of the desired keys failed: {error}"));
             }
         };
-        if response.compact_revision() > 0 {
-            tracing::info!(
-                from = desired.revision + 1,
-                compacted = response.compact_revision(),
-                "fleet: the watched revision was compacted; listing again"
-            );
-            return WatchEnd::Relist;
-        }
-        if response.canceled() {
-            return WatchEnd::Failed(format!(
-                "etcd cancelled the watch of the desired keys: {}",
-                response.cancel_reason()
-            ));
-        }
+        let events = match message {
+            WatchMessage::Compacted { revision } => {
+                tracing::info!(
+                    from = desired.revision + 1,
+                    compacted = revision,
+                    "fleet: the watched revision was compacted; listing again"
+                );
+                return WatchEnd::Relist;
+            }
+            WatchMessage::Canceled { reason } => {
+                return WatchEnd::Failed(format!(
+                    "etcd cancelled the watch of the desired keys: {reason}"
+                ));
+            }
+            WatchMessage::Events(events) => events,
+            // The header's revision vouches for what was sent only in a progress
+            // notification (sent once the watch has caught up): the creation's header
+            // names the store's revision before the catch-up's events have come, and a
+            // catch-up batch the revision of the store, not of its last event.
+            WatchMessage::Progress { revision } => {
+                desired.revision = desired.revision.max(revision);
+                Vec::new()
+            }
+            WatchMessage::Created { revision } => {
+                if shared.options.plant_revision_from_creation {
+                    desired.revision = desired.revision.max(revision);
+                }
+                Vec::new()
+            }
+        };
         // Streaming again: etcd is back.
         backoff.reset();
         shared.report(|h| h.desired = None);
         let mut changed = false;
-        for event in response.events() {
-            let Some(kv) = event.kv() else { continue };
+        for event in events {
             // Every event counts towards the revision, whoever's key it is.
-            desired.revision = desired.revision.max(kv.mod_revision());
-            let Ok(key) = kv.key_str() else { continue };
+            desired.revision = desired.revision.max(event.mod_revision);
+            let Ok(key) = std::str::from_utf8(&event.kv.key) else {
+                continue;
+            };
             if !runs_from(settings, key) {
                 continue;
             }
-            changed |= match event.event_type() {
-                EventType::Put => {
-                    desired.put(&settings.keys, key, &String::from_utf8_lossy(kv.value()))
-                }
+            changed |= match event.kind {
+                EventType::Put => desired.put(
+                    &settings.keys,
+                    key,
+                    &String::from_utf8_lossy(&event.kv.value),
+                ),
                 EventType::Delete => desired.delete(key),
             };
-        }
-        // The header's revision vouches for what was sent only in a progress notification
-        // (sent once the watch has caught up): the creation's header names the store's
-        // revision before the catch-up's events have come, and a catch-up batch the
-        // revision of the store, not of its last event.
-        if !response.created()
-            && response.events().is_empty()
-            && let Some(header) = response.header()
-        {
-            desired.revision = desired.revision.max(header.revision());
         }
         if changed {
             publish(shared, tx, desired).await;
@@ -741,7 +829,7 @@ async fn lease_loop(shared: Arc<Shared>, client: Client, claimed: Option<i64>) {
 
 /// The lease loop's work, until the agent stops; `lease` is the one held now.
 async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
-    let mut backoff = Backoff::new();
+    let mut backoff = shared.backoff(2);
     loop {
         let id = match *lease {
             Some(id) => id,
@@ -830,7 +918,7 @@ async fn status_passes(
 ) {
     let mut changes = shared.node.status_changes();
     let mut lease = shared.lease.subscribe();
-    let mut backoff = Backoff::new();
+    let mut backoff = shared.backoff(3);
     let mut held: Option<i64> = None;
     loop {
         let Some(id) = *lease.borrow_and_update() else {

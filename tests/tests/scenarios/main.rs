@@ -36,6 +36,7 @@ mod metrics_agent;
 mod packaging;
 mod scale_agent;
 mod sim;
+mod sim_fleet;
 mod spec_agreement;
 mod spec_fixtures;
 mod spec_revision;
