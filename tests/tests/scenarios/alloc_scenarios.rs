@@ -722,40 +722,6 @@ async fn detach_leaves_every_task_running_in_the_driver() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn a_collected_alloc_stays_shown_until_the_store_takes_the_delete_of_its_record() {
-    let h = harness();
-    let gone: stead_schemas::spec::Name = "gone".parse().expect("a name");
-    h.node.apply(alloc(
-        "gone",
-        "  tasks:\n    - {name: t, driver: mock, config: {}, killTimeout: 1s}\n",
-    ));
-    h.until("running", |h| {
-        h.task_state("gone", "t").as_deref() == Some("running")
-    })
-    .await;
-    h.node.remove(&gone);
-    h.until("collectable", |h| collectable(&h.node, "gone"))
-        .await;
-    let stored = |store: &MemoryStore| {
-        use stead_controller::store::Store;
-        store.load_allocs().expect("readable").len()
-    };
-    assert_eq!(stored(&h.store), 1);
-    h.store.fail_writes(true);
-    h.node.collect(&gone).await.expect("collected");
-    // The delete fails and is retried: the alloc is still shown, and the node behind.
-    tokio::time::sleep(Duration::from_secs(30)).await;
-    assert!(h.node.status("gone").is_some(), "hidden while still stored");
-    assert_eq!(h.node.store_health().behind, ["gone"]);
-    assert_eq!(stored(&h.store), 1);
-    h.store.fail_writes(false);
-    h.until("gone from the node", |h| h.node.status("gone").is_none())
-        .await;
-    assert_eq!(stored(&h.store), 0, "the record outlived its alloc");
-    assert!(h.node.store_health().behind.is_empty());
-}
-
-#[tokio::test(start_paused = true)]
 async fn a_driver_whose_wait_never_returns_hangs_neither_a_kill_nor_a_shutdown() {
     let h = harness();
     h.mock.hang_wait_after_kill(true);

@@ -308,7 +308,7 @@ async fn a_stored_alloc_with_no_task_state_is_dropped_and_its_record_deleted() {
 }
 
 #[tokio::test(start_paused = true)]
-async fn an_alloc_removed_while_its_writes_fail_no_longer_holds_the_store_degraded() {
+async fn a_collected_alloc_whose_record_delete_fails_stays_shown_and_behind_until_it_is_gone() {
     let dir = tempfile::tempdir().expect("temp dir");
     let rocks = open(dir.path());
     let faulty = FaultyStore::new(rocks);
@@ -334,14 +334,28 @@ async fn an_alloc_removed_while_its_writes_fail_no_longer_holds_the_store_degrad
         .await;
     assert!(stopped);
     assert!(!node.store_health().is_healthy(), "behind while it exists");
-    // Garbage collection destroys it (its record's delete fails too: the next start
-    // finds the record removed and destroys it again).
+    // Garbage collection destroys it; its record's delete fails too and is retried: the
+    // alloc stays shown, and the store behind, until the record is gone.
     node.collect(&name).await.expect("collected");
-    assert!(node.status("web").is_none());
+    tokio::time::sleep(Duration::from_secs(30)).await;
+    assert!(
+        node.status("web").is_some(),
+        "hidden while its record remains"
+    );
+    assert_eq!(node.store_health().behind, ["web"]);
+    faulty.set_failing(false);
+    assert!(
+        node.wait_until(DEADLINE, |n| n.status("web").is_none())
+            .await
+    );
     assert!(
         node.store_health().is_healthy(),
         "{:?}",
         node.store_health()
+    );
+    assert!(
+        faulty.load_allocs().expect("readable").is_empty(),
+        "the record outlived its alloc"
     );
     node.shutdown(Shutdown::Detach).await;
 }

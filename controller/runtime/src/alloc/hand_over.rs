@@ -100,9 +100,9 @@ impl Worker {
     /// spec arrived meanwhile.
     ///
     /// A delete the store refuses is retried with the writes' backoff, the alloc shown
-    /// meanwhile (as stopped), so that no record outlives its alloc unnoticed to bring it
-    /// back at the next restore (simulator seed 459); an agent that leaves gives up, and
-    /// the next one removes the record again.
+    /// (as stopped) and the store behind meanwhile: the node never reads healthy, nor
+    /// shows the alloc gone, while its record remains (to bring it back at the next
+    /// restore). An agent that leaves gives up; the next one removes the record again.
     pub(super) async fn finish_destroy(&mut self) -> Step {
         self.shared.config.devices.release(&self.name);
         let now = self.shared.clock.now();

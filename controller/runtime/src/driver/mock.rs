@@ -1248,6 +1248,7 @@ mod tests {
                 (at(0), "a".to_owned(), MockOp::StartReturned { ok: true }),
                 (at(1), "a".to_owned(), MockOp::Signal("SIGHUP".to_owned())),
                 (at(1), "a".to_owned(), MockOp::Kill),
+                (at(1), "a".to_owned(), MockOp::Exited { exit_code: 137 }),
                 (at(1), "a".to_owned(), MockOp::Recover { ok: true }),
                 (at(2), "a".to_owned(), MockOp::Destroy),
                 (at(2), "a".to_owned(), MockOp::Recover { ok: false }),
@@ -1273,17 +1274,17 @@ mod tests {
             driver.destroy(&handle).await;
             handles.push(handle);
         }
-        // Nine calls made (start began, start returned, destroy, three times): the last
-        // three are kept, oldest first.
+        // Twelve calls made (start began, start returned, destroy and the exit it caused,
+        // three times): the last three are kept, oldest first.
         assert_eq!(
             ops(&driver)
                 .into_iter()
                 .map(|(_, _, op)| op)
                 .collect::<Vec<_>>(),
             [
-                MockOp::StartBegan,
                 MockOp::StartReturned { ok: true },
-                MockOp::Destroy
+                MockOp::Destroy,
+                MockOp::Exited { exit_code: 137 }
             ]
         );
         // The three destroyed tasks' output is still there; a fourth pushes out the first.
