@@ -278,6 +278,22 @@ impl AllocState {
     /// One level-triggered pass: decide what every task should do and let it act.
     pub fn reconcile(&mut self, desired: &AllocDesired, now: Timestamp) -> Plan {
         let mut plan = Plan::default();
+        // A round can end a task (a kill with nothing left to wait for: no process, or a
+        // driver that never confirmed the exit), which may let the next kill stage go on
+        // at this same instant: rounds repeat until one ends no task, so that no stop
+        // waits for a later wake-up (simulator seed 92).
+        for _ in 0..=desired.tasks.len() {
+            let dead = self.tasks.values().filter(|t| t.is_dead()).count();
+            self.reconcile_round(desired, now, &mut plan);
+            if self.tasks.values().filter(|t| t.is_dead()).count() == dead {
+                break;
+            }
+        }
+        plan
+    }
+
+    /// One round of [`AllocState::reconcile`].
+    fn reconcile_round(&mut self, desired: &AllocDesired, now: Timestamp, plan: &mut Plan) {
         self.update_shutdown(desired, now);
         let want_run = match self.shutdown.clone() {
             None => self.run_stages(desired, now),
@@ -310,7 +326,6 @@ impl AllocState {
                 &mut plan.wake_at,
             );
         }
-        plan
     }
 
     /// Starts a shutdown when the alloc should stop, a task failed or the leader died;
@@ -925,6 +940,37 @@ mod tests {
         assert_eq!(cleanup.phase, TaskPhase::Dead);
         assert!(cleanup.failed);
         assert!(sim.state.is_terminal());
+    }
+
+    #[test]
+    fn a_main_task_whose_exit_is_never_confirmed_lets_the_sidecars_kill_go_on_at_once() {
+        let yaml = "apiVersion: stead/v1\nkind: Alloc\nmetadata: {name: web}\nspec:\n  tasks:\n    - {name: proxy, driver: mock, config: {}, lifecycle: {hook: prestart, sidecar: true}, killTimeout: 1s}\n    - {name: main, driver: mock, config: {}, killTimeout: 1s}\n";
+        let mut desired = desired(yaml);
+        let mut state = AllocState::new(&desired, at(0));
+        for _ in 0..2 {
+            let plan = state.reconcile(&desired, at(0));
+            for effect in plan.effects {
+                if let Effect::Start { task } = effect {
+                    state.observe(&desired, &task, Observation::Started, Jitter::ZERO, at(0));
+                }
+            }
+        }
+        desired.run = false;
+        let signal = |task: &str| Effect::Signal {
+            task: name(task),
+            signal: Signal::sigint(),
+        };
+        assert_eq!(state.reconcile(&desired, at(10)).effects, [signal("main")]);
+        let forced = state.reconcile(&desired, at(1_010));
+        assert_eq!(forced.effects, [Effect::ForceKill { task: name("main") }]);
+        // The driver never confirms: main is given up for dead after the grace, and the
+        // sidecar's kill comes in the same pass, not at some later wake-up.
+        let give_up = at(1_010) + crate::task::FORCE_KILL_GRACE;
+        let plan = state.reconcile(&desired, give_up);
+        assert_eq!(
+            plan.effects,
+            [Effect::Forget { task: name("main") }, signal("proxy")]
+        );
     }
 
     #[test]
