@@ -1,11 +1,11 @@
 //! Deterministic simulation of the real node (issue 32): a seed drives hundreds of random
 //! steps (specs with lifecycle hooks and devices applied, edited, broken and deleted; task
 //! exits, start errors, slow kills and driver waits that hang after a kill; user restarts
-//! and signals; store write failures; a device plugin that dies, comes back and flips health; agent crashes and drains; time
-//! advanced) on one current-thread runtime under paused time, with every invariant checked
-//! after every step and each seed's history reduced to a trace hash that the same seed
-//! reproduces. A failing seed is cut to its shortest failing prefix, which is printed with
-//! the line that replays it.
+//! and signals; store write failures; a device plugin that dies, comes back and flips
+//! health; agent crashes and drains; time advanced) on one current-thread runtime under
+//! paused time, with every invariant checked after every step and each seed's history
+//! reduced to a trace hash that the same seed reproduces. A failing seed is cut to its
+//! shortest failing prefix, which is printed with the line that replays it.
 //!
 //! `STEAD_SIM_SEED=n` replays one seed (printing its trace), `STEAD_SIM_SEEDS=n` runs
 //! that many (`make soak` runs 10,000), `STEAD_SIM_STEPS=n` sets the steps per seed,
