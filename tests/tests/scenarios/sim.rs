@@ -77,6 +77,9 @@ const CONVERGENCE_BOUND: Duration = Duration::from_secs(120);
 /// A stopped revision's last non-poststop task is dead within the sum of its kill
 /// stages' longest kill timeouts plus this.
 const STOP_GRACE: Duration = Duration::from_secs(1);
+/// How long the node waits for a run no record names to end after `SIGTERM`, and again
+/// after `SIGKILL` (`alloc::ops::UNRECORDED_KILL_WAIT`).
+const UNRECORDED_KILL_WAIT: Duration = Duration::from_secs(5);
 /// No step (a crash's shutdown and restore included) takes longer than this much
 /// simulated time.
 const STEP_BOUND: Duration = Duration::from_secs(600);
@@ -447,6 +450,14 @@ struct Sim {
     hung_waits: bool,
     /// When they last stopped hanging.
     hung_waits_ended: Option<Timestamp>,
+    /// When the last drain ended: the allocs run again in place, their restart
+    /// policies' windows started over.
+    rerun_at: Option<Timestamp>,
+    /// Agents started so far (crashes and drains), and the count when each revision was
+    /// declared: a revision that outlived an agent may have runs no record names, which
+    /// are stopped without their spec's kill settings.
+    agents: u32,
+    declared_under: BTreeMap<String, u32>,
     planted: Planted,
     /// Every revision ever declared, by alloc id: its shape.
     revisions: BTreeMap<String, Shape>,
@@ -533,6 +544,9 @@ impl Sim {
             store_failing: false,
             hung_waits: false,
             hung_waits_ended: None,
+            rerun_at: None,
+            agents: 0,
+            declared_under: BTreeMap::new(),
             planted,
             revisions: BTreeMap::new(),
             lives: BTreeMap::new(),
@@ -557,6 +571,7 @@ impl Sim {
         let spec = shape.spec(alloc);
         self.retire(alloc);
         self.revisions.insert(spec.id.to_string(), shape.clone());
+        self.declared_under.insert(spec.id.to_string(), self.agents);
         self.node.set_spec_error(&name(alloc), None);
         self.node.apply(spec.clone());
         self.declared.insert(
@@ -688,6 +703,7 @@ impl Sim {
     /// specs dir is listed again, as the agent's source does.
     fn restart_agent(&mut self) {
         self.store_checked = None;
+        self.agents += 1;
         self.node = new_node(
             self.seed,
             self.clock,
@@ -729,6 +745,7 @@ impl Sim {
         let mut left: Vec<String> = self.mock.running().into_iter().map(|h| h.id).collect();
         left.sort();
         self.restart_agent();
+        self.rerun_at = Some(self.clock.now());
         format!("drain and restart; left running {left:?}")
     }
 
@@ -875,8 +892,19 @@ impl Sim {
                 return Err(format!("two revisions of {alloc} run at once: {ids:?}"));
             }
         }
-        // A revision no longer declared has its tasks killed within its kill stages.
+        // A revision no longer declared has its tasks killed within its kill stages; but a
+        // run that no record names, of an alloc that no spec declares either, is left
+        // running and reported (decision 0065: the agent cannot tell a removal it never
+        // stored from a record the store lost).
+        let reported = self.node.unrecorded_runs_left();
         for handle in &running {
+            let run = handle
+                .id
+                .rsplit_once('/')
+                .map_or(handle.id.as_str(), |(run, _)| run);
+            if reported.iter().any(|r| r == run) {
+                continue;
+            }
             let id = handle_alloc_id(&handle.id);
             let task = handle_task(&handle.id);
             let (Some(since), Some(shape)) = (self.stopping_since.get(id), self.revisions.get(id))
@@ -887,7 +915,17 @@ impl Sim {
                 continue;
             }
             let hung = self.hung_waits || self.hung_waits_ended.is_some_and(|at| at > *since);
-            let bound = shape.stop_bound(hung);
+            let mut bound = shape.stop_bound(hung);
+            if self
+                .declared_under
+                .get(id)
+                .is_some_and(|under| *under < self.agents)
+            {
+                // A run no record names is stopped without its spec: SIGTERM, up to 5 s,
+                // SIGKILL, up to 5 s more while the waits hang.
+                let unrecorded = UNRECORDED_KILL_WAIT * if hung { 2 } else { 1 } + STOP_GRACE;
+                bound = bound.max(unrecorded);
+            }
             if now.saturating_duration_since(*since) > bound {
                 return Err(format!(
                     "{} still runs {:?} after its revision was stopped at {since} (bound {bound:?})",
@@ -942,7 +980,10 @@ impl Sim {
                 }
                 let delay = Duration::from_secs(shape.delay_s);
                 let mut policy_restarts = Vec::new();
-                for event in t.events.iter().filter(|e| e.event_type == "Restarting") {
+                let counted = |e: &&stead_schemas::status::TaskEventStatus| {
+                    e.event_type == "Restarting" && self.rerun_at.is_none_or(|at| e.time >= at)
+                };
+                for event in t.events.iter().filter(counted) {
                     let Some(after) = event.message.strip_prefix("Task restarting in ") else {
                         continue;
                     };
@@ -1101,7 +1142,18 @@ impl Sim {
         let mock = self.mock.clone();
         let converged = |node: &Node| {
             let mut running: BTreeMap<String, BTreeSet<&'static str>> = BTreeMap::new();
+            // Runs no record names of allocs no spec declares are left running, reported.
+            let reported = node.unrecorded_runs_left();
             for handle in mock.running() {
+                let run = handle
+                    .id
+                    .rsplit_once('/')
+                    .map_or(handle.id.as_str(), |(r, _)| r);
+                if reported.iter().any(|r| r == run)
+                    && !expected.contains_key(handle_alloc_id(&handle.id))
+                {
+                    continue;
+                }
                 let Some(tasks) = expected.get(handle_alloc_id(&handle.id)) else {
                     return false;
                 };
