@@ -6,6 +6,7 @@ mod agent_support;
 mod api_support;
 mod etcd_support;
 mod exec_support;
+mod sim_support;
 
 mod agent_bounds;
 mod agent_shutdown;

@@ -30,6 +30,8 @@
 //! - 459 and 346: a restored alloc was hidden (shown by no status, though stored) for the
 //!   seconds its runs that no record named took to stop.
 
+use crate::sim_support::{Outcome, env_number};
+
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
@@ -1203,13 +1205,6 @@ impl Sim {
     }
 }
 
-/// The outcome of one seed: its trace hash, or the failure with the trace up to it.
-struct Outcome {
-    hash: u64,
-    trace: String,
-    failure: Option<String>,
-}
-
 fn run_seed(seed: u64, steps: usize) -> Outcome {
     run_seed_with(seed, steps, Planted::None)
 }
@@ -1251,15 +1246,6 @@ fn run_seed_with(seed: u64, steps: usize, planted: Planted) -> Outcome {
             failure,
         }
     })
-}
-
-fn env_number(key: &str) -> Option<u64> {
-    let value = std::env::var(key).ok()?;
-    Some(
-        value
-            .parse()
-            .unwrap_or_else(|e| panic!("{key}={value}: {e}")),
-    )
 }
 
 fn steps() -> usize {

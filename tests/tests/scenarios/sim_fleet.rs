@@ -34,6 +34,8 @@
 
 mod memory_etcd;
 
+use crate::sim_support::{Outcome, env_number};
+
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
 use std::hash::{Hash, Hasher};
@@ -647,13 +649,6 @@ fn difference(have: &BTreeMap<String, String>, want: &BTreeMap<String, String>) 
     format!("extra {extra:?}, missing {missing:?}, stale {stale:?}")
 }
 
-/// The outcome of one seed: its trace hash, or the failure with the trace up to it.
-struct Outcome {
-    hash: u64,
-    trace: String,
-    failure: Option<String>,
-}
-
 fn run_seed(seed: u64, steps: usize) -> Outcome {
     run_seed_with(seed, steps, false)
 }
@@ -700,15 +695,6 @@ fn run_seed_with(seed: u64, steps: usize, planted_bug: bool) -> Outcome {
             failure,
         }
     })
-}
-
-fn env_number(key: &str) -> Option<u64> {
-    let value = std::env::var(key).ok()?;
-    Some(
-        value
-            .parse()
-            .unwrap_or_else(|e| panic!("{key}={value}: {e}")),
-    )
 }
 
 fn steps() -> usize {
