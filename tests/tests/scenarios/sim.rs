@@ -627,6 +627,13 @@ impl Sim {
                 let Some(task) = self.random_task(alloc) else {
                     return format!("signal {alloc}: no task");
                 };
+                if self.hung_waits {
+                    // The mock's waits hang after any signal, yet the node defends only
+                    // its kills against a wait that never returns (forcing, then giving
+                    // the task up): a task that a user's signal made exit would run on
+                    // forever in its status.
+                    return format!("signal {alloc}/{task}: not sent while waits hang");
+                }
                 let signal = ["SIGUSR1", "SIGTERM", "SIGHUP"][self.rng.usize(..3)];
                 let result = self
                     .node
@@ -898,13 +905,17 @@ impl Sim {
         // run that no record names, of an alloc that no spec declares either, is left
         // running and reported (decision 0065: the agent cannot tell a removal it never
         // stored from a record the store lost).
+        // Such a run's stop begins once a spec claims its alloc's name: until then its
+        // revision's bound counts from now.
         let reported = self.node.unrecorded_runs_left();
+        let mut left_running = Vec::new();
         for handle in &running {
             let run = handle
                 .id
                 .rsplit_once('/')
                 .map_or(handle.id.as_str(), |(run, _)| run);
             if reported.iter().any(|r| r == run) {
+                left_running.push(handle_alloc_id(&handle.id).to_owned());
                 continue;
             }
             let id = handle_alloc_id(&handle.id);
@@ -934,6 +945,11 @@ impl Sim {
                     handle.id,
                     now.saturating_duration_since(*since)
                 ));
+            }
+        }
+        for id in left_running {
+            if let Some(since) = self.stopping_since.get_mut(&id) {
+                *since = now;
             }
         }
         // A device instance is held by at most one alloc's live tasks.
