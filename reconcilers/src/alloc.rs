@@ -540,6 +540,26 @@ impl AllocState {
         want_run
     }
 
+    /// A fresh state for a revision whose main tasks run already (their runs, found at
+    /// restore, are named by no record: the store failed before they were written): its
+    /// prestart stage is over, so its prestart tasks do not run again, and its main tasks
+    /// start at once, their starts reattaching those runs.
+    pub fn prestart_done_before(&mut self, desired: &AllocDesired, now: Timestamp) {
+        self.main_released = true;
+        for settings in desired
+            .tasks
+            .iter()
+            .filter(|s| s.is_ephemeral_hook() && s.hook == Some(LifecycleHook::Prestart))
+        {
+            if let Some(task) = self.tasks.get_mut(&settings.name)
+                && !task.has_process()
+            {
+                task.phase = TaskPhase::Dead;
+                task.finished_at = Some(now);
+            }
+        }
+    }
+
     /// Records what the shell observed about `task`; true when a health check's result
     /// restarts it.
     pub fn observe(
@@ -971,6 +991,23 @@ mod tests {
             plan.effects,
             [Effect::Forget { task: name("main") }, signal("proxy")]
         );
+    }
+
+    #[test]
+    fn a_revision_whose_main_tasks_ran_before_its_record_was_lost_does_not_run_prestart_again() {
+        let mut sim = Sim::new(LIFECYCLE);
+        sim.state.prestart_done_before(&sim.desired, sim.now);
+        sim.step();
+        assert!(!sim.log.iter().any(|l| l == "start init"), "{:?}", sim.log);
+        for task in ["proxy", "main", "other"] {
+            assert!(
+                sim.log.iter().any(|l| *l == format!("start {task}")),
+                "{task}: {:?}",
+                sim.log
+            );
+        }
+        assert_eq!(sim.state.tasks[&name("init")].phase, TaskPhase::Dead);
+        assert!(!sim.state.tasks[&name("init")].failed);
     }
 
     #[test]

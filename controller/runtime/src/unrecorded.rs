@@ -55,6 +55,13 @@ impl Unrecorded {
         self.runs().drain(..).map(|run| run.handle).collect()
     }
 
+    /// Whether a run of `task` of alloc revision `alloc_id` waits for its start to take it.
+    pub(crate) fn holds_run(&self, alloc_id: &str, task: &Name) -> bool {
+        self.runs()
+            .iter()
+            .any(|run| run.alloc_id == alloc_id && run.task == *task)
+    }
+
     /// Whether a run no start has taken belongs to alloc revision `alloc_id`.
     pub(crate) fn holds_revision(&self, alloc_id: &str) -> bool {
         self.runs().iter().any(|run| run.alloc_id == alloc_id)

@@ -27,6 +27,10 @@
 //! - 92: a task given up for dead in a pass (its driver never confirmed the exit of its
 //!   forced kill) left the next kill stage waiting for a later wake-up, often the slow
 //!   sweep's (`stead_reconcilers` keeps it as a table test).
+//! - 8303 and 6786: with the store failing, a revision with a prestart task ran and the
+//!   agent crashed; the next one, with no record, started the revision afresh, its
+//!   prestart task again beside its main task's unrecorded run (and its poststop task
+//!   when that prestart task failed).
 //! - 459 and 346: a restored alloc was hidden (shown by no status, though stored) for the
 //!   seconds its runs that no record named took to stop.
 
@@ -434,6 +438,11 @@ struct Life {
     /// A user's restart was asked for while it ran: its kill is the restart's, outside
     /// the kill order.
     by_user: bool,
+    /// A user sent it `SIGTERM` while it ran.
+    user_sigterm: bool,
+    /// The node stopped it as a run no record names: `SIGTERM`, then `SIGKILL`, with
+    /// the others of its revision at once, its spec (and so its kill order) not known.
+    unrecorded_stop: bool,
 }
 
 /// One simulated history.
@@ -635,6 +644,13 @@ impl Sim {
                     return format!("signal {alloc}/{task}: not sent while waits hang");
                 }
                 let signal = ["SIGUSR1", "SIGTERM", "SIGHUP"][self.rng.usize(..3)];
+                if signal == "SIGTERM" {
+                    for ((id, t), life) in &mut self.lives {
+                        if alloc_name_of(id) == alloc && life.live && t == task.as_str() {
+                            life.user_sigterm = true;
+                        }
+                    }
+                }
                 let result = self
                     .node
                     .signal(alloc, task.clone(), signal.parse().expect("signal"))
@@ -842,6 +858,14 @@ impl Sim {
                         },
                     );
                 }
+                MockOp::Signal(signal) if signal == "SIGTERM" => {
+                    if let Some(life) = self.lives.get_mut(&(id, task))
+                        && life.live
+                        && !life.user_sigterm
+                    {
+                        life.unrecorded_stop = true;
+                    }
+                }
                 MockOp::Signal(signal) if signal != "SIGINT" => {}
                 MockOp::Signal(_) | MockOp::Kill | MockOp::Destroy => {
                     let key = (id.clone(), task.clone());
@@ -851,7 +875,7 @@ impl Sim {
                     if !life.live || life.killed {
                         continue;
                     }
-                    let by_user = life.by_user;
+                    let by_user = life.by_user || life.unrecorded_stop;
                     let live = earlier_live(&self.lives, role.stage());
                     if !by_user && !live.is_empty() {
                         return Err(format!(
@@ -1470,4 +1494,10 @@ fn a_start_cancelled_while_it_stops_an_unrecorded_run_never_begins() {
 fn a_restored_alloc_is_shown_while_its_unrecorded_runs_stop() {
     check_seed_within_a_minute(459, DEFAULT_STEPS);
     check_seed_within_a_minute(346, DEFAULT_STEPS);
+}
+
+#[test]
+fn a_revision_started_afresh_beside_its_own_unrecorded_main_run_skips_its_prestart_stage() {
+    check_seed_within_a_minute(8303, DEFAULT_STEPS);
+    check_seed_within_a_minute(6786, DEFAULT_STEPS);
 }

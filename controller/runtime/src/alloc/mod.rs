@@ -482,7 +482,15 @@ impl Worker {
                     if let Target::Spec(spec) = &self.target {
                         let spec = spec.clone();
                         let desired = self.desired_for(&spec);
-                        let state = AllocState::new(&desired, now);
+                        let mut state = AllocState::new(&desired, now);
+                        // Its main tasks ran before the record of it was lost (simulator
+                        // seeds 8303 and 6786): not its prestart tasks again beside them.
+                        if desired.tasks.iter().any(|t| {
+                            t.is_main()
+                                && self.shared.unrecorded.holds_run(spec.id.as_str(), &t.name)
+                        }) {
+                            state.prestart_done_before(&desired, now);
+                        }
                         self.current = Some(Current::new(spec, desired, state));
                     }
                 }
