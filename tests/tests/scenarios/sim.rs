@@ -34,7 +34,7 @@
 //! - 459 and 346: a restored alloc was hidden (shown by no status, though stored) for the
 //!   seconds its runs that no record named took to stop.
 
-use crate::sim_support::{Outcome, env_number};
+use crate::sim_support::{self, Outcome, env_number};
 
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::fmt::Write as _;
@@ -1348,60 +1348,19 @@ fn every_seeded_history_keeps_the_invariants_and_converges_once_faults_stop() {
     }
     let seeds = env_number("STEAD_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS);
     let first = env_number("STEAD_SIM_FIRST_SEED").unwrap_or(0);
-    let started = std::time::Instant::now();
-    // Seeds are independent, each on its own single-threaded runtime: they are shared
-    // out over the cores (a seed's own history stays on one thread).
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
-    let failed = Mutex::new(BTreeMap::new());
-    std::thread::scope(|scope| {
-        for thread in 0..threads {
-            let failed = &failed;
-            scope.spawn(move || {
-                for seed in (first..first + seeds).filter(|seed| seed % threads == thread) {
-                    if std::env::var("STEAD_SIM_VERBOSE").is_ok() {
-                        println!("sim: seed {seed}");
-                    }
-                    if let Err(report) = run_and_report(seed, steps) {
-                        failed.lock().expect("the failures").insert(seed, report);
-                    }
-                }
-            });
-        }
-    });
-    let failed = failed.into_inner().expect("the failures");
-    if let Some((_, first_report)) = failed.first_key_value() {
-        let why: Vec<String> = failed
-            .values()
-            .map(|report| report.lines().next().unwrap_or_default().to_owned())
-            .collect();
-        panic!(
-            "{} of {seeds} seeds failed:\n{}\n\nthe first:\n{first_report}",
-            failed.len(),
-            why.join("\n")
-        );
-    }
-    let elapsed = started.elapsed();
-    println!(
-        "sim: {seeds} seeds of {steps} steps in {elapsed:.1?} ({:.0} seeds/s)",
-        seeds as f64 / elapsed.as_secs_f64()
+    sim_support::run_seeds(
+        &format!("sim: {steps} steps a seed"),
+        first,
+        seeds,
+        "STEAD_SIM_VERBOSE",
+        |seed| run_and_report(seed, steps),
     );
 }
 
 #[test]
 fn the_same_seed_gives_the_same_trace_twice() {
     let steps = steps();
-    for seed in [1, 2, 3, 42] {
-        let first = run_seed(seed, steps);
-        let second = run_seed(seed, steps);
-        if first.hash != second.hash {
-            let diverged = first
-                .trace
-                .lines()
-                .zip(second.trace.lines())
-                .find(|(a, b)| a != b);
-            panic!("seed {seed} is not deterministic; first divergence: {diverged:#?}");
-        }
-    }
+    sim_support::assert_each_seed_replays(&[1, 2, 3, 42], |seed| run_seed(seed, steps));
 }
 
 /// The first of 100 seeds that catches `planted`, with why.

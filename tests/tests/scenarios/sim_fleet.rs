@@ -34,7 +34,7 @@
 
 mod memory_etcd;
 
-use crate::sim_support::{Outcome, env_number};
+use crate::sim_support::{self, Outcome, env_number};
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::fmt::Write as _;
@@ -741,40 +741,34 @@ fn every_seeded_fleet_history_publishes_the_stores_state_and_converges_once_faul
     }
     let seeds = env_number("STEAD_FLEET_SIM_SEEDS").unwrap_or(DEFAULT_SEEDS);
     let first = env_number("STEAD_FLEET_SIM_FIRST_SEED").unwrap_or(0);
-    // Seeds are independent, each on its own single-threaded runtime: they are shared
-    // out over the cores (a seed's own history stays on one thread).
-    let threads = std::thread::available_parallelism().map_or(1, |n| n.get() as u64);
-    std::thread::scope(|scope| {
-        for thread in 0..threads {
-            scope.spawn(move || {
-                for seed in (first..first + seeds).filter(|seed| seed % threads == thread) {
-                    if std::env::var("STEAD_FLEET_SIM_VERBOSE").is_ok() {
-                        println!("sim_fleet: seed {seed}");
-                    }
-                    check_seed(seed, steps);
-                }
-            });
-        }
-    });
-    println!("sim_fleet: {seeds} seeds of {steps} steps");
+    sim_support::run_seeds(
+        &format!("sim_fleet: {steps} steps a seed"),
+        first,
+        seeds,
+        "STEAD_FLEET_SIM_VERBOSE",
+        |seed| {
+            std::panic::catch_unwind(|| check_seed(seed, steps)).map_err(|panic| {
+                panic
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .unwrap_or_else(|| format!("seed {seed} panicked"))
+            })
+        },
+    );
 }
 
 #[test]
 fn the_same_fleet_seed_gives_the_same_trace_twice() {
     let steps = steps();
-    for seed in [1, 2, 3, 42] {
-        let first = run_seed(seed, steps);
-        let second = run_seed(seed, steps);
-        assert!(first.failure.is_none(), "seed {seed}: {:?}", first.failure);
-        if first.hash != second.hash {
-            let diverged = first
-                .trace
-                .lines()
-                .zip(second.trace.lines())
-                .find(|(a, b)| a != b);
-            panic!("seed {seed} is not deterministic; first divergence: {diverged:#?}");
-        }
-    }
+    sim_support::assert_each_seed_replays(&[1, 2, 3, 42], |seed| {
+        let outcome = run_seed(seed, steps);
+        assert!(
+            outcome.failure.is_none(),
+            "seed {seed}: {:?}",
+            outcome.failure
+        );
+        outcome
+    });
 }
 
 #[test]
