@@ -234,8 +234,12 @@ impl Backoff {
         }
     }
 
-    fn reset(&mut self) {
+    /// Starts the delays over; true when a retry had been waited for since the last
+    /// start (the failure this success ends).
+    fn reset(&mut self) -> bool {
+        let failed = self.step != BACKOFF_MIN;
         self.step = BACKOFF_MIN;
+        failed
     }
 
     async fn wait(&mut self) {
@@ -244,6 +248,34 @@ impl Backoff {
         let half = step / 2;
         let jitter = half.mul_f64(self.rng.f64());
         tokio::time::sleep(half + jitter).await;
+    }
+}
+
+/// Told when a loop hears from etcd again after failing: the others, waiting out their
+/// backoff, retry at once, so that an outage's end costs one backoff rather than a
+/// chain of them (the status loop's, then the lease loop's, then the status loop's
+/// again, each up to [`BACKOFF_MAX`]).
+#[derive(Default)]
+struct Answered(tokio::sync::Notify);
+
+impl Answered {
+    /// Etcd answered the loop that owns `backoff`: its delays start over and, when it
+    /// had been failing, the other loops stop waiting out theirs. Only the end of a
+    /// failure wakes them, so a loop refused for another reason (a node claimed by
+    /// another agent) retries once per outage's end, never once per answer.
+    fn answered(&self, backoff: &mut Backoff) {
+        if backoff.reset() {
+            self.0.notify_waiters();
+        }
+    }
+
+    /// Waits out `backoff`'s next delay, or less when another loop hears from etcd again.
+    async fn retry_after(&self, backoff: &mut Backoff) {
+        tokio::select! {
+            biased;
+            () = self.0.notified() => {}
+            () = backoff.wait() => {}
+        }
     }
 }
 
@@ -295,6 +327,8 @@ struct Shared {
     lease: watch::Sender<Option<i64>>,
     /// Told by the status loop when a write found the node's key not under the lease.
     lost: tokio::sync::Notify,
+    /// Ends the other loops' backoff when one hears from etcd again.
+    answered: Answered,
     /// Ends the desired and lease loops.
     stop: CancellationToken,
     /// Ends the status loop (first, so that its last pass runs under the lease).
@@ -310,6 +344,14 @@ impl Shared {
             Some(seed) => fastrand::Rng::with_seed(seed ^ salt),
             None => fastrand::Rng::new(),
         })
+    }
+
+    fn answered(&self, backoff: &mut Backoff) {
+        self.answered.answered(backoff);
+    }
+
+    async fn retry_after(&self, backoff: &mut Backoff) {
+        self.answered.retry_after(backoff).await;
     }
 
     fn report(&self, set: impl FnOnce(&mut HealthParts)) {
@@ -443,6 +485,7 @@ impl Fleet {
             }),
             lease: lease_tx,
             lost: tokio::sync::Notify::new(),
+            answered: Answered::default(),
             stop: CancellationToken::new(),
             stop_status: CancellationToken::new(),
             options,
@@ -610,13 +653,14 @@ async fn follow_desired(
                         }
                         current = Some(desired);
                         listed_at = Some(shared.clock.instant());
+                        shared.answered(&mut backoff);
                         shared.report(|h| h.desired = None);
                     }
                     Err(error) => {
                         shared.report(|h| {
                             h.desired = Some(format!("cannot list the desired keys: {error}"))
                         });
-                        backoff.wait().await;
+                        shared.retry_after(&mut backoff).await;
                     }
                 }
                 continue;
@@ -627,7 +671,7 @@ async fn follow_desired(
             WatchEnd::Relist => listed_at = None,
             WatchEnd::Failed(why) => {
                 shared.report(|h| h.desired = Some(why));
-                backoff.wait().await;
+                shared.retry_after(&mut backoff).await;
             }
         }
     }
@@ -704,7 +748,7 @@ async fn watch_desired(
             }
         };
         // Streaming again: etcd is back.
-        backoff.reset();
+        shared.answered(backoff);
         shared.report(|h| h.desired = None);
         let mut changed = false;
         for event in events {
@@ -835,12 +879,12 @@ async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
             Some(id) => id,
             None => match claim(shared, client).await {
                 Ok(id) => {
-                    backoff.reset();
+                    shared.answered(&mut backoff);
                     id
                 }
                 Err(error) => {
                     shared.report(|h| h.lease = Some(format!("the node is not claimed: {error}")));
-                    backoff.wait().await;
+                    shared.retry_after(&mut backoff).await;
                     continue;
                 }
             },
@@ -849,7 +893,7 @@ async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
         shared.lease.send_replace(Some(id));
         shared.report(|h| h.lease = None);
         let ended = tokio::select! {
-            kept = keep_alive(client, id) => kept.map(|()| "the node's lease ran out"),
+            kept = keep_alive(shared, client, id, &mut backoff) => kept.map(|()| "the node's lease ran out"),
             () = shared.lost.notified() => Ok("the node's key is not under its lease"),
         };
         match ended {
@@ -867,7 +911,7 @@ async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
             Err(error) => {
                 shared
                     .report(|h| h.lease = Some(format!("cannot renew the node's lease: {error}")));
-                backoff.wait().await;
+                shared.retry_after(&mut backoff).await;
             }
         }
     }
@@ -875,14 +919,22 @@ async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
 
 /// Renews lease `id` every [`KEEP_ALIVE`]; returns `Ok` when it ran out, an error when
 /// etcd cannot be reached.
-async fn keep_alive(client: &Client, id: i64) -> Result<(), FleetError> {
+async fn keep_alive(
+    shared: &Shared,
+    client: &Client,
+    id: i64,
+    backoff: &mut Backoff,
+) -> Result<(), FleetError> {
     let mut leases = client.lease_client();
     let (mut keeper, mut stream) = bounded(leases.keep_alive(id)).await?;
     loop {
         bounded(keeper.keep_alive()).await?;
         match bounded(stream.message()).await? {
-            Some(answer) if answer.ttl() > 0 => {}
-            Some(_) => return Ok(()),
+            Some(answer) if answer.ttl() > 0 => shared.answered(backoff),
+            Some(_) => {
+                shared.answered(backoff);
+                return Ok(());
+            }
             None => return Err(FleetError::Timeout(REQUEST_TIMEOUT)),
         }
         tokio::time::sleep(KEEP_ALIVE).await;
@@ -934,10 +986,12 @@ async fn status_passes(
         let pass = shared.clock.instant();
         match status_pass(shared, kv, id, written).await {
             Ok(()) => {
-                backoff.reset();
+                shared.answered(&mut backoff);
                 shared.report(|h| h.status = None);
             }
             Err(FleetError::NotHolder { .. }) => {
+                // An answer all the same: etcd is back.
+                shared.answered(&mut backoff);
                 // The lease loop claims the node again; writes wait for that.
                 shared.report(|h| {
                     h.status = Some("status not written: the node's key is not held".to_owned())
@@ -948,7 +1002,7 @@ async fn status_passes(
             }
             Err(error) => {
                 shared.report(|h| h.status = Some(format!("status not written: {error}")));
-                backoff.wait().await;
+                shared.retry_after(&mut backoff).await;
                 continue;
             }
         }
@@ -1079,6 +1133,34 @@ mod tests {
             let error = FleetSettings::resolve(Some(&config(json))).expect_err(json);
             assert!(error.to_string().contains(says), "{json}: {error}");
         }
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_loop_hearing_from_etcd_again_ends_the_others_backoff_at_once() {
+        let answered = Arc::new(Answered::default());
+        let mut waiting = Backoff::new(fastrand::Rng::with_seed(1));
+        // Failed long enough that its next delay is at least a second.
+        for _ in 0..4 {
+            waiting.wait().await;
+        }
+        let start = tokio::time::Instant::now();
+        let retried = tokio::spawn({
+            let answered = Arc::clone(&answered);
+            async move {
+                answered.retry_after(&mut waiting).await;
+                tokio::time::Instant::now()
+            }
+        });
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        // An answer to a loop that had not failed wakes no one.
+        answered.answered(&mut Backoff::new(fastrand::Rng::with_seed(2)));
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        assert!(!retried.is_finished(), "woken by a loop that never failed");
+        let mut failed = Backoff::new(fastrand::Rng::with_seed(3));
+        failed.wait().await;
+        answered.answered(&mut failed);
+        let at = retried.await.expect("the retry");
+        assert!(at - start < Duration::from_millis(500), "{:?}", at - start);
     }
 
     #[test]
