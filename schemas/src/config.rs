@@ -29,7 +29,9 @@ pub struct AgentConfig {
     pub token: Option<TokenConfig>,
     /// A file holding the bearer token (its surrounding whitespace is ignored).
     pub token_file: Option<PathBuf>,
-    /// The level re-check period (default 1s).
+    /// The level re-check period (default 10s): a worker with a lost wake-up or a due
+    /// time is woken within one, and every alloc is reconciled every 10 ticks (at least
+    /// a minute apart).
     #[serde(default, deserialize_with = "tick")]
     pub tick: Option<Duration>,
     /// The full re-listing period of the specs directory (default 20s).

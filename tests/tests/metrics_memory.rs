@@ -10,7 +10,7 @@ use std::cell::Cell;
 
 use api_support::{agent, alloc, forever};
 use stead_controller::metrics::{self, Format, Metrics};
-use stead_controller::node::{NodeConfig, SWEEP_EVERY};
+use stead_controller::node::{NodeConfig, sweep_every};
 
 thread_local! {
     /// Bytes allocated minus bytes freed by this thread.
@@ -82,8 +82,9 @@ async fn an_unscraped_agent_keeps_a_flat_heap_over_forty_thousand_reconciles_of_
     let after = (live_bytes(), reconciles(&agent));
 
     let passes = after.1 - before.1;
-    // Issue 36: every alloc is swept once every `SWEEP_EVERY` ticks and woken on no other.
-    let sweeps = f64::from(TICKS / SWEEP_EVERY);
+    // Issue 36: every alloc is swept once every `sweep_every(tick)` ticks and woken on no
+    // other.
+    let sweeps = f64::from(TICKS / sweep_every(tick));
     assert!(
         passes >= (sweeps - 1.0) * ALLOCS as f64 && passes <= (sweeps + 1.0) * ALLOCS as f64,
         "an idle alloc reconciles once per sweep, {sweeps} sweeps: {passes} passes"

@@ -5,7 +5,7 @@
 //! status snapshots and never wait either. Locks here are held for a map operation,
 //! never across an `.await`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -117,27 +117,41 @@ struct Shared {
 /// the level re-check of many allocs is spread over the period instead of landing at once.
 pub const TICK_SLICES: u32 = 10;
 
-/// Every how many ticks the slow full sweep comes: then every worker is woken, whether
-/// or not anything reached it, so a worker whose wake-up was lost converges within
-/// `SWEEP_EVERY` ticks. On the other ticks only workers with a new input or a due time
-/// are woken: an idle node's tick costs no pass per alloc.
+/// Every how many ticks the slow full sweep comes, at the least: then every worker is
+/// woken, whether or not anything reached it, so a worker whose wake-up was lost
+/// converges within one sweep ([`sweep_every`]). On the other ticks only workers with a
+/// new input or a due time are woken: an idle node's tick costs no pass per alloc.
 pub const SWEEP_EVERY: u32 = 10;
+
+/// The shortest time between two full sweeps, whatever the tick: the sweep is the net
+/// for a wake-up lost whole (a bug), and its cost is a pass of every alloc, so a short
+/// tick (which bounds the recovery of a due time or a counted input) does not make the
+/// node sweep more often than this. The kubelet re-syncs every pod once a minute.
+pub const SWEEP_PERIOD_MIN: Duration = Duration::from_secs(60);
+
+/// Every how many ticks of period `tick` the full sweep comes: [`SWEEP_EVERY`], or more
+/// so that sweeps are at least [`SWEEP_PERIOD_MIN`] apart.
+pub fn sweep_every(tick: Duration) -> u32 {
+    let floor = SWEEP_PERIOD_MIN.as_nanos().div_ceil(tick.as_nanos().max(1));
+    u32::try_from(floor).unwrap_or(u32::MAX).max(SWEEP_EVERY)
+}
 
 /// The level re-check, until the node is gone: one timer for the node instead of one per
 /// alloc, reaching one slice of the allocs every `1 / TICK_SLICES` of the period (see
-/// [`SWEEP_EVERY`] for which workers it wakes). An alloc made or removed meanwhile may
+/// [`sweep_every`] for which workers it wakes). An alloc made or removed meanwhile may
 /// shift the slices, so an alloc may be reached twice or not at all in one period; its
 /// own wake-ups and due time do not depend on the tick.
 async fn tick(shared: std::sync::Weak<Shared>) {
     let Some(period) = shared.upgrade().map(|s| s.config.tick) else {
         return;
     };
+    let every = u64::from(sweep_every(period));
     let slices = usize::try_from(TICK_SLICES).expect("a small constant");
     let mut interval = tokio::time::interval((period / TICK_SLICES).max(Duration::from_millis(1)));
     interval.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     interval.tick().await;
     for round in 0_u64.. {
-        let sweep = round % u64::from(SWEEP_EVERY) == u64::from(SWEEP_EVERY) - 1;
+        let sweep = round % every == every - 1;
         for slice in 0..slices {
             interval.tick().await;
             let Some(shared) = shared.upgrade() else {
@@ -400,7 +414,7 @@ impl Node {
 
     /// Starts a worker for `name`; the caller holds the slots' write lock, so a retiring
     /// worker and a new input cannot cross.
-    fn spawn(&self, slots: &mut HashMap<Name, AllocSlot>, name: Name, start: Start) {
+    fn spawn(&self, slots: &mut indexmap::IndexMap<Name, AllocSlot>, name: Name, start: Start) {
         let mailbox = Mailbox::default();
         let worker = Worker::new(
             self.shared.context.clone(),
@@ -898,6 +912,30 @@ impl Node {
             if version.changed().await.is_err() {
                 return;
             }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_full_sweep_comes_every_ten_ticks_and_never_less_than_a_minute_apart() {
+        for (tick, every) in [
+            (Duration::from_secs(10), 10),
+            (Duration::from_secs(60), 10),
+            (Duration::from_secs(6), 10),
+            (Duration::from_secs(5), 12),
+            (Duration::from_secs(1), 60),
+            (Duration::from_millis(100), 600),
+            (Duration::from_millis(7), 8572),
+        ] {
+            assert_eq!(sweep_every(tick), every, "tick {tick:?}");
+            assert!(
+                tick * sweep_every(tick) >= SWEEP_PERIOD_MIN,
+                "tick {tick:?}"
+            );
         }
     }
 }

@@ -5,10 +5,11 @@
 //! whole, so one read never pairs one publish's status with another's task handles.
 //! Locks are held for a map operation, never across an `.await`.
 
-use std::collections::{BTreeMap, HashMap};
+use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock, RwLockReadGuard, RwLockWriteGuard};
 
+use indexmap::IndexMap;
 use stead_schemas::Timestamp;
 use stead_schemas::spec::{DriverKind, Name};
 use stead_schemas::status::AllocStatus;
@@ -108,8 +109,10 @@ pub struct AllocFacts {
 /// The node's allocs, one slot each, and the node-wide facts their workers act on.
 pub(crate) struct Registry {
     /// One slot per alloc. Adding and removing a slot takes the write lock; a publish
-    /// takes the read lock and its slot's own, so workers publish side by side.
-    slots: RwLock<HashMap<Name, AllocSlot>>,
+    /// takes the read lock and its slot's own, so workers publish side by side. Kept in
+    /// an order the tick can slice by position (a removal moves the last slot into the
+    /// gap).
+    slots: RwLock<IndexMap<Name, AllocSlot>>,
     /// Set (under the slots' write lock) when the node's shutdown began: no worker is
     /// started or given new input after it, and user commands are refused.
     pub(crate) shutting_down: AtomicBool,
@@ -126,7 +129,7 @@ impl Registry {
     pub(crate) fn new() -> Self {
         let (version, _) = watch::channel(0);
         Registry {
-            slots: RwLock::new(HashMap::new()),
+            slots: RwLock::new(IndexMap::new()),
             shutting_down: AtomicBool::new(false),
             version,
             store_failures: AtomicU64::new(0),
@@ -139,11 +142,11 @@ impl Registry {
         self.version.send_modify(|v| *v += 1);
     }
 
-    pub(crate) fn slots(&self) -> RwLockReadGuard<'_, HashMap<Name, AllocSlot>> {
+    pub(crate) fn slots(&self) -> RwLockReadGuard<'_, IndexMap<Name, AllocSlot>> {
         self.slots.read().unwrap_or_else(|e| e.into_inner())
     }
 
-    pub(crate) fn slots_mut(&self) -> RwLockWriteGuard<'_, HashMap<Name, AllocSlot>> {
+    pub(crate) fn slots_mut(&self) -> RwLockWriteGuard<'_, IndexMap<Name, AllocSlot>> {
         self.slots.write().unwrap_or_else(|e| e.into_inner())
     }
 
@@ -203,11 +206,14 @@ impl Registry {
 
     /// One of `slices` slices of the level re-check: the mailboxes of that share of the
     /// slots each learn of the tick (see [`Mailbox::tick`]). The slots' read lock is held
-    /// for a few loads per slot of the slice; the others are skipped unread.
+    /// for a few loads per slot of the slice; the others are not touched, so a whole
+    /// period reads each slot once.
     pub(crate) fn tick(&self, slice: usize, slices: usize, now: Timestamp, sweep: bool) {
         let slots = self.slots();
         let chunk = slots.len().div_ceil(slices.max(1));
-        for slot in slots.values().skip(slice * chunk).take(chunk) {
+        let start = (slice * chunk).min(slots.len());
+        let end = (start + chunk).min(slots.len());
+        for (_, slot) in slots.get_range(start..end).into_iter().flatten() {
             slot.mailbox.tick(now, sweep);
         }
     }
@@ -220,7 +226,7 @@ impl Registry {
         if mailbox.has_target() {
             return false;
         }
-        slots.remove(name);
+        slots.swap_remove(name);
         drop(slots);
         self.changed();
         true

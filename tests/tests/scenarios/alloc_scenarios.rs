@@ -9,7 +9,7 @@ use stead_controller::allocdir::AllocDirs;
 use stead_controller::clock::Clock;
 use stead_controller::driver::mock::{MockDriver, MockOp};
 use stead_controller::driver::{Driver, Drivers, Health};
-use stead_controller::node::{Node, NodeConfig, SWEEP_EVERY};
+use stead_controller::node::{Node, NodeConfig, sweep_every};
 use stead_controller::queue::Shutdown;
 use stead_controller::store::MemoryStore;
 use stead_reconcilers::alloc::Limits;
@@ -169,9 +169,9 @@ async fn a_worker_whose_wake_up_was_lost_converges_within_one_full_sweep() {
     let took = h.clock.now().saturating_duration_since(lost_at);
     // One full sweep, plus the old task's stop and the new one's start (instant here).
     assert!(
-        took <= tick * SWEEP_EVERY + Duration::from_secs(1),
+        took <= tick * sweep_every(tick) + Duration::from_secs(1),
         "converged {took:?} after the lost wake-up; a full sweep is {:?}",
-        tick * SWEEP_EVERY
+        tick * sweep_every(tick)
     );
 }
 

@@ -420,7 +420,12 @@ impl Worker {
     fn take_inputs(&mut self) -> Vec<Input> {
         let pending = self.mailbox.take();
         let reports = self.reports.take();
-        let mut inputs = Vec::with_capacity(2 + reports.len() + pending.commands.len());
+        // A pass with nothing new (the sweep's, a due time's) allocates nothing here.
+        let count = usize::from(pending.target.is_some())
+            + usize::from(pending.shutdown.is_some())
+            + reports.len()
+            + pending.commands.len();
+        let mut inputs = Vec::with_capacity(count);
         inputs.extend(pending.target.map(Input::Target));
         inputs.extend(pending.shutdown.map(Input::Shutdown));
         inputs.extend(
