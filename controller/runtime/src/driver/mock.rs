@@ -355,6 +355,16 @@ impl State {
     }
 }
 
+/// Whether a task has anything for [`live`] to do: output to repeat or a `runFor` exit.
+fn has_timers(config: &MockConfig) -> bool {
+    config.run_for.is_some()
+        || (config
+            .stdout_string
+            .as_deref()
+            .is_some_and(|s| !s.is_empty())
+            && config.stdout_repeat.unwrap_or(0) > 0)
+}
+
 /// Runs task `id`'s timers: its repeated stdout and its `runFor` exit.
 async fn live(inner: Weak<Inner>, id: String, config: MockConfig, ended: CancellationToken) {
     let write_output = async {
@@ -474,12 +484,16 @@ impl Driver for MockDriver {
             let (handle, task) = inner.launch(&request, config.clone());
             let ended = task.ended.clone();
             inner.lock().tasks.insert(handle.id.clone(), task);
-            tokio::spawn(live(
-                Arc::downgrade(&inner),
-                handle.id.clone(),
-                config,
-                ended,
-            ));
+            // A task with nothing timed holds no timer task: at thousands of tasks, each
+            // idle timer's future was most of the driver's memory per task.
+            if has_timers(&config) {
+                tokio::spawn(live(
+                    Arc::downgrade(&inner),
+                    handle.id.clone(),
+                    config,
+                    ended,
+                ));
+            }
             guard.returned(true);
             Ok(handle)
         })
