@@ -212,7 +212,7 @@ pub(super) fn status_of(
                         })
                         .collect(),
                 };
-                (task.to_string(), status)
+                (task.to_string(), Box::new(status))
             })
             .collect(),
     }

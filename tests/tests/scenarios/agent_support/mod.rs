@@ -12,7 +12,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use stead_schemas::status::{AllocStatus, TaskEventStatus};
+use stead_schemas::status::{AllocStatus, TaskEventStatus, TaskStatus};
 
 /// The agent binary cargo built for these tests.
 pub fn agent_binary() -> PathBuf {
@@ -372,15 +372,15 @@ impl Agent {
         name: &str,
         what: &str,
         within: Duration,
-        condition: impl Fn(&stead_schemas::status::TaskStatus) -> bool,
-    ) -> stead_schemas::status::TaskStatus {
+        condition: impl Fn(&TaskStatus) -> bool,
+    ) -> TaskStatus {
         wait_for(what, within, || {
             let status = self.status(name);
             status
                 .as_ref()
                 .and_then(|s| s.tasks.get("main"))
                 .filter(|task| condition(task))
-                .cloned()
+                .map(|task| TaskStatus::clone(task))
                 .ok_or_else(|| format!("{status:#?}"))
         })
     }
