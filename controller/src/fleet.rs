@@ -263,7 +263,7 @@ impl Answered {
     /// had been failing, the other loops stop waiting out theirs. Only the end of a
     /// failure wakes them, so a loop refused for another reason (a node claimed by
     /// another agent) retries once per outage's end, never once per answer.
-    fn answered(&self, backoff: &mut Backoff) {
+    fn heard(&self, backoff: &mut Backoff) {
         if backoff.reset() {
             self.0.notify_waiters();
         }
@@ -328,7 +328,7 @@ struct Shared {
     /// Told by the status loop when a write found the node's key not under the lease.
     lost: tokio::sync::Notify,
     /// Ends the other loops' backoff when one hears from etcd again.
-    answered: Answered,
+    etcd: Answered,
     /// Ends the desired and lease loops.
     stop: CancellationToken,
     /// Ends the status loop (first, so that its last pass runs under the lease).
@@ -344,14 +344,6 @@ impl Shared {
             Some(seed) => fastrand::Rng::with_seed(seed ^ salt),
             None => fastrand::Rng::new(),
         })
-    }
-
-    fn answered(&self, backoff: &mut Backoff) {
-        self.answered.answered(backoff);
-    }
-
-    async fn retry_after(&self, backoff: &mut Backoff) {
-        self.answered.retry_after(backoff).await;
     }
 
     fn report(&self, set: impl FnOnce(&mut HealthParts)) {
@@ -485,7 +477,7 @@ impl Fleet {
             }),
             lease: lease_tx,
             lost: tokio::sync::Notify::new(),
-            answered: Answered::default(),
+            etcd: Answered::default(),
             stop: CancellationToken::new(),
             stop_status: CancellationToken::new(),
             options,
@@ -653,14 +645,14 @@ async fn follow_desired(
                         }
                         current = Some(desired);
                         listed_at = Some(shared.clock.instant());
-                        shared.answered(&mut backoff);
+                        shared.etcd.heard(&mut backoff);
                         shared.report(|h| h.desired = None);
                     }
                     Err(error) => {
                         shared.report(|h| {
                             h.desired = Some(format!("cannot list the desired keys: {error}"))
                         });
-                        shared.retry_after(&mut backoff).await;
+                        shared.etcd.retry_after(&mut backoff).await;
                     }
                 }
                 continue;
@@ -671,7 +663,7 @@ async fn follow_desired(
             WatchEnd::Relist => listed_at = None,
             WatchEnd::Failed(why) => {
                 shared.report(|h| h.desired = Some(why));
-                shared.retry_after(&mut backoff).await;
+                shared.etcd.retry_after(&mut backoff).await;
             }
         }
     }
@@ -748,7 +740,7 @@ async fn watch_desired(
             }
         };
         // Streaming again: etcd is back.
-        shared.answered(backoff);
+        shared.etcd.heard(backoff);
         shared.report(|h| h.desired = None);
         let mut changed = false;
         for event in events {
@@ -879,12 +871,12 @@ async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
             Some(id) => id,
             None => match claim(shared, client).await {
                 Ok(id) => {
-                    shared.answered(&mut backoff);
+                    shared.etcd.heard(&mut backoff);
                     id
                 }
                 Err(error) => {
                     shared.report(|h| h.lease = Some(format!("the node is not claimed: {error}")));
-                    shared.retry_after(&mut backoff).await;
+                    shared.etcd.retry_after(&mut backoff).await;
                     continue;
                 }
             },
@@ -911,7 +903,7 @@ async fn hold_node(shared: &Shared, client: &Client, lease: &mut Option<i64>) {
             Err(error) => {
                 shared
                     .report(|h| h.lease = Some(format!("cannot renew the node's lease: {error}")));
-                shared.retry_after(&mut backoff).await;
+                shared.etcd.retry_after(&mut backoff).await;
             }
         }
     }
@@ -930,9 +922,9 @@ async fn keep_alive(
     loop {
         bounded(keeper.keep_alive()).await?;
         match bounded(stream.message()).await? {
-            Some(answer) if answer.ttl() > 0 => shared.answered(backoff),
+            Some(answer) if answer.ttl() > 0 => shared.etcd.heard(backoff),
             Some(_) => {
-                shared.answered(backoff);
+                shared.etcd.heard(backoff);
                 return Ok(());
             }
             None => return Err(FleetError::Timeout(REQUEST_TIMEOUT)),
@@ -986,12 +978,12 @@ async fn status_passes(
         let pass = shared.clock.instant();
         match status_pass(shared, kv, id, written).await {
             Ok(()) => {
-                shared.answered(&mut backoff);
+                shared.etcd.heard(&mut backoff);
                 shared.report(|h| h.status = None);
             }
             Err(FleetError::NotHolder { .. }) => {
                 // An answer all the same: etcd is back.
-                shared.answered(&mut backoff);
+                shared.etcd.heard(&mut backoff);
                 // The lease loop claims the node again; writes wait for that.
                 shared.report(|h| {
                     h.status = Some("status not written: the node's key is not held".to_owned())
@@ -1002,7 +994,7 @@ async fn status_passes(
             }
             Err(error) => {
                 shared.report(|h| h.status = Some(format!("status not written: {error}")));
-                shared.retry_after(&mut backoff).await;
+                shared.etcd.retry_after(&mut backoff).await;
                 continue;
             }
         }
@@ -1149,12 +1141,12 @@ mod tests {
         });
         tokio::time::sleep(Duration::from_millis(100)).await;
         // An answer to a loop that had not failed wakes no one.
-        answered.answered(&mut Backoff::new(fastrand::Rng::with_seed(2)));
+        answered.heard(&mut Backoff::new(fastrand::Rng::with_seed(2)));
         tokio::time::sleep(Duration::from_millis(100)).await;
         assert!(!retried.is_finished(), "woken by a loop that never failed");
         let mut failed = Backoff::new(fastrand::Rng::with_seed(3));
         failed.wait().await;
-        answered.answered(&mut failed);
+        answered.heard(&mut failed);
         // Its own delay has at least 600 ms left (paused time runs to the next timer).
         tokio::time::timeout(Duration::from_millis(100), retried)
             .await
