@@ -60,8 +60,15 @@ pub(crate) fn parent(pid: u32) -> Option<u32> {
 
 /// User plus system CPU time of `pid` (`self` for this process), in clock ticks (10 ms).
 pub(crate) fn cpu_ticks(pid: &str) -> Option<u64> {
+    let (user, system) = user_system_ticks(pid)?;
+    Some(user + system)
+}
+
+/// The user and the system CPU time of `pid` (`self` for this process), in clock ticks
+/// (10 ms).
+pub(crate) fn user_system_ticks(pid: &str) -> Option<(u64, u64)> {
     let fields = stat_fields(pid)?;
-    Some(fields.get(11)?.parse::<u64>().ok()? + fields.get(12)?.parse::<u64>().ok()?)
+    Some((fields.get(11)?.parse().ok()?, fields.get(12)?.parse().ok()?))
 }
 
 /// A field of `/proc/<pid>/smaps_rollup` (`Rss`, `Pss`, …), in KiB.
