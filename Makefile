@@ -8,7 +8,7 @@ SHELL := bash
 CARGO ?= cargo
 SPECS ?= deploy/examples
 
-.PHONY: run test deps fmt-check clippy unit release bench soak fuzz screenshots gpu-check
+.PHONY: run test deps fmt-check clippy unit release bench soak fuzz screenshots gpu-check scale-check
 
 # The same build as `make test` (every target of the workspace), so the two share one
 # compile of RocksDB's C++; a narrower selection unifies features differently and
@@ -82,6 +82,16 @@ GPU_CHECK_OUT ?= target/gpu-check
 gpu-check: deps
 	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-controller stead-supervisor
 	scripts/gpu-check.sh target/dist $(GPU_CHECK_OUT)
+
+# Issue 36's exec figures on a large node, as root: SCALE_CHECK_TASKS (10,000) tasks
+# started, reattached after an agent restart and drained, against the bare loop and the
+# loop with a cgroup per process; the data dirs on disk under /var/tmp. The machine and
+# the figures go to SCALE_CHECK_OUT (scripts/scale-check.sh says what each file shows).
+SCALE_CHECK_TASKS ?= 10000
+SCALE_CHECK_OUT ?= target/scale-check
+scale-check: deps
+	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-supervisor stead-bench
+	scripts/scale-check.sh target/dist $(SCALE_CHECK_OUT) $(SCALE_CHECK_TASKS)
 
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.

@@ -16,7 +16,7 @@
 //! target/dist stead-supervisor stead-bench`) or its path in `STEAD_SUPERVISOR`.
 
 use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -31,7 +31,7 @@ use stead_schemas::ValidSpec;
 use stead_schemas::status::AllocStatus;
 use tokio::runtime::Runtime;
 
-use crate::measure::{median, parent, smaps_kib, user_system_ticks};
+use crate::measure::{median, now, parent, smaps_kib, user_system_ticks};
 
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -288,6 +288,54 @@ async fn stead_round(
     })
 }
 
+/// What the kernel's cgroup work costs a start and a stop, measured apart from stead: the
+/// bare loop with each process moved into a cgroup of its own, made just before it in
+/// `root` (where the exec driver makes its tasks' cgroups, so with the same controllers);
+/// then every process killed and reaped, and every cgroup removed. Returns the three
+/// times. On a v1 host `root` is the memory hierarchy's alone: the driver also makes one
+/// in `cpu` (and, on a hybrid, in the v2 tree for `cgroup.kill`), so there it is a part.
+fn cgroup_spawn_loop(root: &Path, tasks: usize) -> anyhow::Result<(Duration, Duration, Duration)> {
+    use std::os::unix::process::CommandExt;
+    let dir = |i: usize| root.join(format!("stead-bench-floor-{i}"));
+    let start = now();
+    let mut children = Vec::with_capacity(tasks);
+    for i in 0..tasks {
+        let cgroup = dir(i);
+        std::fs::create_dir(&cgroup).with_context(|| format!("creating {}", cgroup.display()))?;
+        let child = std::process::Command::new("sleep")
+            .arg("3600")
+            .process_group(0)
+            .spawn()
+            .context("spawning the floor's process")?;
+        std::fs::write(cgroup.join("cgroup.procs"), child.id().to_string())
+            .with_context(|| format!("moving a process into {}", cgroup.display()))?;
+        children.push(child);
+    }
+    let spawned = start.elapsed();
+    let start = now();
+    for child in &mut children {
+        let _ = child.kill();
+    }
+    for child in &mut children {
+        let _ = child.wait();
+    }
+    let reaped = start.elapsed();
+    let start = now();
+    for i in 0..tasks {
+        let cgroup = dir(i);
+        // A reaped process may leave its cgroup a moment later.
+        let mut attempts = 0;
+        while let Err(error) = std::fs::remove_dir(&cgroup) {
+            attempts += 1;
+            if attempts > 1000 || error.kind() == std::io::ErrorKind::NotFound {
+                break;
+            }
+            std::thread::yield_now();
+        }
+    }
+    Ok((spawned, reaped, start.elapsed()))
+}
+
 /// Runs the benchmark: `exec [TASKS] [RESTARTS] [ROUNDS]`.
 pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
     let mut args = std::env::args().skip(2);
@@ -309,8 +357,15 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         );
     }
     let clock = runtime.block_on(async { Clock::system() });
+    // Where the exec driver makes its tasks' cgroups, if it can.
+    let cgroup_root = runtime.block_on(async {
+        let driver = ExecDriver::new(ExecDriverConfig::new(std::env::temp_dir()), clock);
+        let fingerprint = driver.fingerprint().await;
+        fingerprint.attributes.get("cgroup.root").map(PathBuf::from)
+    });
 
     let mut bare = Vec::new();
+    let mut floor_cgroups = Vec::new();
     let mut stead = Vec::new();
     let mut agent_restarts = Vec::new();
     let mut measured = None;
@@ -326,6 +381,9 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
             // `spawn` returns once the child has executed, as stead's start report does.
             || Ok(()),
         )?);
+        if let Some(root) = &cgroup_root {
+            floor_cgroups.push(cgroup_spawn_loop(root, tasks)?);
+        }
         let last = round + 1 == rounds;
         let result = runtime.block_on(stead_round(
             round,
@@ -361,6 +419,22 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         stead_median.as_secs_f64(),
         stead_median.as_secs_f64() / bare_median.as_secs_f64()
     );
+    if let Some(root) = &cgroup_root {
+        let spawned = median(&floor_cgroups.iter().map(|f| f.0).collect::<Vec<_>>());
+        let reaped = median(&floor_cgroups.iter().map(|f| f.1).collect::<Vec<_>>());
+        let removed = median(&floor_cgroups.iter().map(|f| f.2).collect::<Vec<_>>());
+        println!(
+            "  the loop, a cgroup made per process    {:>9.3} s  (median; in {}; stead {:.2}x this)",
+            spawned.as_secs_f64(),
+            root.display(),
+            stead_median.as_secs_f64() / spawned.as_secs_f64()
+        );
+        println!(
+            "  its processes killed and reaped        {:>9.3} s  (median), then their cgroups removed {:.3} s",
+            reaped.as_secs_f64(),
+            removed.as_secs_f64()
+        );
+    }
     let ((user, system), supervisors, started) = measured.cpu;
     let per_task_ms = |nanos: u64| nanos as f64 / 1e6 / tasks as f64;
     let tick_nanos = 10_000_000;
