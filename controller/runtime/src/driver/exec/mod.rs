@@ -1143,6 +1143,17 @@ impl Inner {
         let Some(id) = RunId::parse(&handle.id) else {
             return;
         };
+        // A run whose end this driver published with its cgroup removed, or as its
+        // supervisor reported it, left nothing to kill: its cgroup was emptied, or its
+        // supervisor killed what the task left before it reported. (A cgroup that could
+        // not be removed is released again by the caller.)
+        if let Some(state) = self.run_state(handle)
+            && state.exit.borrow().is_some()
+            && (state.cgroup.is_some() || state.reported.load(Ordering::Acquire))
+        {
+            self.runs().remove(&handle.id);
+            return;
+        }
         self.kill_run(&id);
         // A supervisor that reported the exit, or recorded it, cleaned up before; only
         // one that died without either leaves the task's session to search (a scan of
@@ -1364,7 +1375,6 @@ async fn publish_exit(state: &RunState, mut result: ExitResult, control: &Path, 
 
 /// Kills what is left in a run's cgroup and removes it.
 async fn release(cgroup: TaskCgroup) {
-    cgroup.kill();
     if let Err(error) = cgroup.remove().await {
         tracing::warn!(cgroup = %cgroup, %error, "cannot remove a task's cgroup");
     }

@@ -676,8 +676,13 @@ impl TaskCgroup {
         false
     }
 
-    /// Removes it; waits a little for killed processes to leave. One that is gone
-    /// already is fine; every hierarchy is tried, and the first error returned.
+    /// Removes it, killing what is left in it first: a cgroup still holding a process
+    /// is killed, and its removal looked at again every 10 ms, 2 s in all, for the killed
+    /// processes to leave. An empty one (a run whose processes have all ended, the usual
+    /// case) goes with one `rmdir` per hierarchy and is never written to: writing
+    /// `cgroup.kill` takes the kernel's global cgroup lock, as each `rmdir` does. One
+    /// that is gone already is fine; every hierarchy is tried, and the first error
+    /// returned.
     pub(crate) async fn remove(&self) -> io::Result<()> {
         let reserved = match self {
             TaskCgroup::V2 { dir } => {
@@ -698,12 +703,13 @@ impl TaskCgroup {
                         if error.raw_os_error() == Some(rustix::io::Errno::BUSY.raw_os_error())
                             && attempts < REMOVE_ATTEMPTS =>
                     {
-                        attempts += 1;
-                        // Again: without `cgroup.kill` a process forked during the
-                        // last scan is still there.
+                        // Something is left in it: killed at once, and again every ten
+                        // looks (without `cgroup.kill` a process forked during the last
+                        // scan is still there).
                         if attempts % 10 == 0 {
                             self.kill();
                         }
+                        attempts += 1;
                         tokio::time::sleep(Duration::from_millis(10)).await;
                     }
                     Err(error) => {
