@@ -115,8 +115,10 @@ struct Child {
     parent: Option<Pid>,
     /// The signal mask the task starts with: the supervisor's, `SIGCHLD` unblocked.
     mask: SignalSet,
-    /// The `cgroup.procs` files to write `0` (the writer) to.
+    /// The files to write `0` (the writer) to, one per cgroup it joins.
     cgroups: Vec<CString>,
+    /// Of `cgroups`, the one the child was created in, which it need not join.
+    created_in: Option<usize>,
 }
 
 /// Which step of the child's set-up failed; sent before its errno.
@@ -177,7 +179,7 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
     // it unblocked, as any program expects.
     let mask = sys::sigprocmask(MaskHow::Block, SignalSet::default())?
         .without(linux_raw_sys::general::SIGCHLD);
-    let child = Child {
+    let mut child = Child {
         argv,
         envp,
         candidates,
@@ -198,13 +200,32 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
             .iter()
             .map(|path| c_string(path))
             .collect::<Result<_, _>>()?,
+        created_in: None,
     };
     // Close-on-exec: the read end sees EOF once the child has exec'ed, or the errno of
     // the step that failed.
     let (status_read, status_write) = pipe_with(PipeFlags::CLOEXEC)?;
+    // On cgroup v2 the task is created in its cgroup rather than moved into it: a move
+    // through `cgroup.procs` takes the kernel's global threadgroup lock, which waits for
+    // every fork and exit in flight on the machine. A kernel without `CLONE_INTO_CGROUP`
+    // (before 5.7), or one that refuses the cgroup, gets the fork and the move.
+    let v2 = cgroup_v2_dir(&child.cgroups);
     // SAFETY: the child makes only system calls on what `child` holds, built above, and
     // leaves through `exec` or `exit`.
-    match unsafe { sys::fork() }? {
+    let forked = match &v2 {
+        Some((index, dir)) => match unsafe { sys::fork_into_cgroup(dir.as_fd()) } {
+            Ok(forked) => {
+                child.created_in = Some(*index);
+                Ok(forked)
+            }
+            // SAFETY: as above.
+            Err(_) => unsafe { sys::fork() },
+        },
+        // SAFETY: as above.
+        None => unsafe { sys::fork() },
+    };
+    drop(v2);
+    match forked? {
         None => {
             drop(status_read);
             let (step, errno) = prepare_and_exec(&child);
@@ -243,6 +264,19 @@ pub(crate) fn spawn(command: TaskCommand<'_>) -> Result<Pid, SpawnError> {
     }
 }
 
+/// Of `files` (what the task joins its cgroups through), the first that is a v2
+/// `cgroup.procs`, by its index, with its cgroup's directory opened.
+fn cgroup_v2_dir(files: &[CString]) -> Option<(usize, OwnedFd)> {
+    const PROCS: &[u8] = b"/cgroup.procs";
+    files.iter().enumerate().find_map(|(index, file)| {
+        let dir = file.as_bytes().strip_suffix(PROCS)?;
+        let dir = file::open(dir, OFlags::PATH | OFlags::DIRECTORY, 0).ok()?;
+        let magic = rustix::fs::fstatfs(&dir).ok()?.f_type;
+        (magic as u64 == u64::from(linux_raw_sys::general::CGROUP2_SUPER_MAGIC))
+            .then_some((index, dir))
+    })
+}
+
 /// Puts `fd` at `target` (0, 1 or 2) without close-on-exec.
 fn install(fd: &OwnedFd, target: i32) -> Result<(), Errno> {
     use rustix::fd::AsRawFd;
@@ -261,7 +295,10 @@ fn install(fd: &OwnedFd, target: i32) -> Result<(), Errno> {
 #[allow(unsafe_code)]
 fn prepare_and_exec(child: &Child) -> (u8, Errno) {
     // Before anything else, so that no instant of the task runs outside its limits.
-    if let Err(errno) = crate::cgroup::join(&child.cgroups) {
+    let joins = (child.cgroups.iter().enumerate())
+        .filter(|(index, _)| Some(*index) != child.created_in)
+        .map(|(_, file)| file);
+    if let Err(errno) = crate::cgroup::join(joins) {
         return (FAILED_CGROUP, errno);
     }
     let steps = || -> Result<(), (u8, Errno)> {
@@ -573,5 +610,76 @@ mod tests {
         let error = spawned.expect_err("nothing to run");
         assert_eq!(error, SpawnError::Os(OsError(Errno::NOENT)));
         assert!(error.is_permanent());
+    }
+
+    /// A fresh cgroup v2 directory below this process's own, made for one test, with its
+    /// path as `/proc/<pid>/cgroup` shows it; `None` where there is no v2 tree this
+    /// process may make cgroups in (not root, no `cgroup2` mount).
+    fn test_cgroup_v2(name: &str) -> Option<(std::path::PathBuf, String)> {
+        let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
+        let mount = mounts.lines().find_map(|line| {
+            let fields: Vec<&str> = line.split_whitespace().collect();
+            (fields.get(2) == Some(&"cgroup2")).then(|| fields[1].to_owned())
+        })?;
+        let own = std::fs::read_to_string("/proc/self/cgroup").ok()?;
+        let own = own.lines().find_map(|line| line.strip_prefix("0::"))?;
+        let shown = format!(
+            "{}/{name}-{}",
+            own.trim_end_matches('/'),
+            std::process::id()
+        );
+        let dir = std::path::PathBuf::from(format!("{mount}{shown}"));
+        std::fs::create_dir(&dir).ok()?;
+        Some((dir, shown))
+    }
+
+    #[test]
+    fn on_cgroup_v2_the_task_is_created_in_its_cgroup_and_a_stand_in_file_is_joined() {
+        let Some((dir, shown)) = test_cgroup_v2("stead-spawn-test") else {
+            eprintln!("skipped: no cgroup v2 tree to make a cgroup in");
+            return;
+        };
+        let v2 = dir
+            .join("cgroup.procs")
+            .into_os_string()
+            .into_encoded_bytes();
+        let stand_in = tempfile::NamedTempFile::new().expect("a stand-in procs file");
+        let files = [
+            CString::new(stand_in.path().as_os_str().as_encoded_bytes()).expect("a path"),
+            CString::new(v2).expect("a path"),
+        ];
+        // Only the v2 `cgroup.procs` is a directory to be created in.
+        let picked = cgroup_v2_dir(&files).map(|(index, _)| index);
+        assert_eq!(picked, Some(1));
+        assert!(cgroup_v2_dir(&files[..1]).is_none());
+
+        let (_, cgroup) = cgroup_v2_dir(&files).expect("the v2 cgroup");
+        let (read, write) = pipe();
+        // SAFETY: the child makes one system call and exits.
+        #[allow(unsafe_code)]
+        let forked = unsafe { sys::fork_into_cgroup(cgroup.as_fd()) };
+        let pid = match forked {
+            // Until the parent has looked.
+            Ok(None) => {
+                let _ = rustix::io::read(&read, &mut [0u8; 1]);
+                sys::exit(0)
+            }
+            Ok(Some(pid)) => pid,
+            Err(errno @ (Errno::NOSYS | Errno::TOOBIG | Errno::INVAL)) => {
+                eprintln!("skipped: this kernel has no CLONE_INTO_CGROUP ({errno})");
+                let _ = std::fs::remove_dir(&dir);
+                return;
+            }
+            Err(errno) => std::panic!("clone3: {errno}"),
+        };
+        let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", pid.as_raw_pid()));
+        rustix::io::write(&write, b"x").expect("the child let go");
+        assert!(wait(pid).exit_status() == Some(0));
+        std::fs::remove_dir(&dir).expect("the test cgroup, empty again");
+        let membership = membership.expect("the child's cgroups");
+        assert!(
+            membership.lines().any(|line| line == format!("0::{shown}")),
+            "{membership}"
+        );
     }
 }

@@ -1,6 +1,6 @@
-//! The system calls rustix keeps to its unstable runtime API, made directly: `fork`,
-//! `execve`, signal masks and dispositions, `signalfd`, `close_range`, `brk` (the binary's
-//! heap) and `exit_group`.
+//! The system calls rustix keeps to its unstable runtime API, made directly: `fork` (and
+//! `clone3` into a cgroup), `execve`, signal masks and dispositions, `signalfd`,
+//! `close_range`, `brk` (the binary's heap) and `exit_group`.
 //!
 //! The supervisor links no C library, so nothing else makes them. Each wrapper is one
 //! system call and touches no memory besides its arguments, so all of them are safe
@@ -9,7 +9,7 @@
 use core::ffi::CStr;
 
 use linux_raw_sys::general as linux;
-use rustix::fd::{FromRawFd, OwnedFd};
+use rustix::fd::{AsRawFd, BorrowedFd, FromRawFd, OwnedFd};
 use rustix::io::Errno;
 use rustix::process::Pid;
 
@@ -95,6 +95,47 @@ pub fn exit(code: u8) -> ! {
 pub unsafe fn brk(end: usize) -> usize {
     // SAFETY: a plain address; the caller answers for the memory a lower break unmaps.
     unsafe { syscall(linux::__NR_brk, [end, 0, 0, 0, 0, 0]) as usize }
+}
+
+/// `clone3` as `fork`, the child created in the cgroup v2 directory `cgroup`
+/// (`CLONE_INTO_CGROUP`, Linux 5.7): `None` in the child, the child's pid in the parent.
+/// The child never runs outside that cgroup, and no move into it takes the kernel's
+/// global threadgroup lock.
+///
+/// # Safety
+/// As for [`fork`].
+#[allow(unsafe_code)]
+pub(crate) unsafe fn fork_into_cgroup(cgroup: BorrowedFd<'_>) -> Result<Option<Pid>, Errno> {
+    let args = linux::clone_args {
+        flags: linux::CLONE_INTO_CGROUP,
+        pidfd: 0,
+        child_tid: 0,
+        parent_tid: 0,
+        exit_signal: u64::from(linux::SIGCHLD),
+        // No stack: the child goes on on a copy of the parent's, as after `fork`.
+        stack: 0,
+        stack_size: 0,
+        tls: 0,
+        set_tid: 0,
+        set_tid_size: 0,
+        cgroup: cgroup.as_raw_fd() as u64,
+    };
+    // SAFETY: `args` lives across the call and its size is the one given; the caller
+    // upholds the rest, as for `fork`.
+    let pid = result(unsafe {
+        syscall(
+            linux::__NR_clone3,
+            [
+                (&raw const args) as usize,
+                core::mem::size_of::<linux::clone_args>(),
+                0,
+                0,
+                0,
+                0,
+            ],
+        )
+    })?;
+    Ok(Pid::from_raw(pid as i32))
 }
 
 /// `fork()`: `None` in the child, the child's pid in the parent.

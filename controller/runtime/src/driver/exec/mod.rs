@@ -934,7 +934,7 @@ impl Inner {
             cgroups: pending
                 .cgroup
                 .iter()
-                .flat_map(TaskCgroup::procs_files)
+                .flat_map(TaskCgroup::join_files)
                 .map(|path| path_bytes(&path))
                 .collect(),
             command: command.into_bytes(),
@@ -1699,7 +1699,7 @@ impl Inner {
                     && state.exit.borrow().is_none()
                     && !state.releasing.load(Ordering::Acquire)
             })
-            .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::procs_files))
+            .find_map(|state| state.cgroup.as_ref().map(TaskCgroup::join_files))
             .unwrap_or_default();
         Ok(CommandContext {
             account,

@@ -616,12 +616,33 @@ impl TaskCgroup {
         }
     }
 
-    /// The `cgroup.procs` files the task joins.
+    /// Its `cgroup.procs` files, which list its processes.
     pub(crate) fn procs_files(&self) -> Vec<PathBuf> {
         self.dirs()
             .into_iter()
             .map(|dir| dir.join("cgroup.procs"))
             .collect()
+    }
+
+    /// The files a process joins it through, by writing `0` from a single thread (a
+    /// child between `fork` and `exec`): a v1 hierarchy's `tasks`, the v2 tree's
+    /// `cgroup.procs`. Moving the writer's one thread through `tasks` is moving the
+    /// process, without the kernel's global threadgroup lock that a `cgroup.procs`
+    /// write takes, which waits for every fork and exit in flight on the machine. v2
+    /// moves threads only within a domain, so a process joins it whole (or, from the
+    /// supervisor, is created in it).
+    pub(crate) fn join_files(&self) -> Vec<PathBuf> {
+        match self {
+            TaskCgroup::V2 { dir } => vec![dir.join("cgroup.procs")],
+            TaskCgroup::V1(dirs) => dirs
+                .each()
+                .into_iter()
+                .map(|dir| {
+                    let v2 = dirs.unified.as_ref() == Some(dir);
+                    dir.join(if v2 { "cgroup.procs" } else { "tasks" })
+                })
+                .collect(),
+        }
     }
 
     /// Whether a run made it (a run of an agent without cgroups did not).
@@ -956,19 +977,24 @@ mod tests {
             )]
         );
         // A run joins only what it needs: memory and cpu always, the v2 tree for kills
-        // and CPU time (so not cpuacct), pids for its limit.
+        // and CPU time (so not cpuacct), pids for its limit. It joins the v1
+        // hierarchies through their thread files, the v2 tree as a whole process.
         let joins = |limits: &Limits| -> Vec<PathBuf> {
             cgroups
                 .task("web-1234abcd", "other", "01")
                 .for_limits(limits)
-                .procs_files()
+                .join_files()
         };
         let at = |hierarchies: &[&str]| -> Vec<PathBuf> {
             hierarchies
                 .iter()
                 .map(|h| {
-                    root.join(h)
-                        .join("stead/web-1234abcd.other.01/cgroup.procs")
+                    let file = if *h == "unified" {
+                        "cgroup.procs"
+                    } else {
+                        "tasks"
+                    };
+                    root.join(h).join("stead/web-1234abcd.other.01").join(file)
                 })
                 .collect()
         };
@@ -1088,6 +1114,13 @@ mod tests {
                 .collect::<Vec<_>>()
         );
         assert_eq!(
+            task.join_files(),
+            ["memory", "cpu,cpuacct"]
+                .iter()
+                .map(|h| root.join(h).join("stead/web-1234abcd.main.00ff/tasks"))
+                .collect::<Vec<_>>()
+        );
+        assert_eq!(
             read(&root.join("cpu,cpuacct/stead/web-1234abcd.main.00ff/cpu.shares")),
             "100"
         );
@@ -1162,6 +1195,7 @@ mod tests {
             assert_eq!(read(&dir.join(file)), value, "{file}");
         }
         assert_eq!(task.procs_files(), [dir.join("cgroup.procs")]);
+        assert_eq!(task.join_files(), [dir.join("cgroup.procs")]);
         assert_eq!(
             read(&service.join("stead/memory.low")),
             (64 * MIB).to_string(),
