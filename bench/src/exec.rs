@@ -95,7 +95,7 @@ async fn wait_for_all(
         loop {
             changes.mark_unchanged();
             pending.retain(|name| !node.status(name).is_some_and(|s| done(name, &s)));
-            if pending.is_empty() {
+            if pending.is_empty() || pending.iter().all(|name| given_up(node, name)) {
                 return;
             }
             if changes.changed().await.is_err() {
@@ -104,7 +104,34 @@ async fn wait_for_all(
             tokio::time::sleep(LOOK_EVERY).await;
         }
     };
-    tokio::time::timeout(limit, wait).await.is_ok() && pending.is_empty()
+    if tokio::time::timeout(limit, wait).await.is_ok() && pending.is_empty() {
+        return true;
+    }
+    // Why: what the first few allocs not done show, the first with its events.
+    eprintln!("{} allocs not done, among them:", pending.len());
+    for (i, name) in pending.iter().take(5).enumerate() {
+        let Some(status) = node.status(name) else {
+            eprintln!("  {name}: no status");
+            continue;
+        };
+        for (task, shown) in &status.tasks {
+            eprintln!(
+                "  {name}/{task}: {} (restarts {})",
+                shown.state, shown.restarts
+            );
+            let events = if i == 0 { shown.events.len() } else { 1 };
+            for event in shown.events.iter().rev().take(events).rev() {
+                eprintln!("    {}: {}", event.event_type, event.message);
+            }
+        }
+    }
+    false
+}
+
+/// Whether every task of alloc `name` is dead, not to be restarted.
+fn given_up(node: &Node, name: &str) -> bool {
+    node.status(name)
+        .is_some_and(|s| !s.tasks.is_empty() && s.tasks.values().all(|t| t.state == "dead"))
 }
 
 struct Round {
@@ -347,9 +374,11 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         .transpose()?
         .unwrap_or(3)
         .max(1);
+    // Absolute: the fork server starts in `/`.
     let supervisor = std::env::var_os("STEAD_SUPERVISOR")
         .map(PathBuf::from)
         .unwrap_or_else(default_supervisor_path);
+    let supervisor = std::path::absolute(&supervisor).unwrap_or(supervisor);
     if !supervisor.is_file() {
         bail!(
             "no supervisor at {}; build it (`scripts/build-release.sh target/dist stead-supervisor stead-bench`) or set STEAD_SUPERVISOR",
