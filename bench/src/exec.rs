@@ -134,6 +134,20 @@ fn given_up(node: &Node, name: &str) -> bool {
         .is_some_and(|s| !s.tasks.is_empty() && s.tasks.values().all(|t| t.state == "dead"))
 }
 
+/// The agent's (this process's) user and system CPU time so far, in clock ticks.
+fn agent_cpu() -> (u64, u64) {
+    user_system_ticks("self").unwrap_or_default()
+}
+
+/// The agent's user and system CPU time since `before` ([`agent_cpu`]), in clock ticks.
+fn agent_cpu_since(before: (u64, u64)) -> (u64, u64) {
+    let now = agent_cpu();
+    (
+        now.0.saturating_sub(before.0),
+        now.1.saturating_sub(before.1),
+    )
+}
+
 struct Round {
     /// The round's data dir, removed after the last round: mass deletions slow the file
     /// creations of the next round on some file systems (journal-less ext4 scans
@@ -191,7 +205,7 @@ async fn stead_round(
         .map(|name| spec(name, ""))
         .collect::<anyhow::Result<_>>()?;
 
-    let agent_before = user_system_ticks("self").unwrap_or_default();
+    let agent_before = agent_cpu();
     let start = clock.instant();
     for spec in specs {
         node.apply(spec);
@@ -200,11 +214,7 @@ async fn stead_round(
         bail!("not all {tasks} tasks ran within {LIMIT:?}");
     }
     let all_running = start.elapsed();
-    let agent_after = user_system_ticks("self").unwrap_or_default();
-    let agent = (
-        agent_after.0.saturating_sub(agent_before.0),
-        agent_after.1.saturating_sub(agent_before.1),
-    );
+    let agent = agent_cpu_since(agent_before);
     let node_pids: HashMap<String, u32> = node
         .statuses()
         .iter()
@@ -235,9 +245,8 @@ async fn stead_round(
     node.restore().context("restoring")?;
     let restored = began.elapsed();
     // Every alloc's task running again with the pid it had.
-    let before: HashMap<String, u32> = node_pids;
     let reattached = |name: &str, status: &AllocStatus| {
-        runs(status) && status.tasks.get("main").and_then(|t| t.pid) == before.get(name).copied()
+        runs(status) && status.tasks.get("main").and_then(|t| t.pid) == node_pids.get(name).copied()
     };
     if !wait_for_all(&node, &names, LIMIT, reattached).await {
         bail!("not all {tasks} tasks were reattached within {LIMIT:?}");
@@ -293,15 +302,11 @@ async fn stead_round(
         }
     }
 
-    let agent_before = user_system_ticks("self").unwrap_or_default();
+    let agent_before = agent_cpu();
     let began = clock.instant();
     node.shutdown(Shutdown::Drain).await;
     let drained = began.elapsed();
-    let agent_after = user_system_ticks("self").unwrap_or_default();
-    let drain_cpu = (
-        agent_after.0.saturating_sub(agent_before.0),
-        agent_after.1.saturating_sub(agent_before.1),
-    );
+    let drain_cpu = agent_cpu_since(agent_before);
     Ok(Round {
         data,
         all_running,

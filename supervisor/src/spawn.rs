@@ -612,10 +612,19 @@ mod tests {
         assert!(error.is_permanent());
     }
 
+    /// A cgroup made for one test, removed when dropped (empty by then).
+    struct TestCgroup(std::path::PathBuf);
+
+    impl Drop for TestCgroup {
+        fn drop(&mut self) {
+            let _ = std::fs::remove_dir(&self.0);
+        }
+    }
+
     /// A fresh cgroup v2 directory below this process's own, made for one test, with its
     /// path as `/proc/<pid>/cgroup` shows it; `None` where there is no v2 tree this
     /// process may make cgroups in (not root, no `cgroup2` mount).
-    fn test_cgroup_v2(name: &str) -> Option<(std::path::PathBuf, String)> {
+    fn test_cgroup_v2(name: &str) -> Option<(TestCgroup, String)> {
         let mounts = std::fs::read_to_string("/proc/self/mounts").ok()?;
         let mount = mounts.lines().find_map(|line| {
             let fields: Vec<&str> = line.split_whitespace().collect();
@@ -630,16 +639,17 @@ mod tests {
         );
         let dir = std::path::PathBuf::from(format!("{mount}{shown}"));
         std::fs::create_dir(&dir).ok()?;
-        Some((dir, shown))
+        Some((TestCgroup(dir), shown))
     }
 
     #[test]
     fn on_cgroup_v2_the_task_is_created_in_its_cgroup_and_a_stand_in_file_is_joined() {
-        let Some((dir, shown)) = test_cgroup_v2("stead-spawn-test") else {
+        let Some((cgroup_dir, shown)) = test_cgroup_v2("stead-spawn-test") else {
             eprintln!("skipped: no cgroup v2 tree to make a cgroup in");
             return;
         };
-        let v2 = dir
+        let v2 = cgroup_dir
+            .0
             .join("cgroup.procs")
             .into_os_string()
             .into_encoded_bytes();
@@ -667,7 +677,6 @@ mod tests {
             Ok(Some(pid)) => pid,
             Err(errno @ (Errno::NOSYS | Errno::TOOBIG | Errno::INVAL)) => {
                 eprintln!("skipped: this kernel has no CLONE_INTO_CGROUP ({errno})");
-                let _ = std::fs::remove_dir(&dir);
                 return;
             }
             Err(errno) => std::panic!("clone3: {errno}"),
@@ -675,7 +684,7 @@ mod tests {
         let membership = std::fs::read_to_string(format!("/proc/{}/cgroup", pid.as_raw_pid()));
         rustix::io::write(&write, b"x").expect("the child let go");
         assert!(wait(pid).exit_status() == Some(0));
-        std::fs::remove_dir(&dir).expect("the test cgroup, empty again");
+        std::fs::remove_dir(&cgroup_dir.0).expect("the test cgroup, empty again");
         let membership = membership.expect("the child's cgroups");
         assert!(
             membership.lines().any(|line| line == format!("0::{shown}")),

@@ -1143,34 +1143,33 @@ impl Inner {
         let Some(id) = RunId::parse(&handle.id) else {
             return;
         };
+        let state = self.run_state(handle);
+        let reported = state
+            .as_ref()
+            .is_some_and(|state| state.reported.load(Ordering::Acquire));
         // A run whose end this driver published with its cgroup removed, or as its
         // supervisor reported it, left nothing to kill: its cgroup was emptied, or its
         // supervisor killed what the task left before it reported. (A cgroup that could
         // not be removed is released again by the caller.)
-        if let Some(state) = self.run_state(handle)
-            && state.exit.borrow().is_some()
-            && (state.cgroup.is_some() || state.reported.load(Ordering::Acquire))
-        {
-            self.runs().remove(&handle.id);
-            return;
-        }
-        self.kill_run(&id);
-        // A supervisor that reported the exit, or recorded it, cleaned up before; only
-        // one that died without either leaves the task's session to search (a scan of
-        // every process).
-        let reported = self
-            .run_state(handle)
-            .is_some_and(|state| state.reported.load(Ordering::Acquire));
-        let recorded = reported
-            || self
-                .task_dir(&id)
-                .and_then(|dir| protocol::read_exit_record(&dir.control, &id.run).ok())
-                .flatten()
-                .is_some();
-        if !recorded && !self.supervisor_alive(&id) {
-            // The supervisor died without cleaning up (it was killed): what is left of
-            // the task's session goes.
-            process::kill_all(process::session_members(id.process));
+        let ended_clean = state.as_ref().is_some_and(|state| {
+            state.exit.borrow().is_some() && (state.cgroup.is_some() || reported)
+        });
+        if !ended_clean {
+            self.kill_run(&id);
+            // A supervisor that reported the exit, or recorded it, cleaned up before;
+            // only one that died without either leaves the task's session to search (a
+            // scan of every process).
+            let recorded = reported
+                || self
+                    .task_dir(&id)
+                    .and_then(|dir| protocol::read_exit_record(&dir.control, &id.run).ok())
+                    .flatten()
+                    .is_some();
+            if !recorded && !self.supervisor_alive(&id) {
+                // The supervisor died without cleaning up (it was killed): what is left
+                // of the task's session goes.
+                process::kill_all(process::session_members(id.process));
+            }
         }
         self.runs().remove(&handle.id);
     }
