@@ -31,10 +31,13 @@ use stead_schemas::ValidSpec;
 use stead_schemas::status::AllocStatus;
 use tokio::runtime::Runtime;
 
-use crate::measure::{median, now, parent, smaps_kib, user_system_ticks};
+use crate::measure::{median, now, parent, settle, smaps_kib, user_system_ticks};
 
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
+/// How long the machine may take to become quiet before a phase, after which the phase
+/// runs anyway (and the report says so).
+const SETTLE_LIMIT: Duration = Duration::from_secs(20);
 
 fn spec(name: &str, restart: &str) -> anyhow::Result<ValidSpec> {
     let yaml = format!(
@@ -413,7 +416,15 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
     let mut agent_restarts = Vec::new();
     let mut measured = None;
     let mut data_dirs = Vec::new();
+    // Each phase starts on a quiet machine: not on the cgroups the one before removed.
+    let mut unsettled = 0;
+    let mut quiet = || {
+        if !settle(SETTLE_LIMIT).1 {
+            unsettled += 1;
+        }
+    };
     for round in 0..rounds {
+        quiet();
         bare.push(crate::bare_spawn_loop(
             tasks,
             |_| {
@@ -425,8 +436,10 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
             || Ok(()),
         )?);
         if let Some(root) = &cgroup_root {
+            quiet();
             floor_cgroups.push(cgroup_spawn_loop(root, tasks)?);
         }
+        quiet();
         let last = round + 1 == rounds;
         let result = runtime.block_on(stead_round(
             round,
@@ -453,6 +466,12 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
         "stead-bench exec: {tasks} `sleep 3600` tasks, {rounds} rounds, supervisor {}",
         supervisor.display()
     );
+    if unsettled > 0 {
+        println!(
+            "  (the machine was still busy after {}s before {unsettled} of its phases)",
+            SETTLE_LIMIT.as_secs()
+        );
+    }
     println!(
         "  bare fork/exec loop, all spawned        {:>9.3} s  (median)",
         bare_median.as_secs_f64()

@@ -81,3 +81,46 @@ pub(crate) fn smaps_kib(pid: u32, field: &str) -> Option<u64> {
         .parse()
         .ok()
 }
+
+/// The machine's CPU time so far, all CPUs: (idle, total), in clock ticks, from
+/// `/proc/stat` (idle counts `iowait`; steal and guest time count as busy).
+fn machine_ticks() -> Option<(u64, u64)> {
+    let stat = std::fs::read_to_string("/proc/stat").ok()?;
+    let fields: Vec<u64> = stat
+        .lines()
+        .next()?
+        .strip_prefix("cpu ")?
+        .split_whitespace()
+        .map(|f| f.parse().ok())
+        .collect::<Option<_>>()?;
+    // user nice system idle iowait irq softirq steal (guest time is within user).
+    let idle = fields.get(3)? + fields.get(4)?;
+    let total = fields.iter().take(8).sum();
+    Some((idle, total))
+}
+
+/// Waits until the machine is quiet: a tenth of a second in which its CPUs were at
+/// least 90 % idle, or `limit`. What a phase leaves behind runs on after it in the
+/// kernel's workers (a removed cgroup is freed later, by `cgroup_free` and RCU work),
+/// and would otherwise be charged to the phase measured next. Returns how long it
+/// waited, and whether the machine became quiet.
+pub(crate) fn settle(limit: std::time::Duration) -> (std::time::Duration, bool) {
+    const WINDOW: std::time::Duration = std::time::Duration::from_millis(100);
+    let start = now();
+    let Some(mut before) = machine_ticks() else {
+        return (start.elapsed(), false);
+    };
+    while start.elapsed() < limit {
+        std::thread::sleep(WINDOW);
+        let Some(after) = machine_ticks() else {
+            break;
+        };
+        let idle = after.0.saturating_sub(before.0);
+        let total = after.1.saturating_sub(before.1);
+        if total > 0 && idle * 10 >= total * 9 {
+            return (start.elapsed(), true);
+        }
+        before = after;
+    }
+    (start.elapsed(), false)
+}
