@@ -351,8 +351,12 @@ mod read {
         }
     }
 
-    /// Every run record in `control_dir`, by run id; unreadable ones are skipped.
-    pub fn read_run_records(control_dir: &Path) -> Vec<(String, RunRecord)> {
+    /// The run records in `control_dir` of the runs `wanted` takes, by run id; unreadable
+    /// ones are skipped. A run not wanted costs its name only: its file is not read.
+    pub fn read_run_records(
+        control_dir: &Path,
+        wanted: impl Fn(&str) -> bool,
+    ) -> Vec<(String, RunRecord)> {
         let Ok(entries) = fs::read_dir(control_dir) else {
             return Vec::new();
         };
@@ -361,7 +365,7 @@ mod read {
             .filter_map(|entry| {
                 let name = entry.file_name();
                 let run = name.to_str()?.strip_suffix(".run")?;
-                if !crate::args::is_run_id(run) {
+                if !crate::args::is_run_id(run) || !wanted(run) {
                     return None;
                 }
                 let text = fs::read_to_string(entry.path()).ok()?;
@@ -560,7 +564,12 @@ mod tests {
         };
         write_run_record(dir.path().as_os_str().as_bytes(), "cd", run).expect("written");
         fs::write(dir.path().join("zz.run"), "garbage").expect("written");
-        assert_eq!(read_run_records(dir.path()), [("cd".to_owned(), run)]);
+        write_run_record(dir.path().as_os_str().as_bytes(), "ce", run).expect("written");
+        assert_eq!(
+            read_run_records(dir.path(), |run| run != "ce"),
+            [("cd".to_owned(), run)]
+        );
+        assert_eq!(read_run_records(dir.path(), |_| true).len(), 2);
         fs::write(exit_record_path(dir.path(), "ef"), "stead-exit 1\ncode x\n").expect("written");
         assert!(matches!(
             read_exit_record(dir.path(), "ef"),

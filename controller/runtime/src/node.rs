@@ -326,16 +326,19 @@ impl Node {
         let mut report = RestoreReport::default();
         let mut resumed = Vec::new();
         let mut recorded = RecordedRuns::default();
-        for loaded in self.shared.context.writer.store().load_allocs()? {
-            let record = match loaded {
+        // What each stored alloc comes to, in the store's order; the records to restore
+        // are restored together, over the host's cores.
+        enum Loaded {
+            Corrupt(store::CorruptRecord),
+            Restore(Name, String),
+        }
+        let mut loaded = Vec::new();
+        let mut records = Vec::new();
+        for entry in self.shared.context.writer.store().load_allocs()? {
+            let record = match entry {
                 Ok(record) => record,
                 Err(corrupt) => {
-                    recorded.unreadable.push(corrupt.name.clone());
-                    if let Ok(name) = corrupt.name.parse() {
-                        report.allocs.push((name, None));
-                    }
-                    self.restore_broken(&corrupt, None);
-                    report.corrupt.push(corrupt);
+                    loaded.push(Loaded::Corrupt(corrupt));
                     continue;
                 }
             };
@@ -356,27 +359,42 @@ impl Node {
                 report.dropped += 1;
                 continue;
             }
-            let revision = record.revision.clone();
-            match store::restore_record(record) {
-                Ok(restored) => {
-                    report
-                        .allocs
-                        .push((name.clone(), Some(restored.spec.revision.clone())));
-                    // Every alloc's devices are reserved before any worker runs, so none
-                    // can be given to another alloc before its holder resumes.
-                    self.shared
-                        .config
-                        .devices
-                        .restore(&name, restored.devices.clone());
-                    resumed.push((name, restored));
-                }
-                Err(corrupt) => {
-                    report
-                        .allocs
-                        .push((name.clone(), stead_schemas::Revision::from_hex(&revision)));
-                    self.restore_broken(&corrupt, Some(revision));
+            loaded.push(Loaded::Restore(name, record.revision.clone()));
+            records.push(record);
+        }
+        let mut restored_records = store::restore_records(records).into_iter();
+        for entry in loaded {
+            match entry {
+                Loaded::Corrupt(corrupt) => {
+                    recorded.unreadable.push(corrupt.name.clone());
+                    if let Ok(name) = corrupt.name.parse() {
+                        report.allocs.push((name, None));
+                    }
+                    self.restore_broken(&corrupt, None);
                     report.corrupt.push(corrupt);
                 }
+                Loaded::Restore(name, revision) => match restored_records.next() {
+                    Some(Ok(restored)) => {
+                        report
+                            .allocs
+                            .push((name.clone(), Some(restored.spec.revision.clone())));
+                        // Every alloc's devices are reserved before any worker runs, so
+                        // none can be given to another alloc before its holder resumes.
+                        self.shared
+                            .config
+                            .devices
+                            .restore(&name, restored.devices.clone());
+                        resumed.push((name, restored));
+                    }
+                    Some(Err(corrupt)) => {
+                        report
+                            .allocs
+                            .push((name, stead_schemas::Revision::from_hex(&revision)));
+                        self.restore_broken(&corrupt, Some(revision));
+                        report.corrupt.push(corrupt);
+                    }
+                    None => unreachable!("one restored record per record to restore"),
+                },
             }
         }
         // Before any worker runs: what runs without a record is reattached by the start

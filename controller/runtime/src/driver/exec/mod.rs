@@ -652,10 +652,9 @@ impl Inner {
     /// Kills runs of this task whose supervisors an earlier agent started but never
     /// recorded (it died first), and removes the records of runs no one watches.
     fn clean_stale_runs(&self, task_dir: &TaskDir) {
-        for (run, record) in protocol::read_run_records(&task_dir.control) {
-            if !self.watches(&run) {
-                Self::stop_unwatched(task_dir, &run, &record);
-            }
+        for (run, record) in protocol::read_run_records(&task_dir.control, |run| !self.watches(run))
+        {
+            Self::stop_unwatched(task_dir, &run, &record);
         }
     }
 
@@ -756,10 +755,8 @@ impl Inner {
                 let Ok(task_dir) = alloc.task(&name) else {
                     continue; // the shared dir
                 };
-                for (run, record) in protocol::read_run_records(&task_dir.control) {
-                    if known.contains(&run) || self.watches(&run) {
-                        continue;
-                    }
+                let unknown = |run: &str| !known.contains(run) && !self.watches(run);
+                for (run, record) in protocol::read_run_records(&task_dir.control, unknown) {
                     let supervisor = ProcessId {
                         pid: record.supervisor_pid,
                         start: record.supervisor_start,
