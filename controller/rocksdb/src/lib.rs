@@ -38,7 +38,10 @@ use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStat
 use stead_schemas::spec::Name;
 
 use stead_runtime::store::conformance::PlantRaw;
-use stead_runtime::store::{CorruptRecord, Store, StoreError, StoreMetrics, decode_stored};
+use stead_runtime::store::{
+    CorruptRecord, RECORDS_PER_THREAD, Store, StoreError, StoreMetrics, decode_stored,
+    map_on_every_core,
+};
 
 /// Whether this build links the C++ runtime RocksDB needs statically (`build.rs`).
 pub const STATIC_CPP_RUNTIME: bool = cfg!(stead_static_libstdcxx);
@@ -589,8 +592,14 @@ impl Store for RocksDbStore {
             let (key, value) = item.map_err(load_error)?;
             headers.push((String::from_utf8_lossy(&key).into_owned(), value));
         }
-        for (name, header) in headers {
-            match self.load_one(&name, &header)? {
+        // Decoded over the host's cores: at thousands of allocs, an agent's restart waits
+        // on it.
+        let decoded = map_on_every_core(headers, RECORDS_PER_THREAD, |(name, header)| {
+            let result = self.load_one(&name, &header);
+            (name, result)
+        });
+        for (name, result) in decoded {
+            match result? {
                 Ok((record, hashes)) => {
                     self.index().insert(name, hashes);
                     loaded.push(Ok(record));

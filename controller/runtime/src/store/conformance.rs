@@ -323,6 +323,33 @@ pub fn record_under_another_name_is_corrupt(store: &dyn PlantRaw) {
     }
 }
 
+/// Enough records for a load spread over several threads come back in order of name,
+/// each equal to what was put, and the one damaged in its place.
+pub fn a_load_of_many_records_keeps_their_order_and_their_damage_in_place(store: &dyn PlantRaw) {
+    let check = "a_load_of_many_records_keeps_their_order_and_their_damage_in_place";
+    let count = super::RECORDS_PER_THREAD * 4 + 5;
+    let names: Vec<String> = (0..count).map(|i| format!("alloc-{i:04}")).collect();
+    for (i, name) in names.iter().enumerate() {
+        put(store, &sample_record(name, i as u32 % 7), check);
+    }
+    let damaged = count / 3;
+    store.plant_raw(&names[damaged], b"not a record".to_vec());
+    let loaded = load(store, check);
+    assert_eq!(loaded.len(), count, "{check}: every alloc is reported");
+    for (i, (name, result)) in names.iter().zip(&loaded).enumerate() {
+        match result {
+            Ok(record) => {
+                assert_ne!(i, damaged, "{check}: the damaged record loaded");
+                assert_eq!(record, &sample_record(name, i as u32 % 7), "{check}");
+            }
+            Err(corrupt) => {
+                assert_eq!(i, damaged, "{check}: {corrupt:?}");
+                assert_eq!(&corrupt.name, name, "{check}");
+            }
+        }
+    }
+}
+
 /// Runs every check, each on a fresh empty store from `make`.
 pub fn run_all(make: impl Fn() -> Box<dyn PlantRaw>) {
     let plain: [fn(&dyn Store); 8] = [
@@ -338,10 +365,11 @@ pub fn run_all(make: impl Fn() -> Box<dyn PlantRaw>) {
     for check in plain {
         check(make().as_ref());
     }
-    let damaged: [fn(&dyn PlantRaw); 3] = [
+    let damaged: [fn(&dyn PlantRaw); 4] = [
         corrupt_record_is_reported_while_others_load,
         future_version_record_is_reported_as_such,
         record_under_another_name_is_corrupt,
+        a_load_of_many_records_keeps_their_order_and_their_damage_in_place,
     ];
     for check in damaged {
         check(make().as_ref());

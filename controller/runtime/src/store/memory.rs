@@ -95,13 +95,17 @@ impl Store for MemoryStore {
     }
 
     fn load_allocs(&self) -> Result<Vec<Result<AllocRecord, CorruptRecord>>, StoreError> {
-        let records = self.records().clone();
-        Ok(records
-            .iter()
-            .map(|(key, bytes)| {
-                let decoded = decode_stored(key, bytes);
+        let records: Vec<(String, Vec<u8>)> = self.records().clone().into_iter().collect();
+        let decoded =
+            super::map_on_every_core(records, super::RECORDS_PER_THREAD, |(key, bytes)| {
+                let decoded = decode_stored(&key, &bytes);
+                (key, bytes, decoded)
+            });
+        Ok(decoded
+            .into_iter()
+            .map(|(key, bytes, decoded)| {
                 if decoded.is_ok() {
-                    self.inner.dedupe.remember(key, bytes);
+                    self.inner.dedupe.remember(&key, &bytes);
                 }
                 decoded
             })
