@@ -419,7 +419,7 @@ pub(crate) fn run(runtime: &Runtime) -> anyhow::Result<()> {
     // Each phase starts on a quiet machine: not on the cgroups the one before removed.
     let mut unsettled = 0;
     let mut quiet = || {
-        if !settle(SETTLE_LIMIT).1 {
+        if !settle(SETTLE_LIMIT) {
             unsettled += 1;
         }
     };

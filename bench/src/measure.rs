@@ -100,27 +100,26 @@ fn machine_ticks() -> Option<(u64, u64)> {
 }
 
 /// Waits until the machine is quiet: a tenth of a second in which its CPUs were at
-/// least 90 % idle, or `limit`. What a phase leaves behind runs on after it in the
-/// kernel's workers (a removed cgroup is freed later, by `cgroup_free` and RCU work),
-/// and would otherwise be charged to the phase measured next. Returns how long it
-/// waited, and whether the machine became quiet.
-pub(crate) fn settle(limit: std::time::Duration) -> (std::time::Duration, bool) {
+/// least 90 % idle. What a phase leaves behind runs on after it in the kernel's workers
+/// (a removed cgroup is freed later, by `cgroup_free` and RCU work), and would otherwise
+/// be charged to the phase measured next. False when `limit` passed first.
+pub(crate) fn settle(limit: std::time::Duration) -> bool {
     const WINDOW: std::time::Duration = std::time::Duration::from_millis(100);
     let start = now();
     let Some(mut before) = machine_ticks() else {
-        return (start.elapsed(), false);
+        return false;
     };
     while start.elapsed() < limit {
         std::thread::sleep(WINDOW);
         let Some(after) = machine_ticks() else {
-            break;
+            return false;
         };
         let idle = after.0.saturating_sub(before.0);
         let total = after.1.saturating_sub(before.1);
         if total > 0 && idle * 10 >= total * 9 {
-            return (start.elapsed(), true);
+            return true;
         }
         before = after;
     }
-    (start.elapsed(), false)
+    false
 }

@@ -652,8 +652,8 @@ impl Inner {
     /// Kills runs of this task whose supervisors an earlier agent started but never
     /// recorded (it died first), and removes the records of runs no one watches.
     fn clean_stale_runs(&self, task_dir: &TaskDir) {
-        for (run, record) in protocol::read_run_records(&task_dir.control, |run| !self.watches(run))
-        {
+        let unwatched = |run: &str| !self.watches(run);
+        for (run, record) in protocol::read_run_records(&task_dir.control, unwatched) {
             Self::stop_unwatched(task_dir, &run, &record);
         }
     }
