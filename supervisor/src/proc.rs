@@ -1,6 +1,7 @@
 //! Just enough of `/proc` for the supervisor: a process's state and start time, and the
-//! processes below it. (The agent reads `/proc` through the `procfs` crate; the
-//! supervisor keeps its dependencies, and so its memory, small.)
+//! processes below it. (The agent reads the rest of `/proc` through the `procfs` crate;
+//! the supervisor keeps its dependencies, and so its memory, small. The agent asks
+//! whether a process still exists here too: it asks before every signal it sends.)
 
 use alloc::format;
 use alloc::vec::Vec;

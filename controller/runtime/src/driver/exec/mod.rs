@@ -1398,10 +1398,7 @@ async fn wait_for_exit(process: ProcessId) {
 }
 
 fn is_zombie(pid: u32) -> bool {
-    std::fs::read_to_string(format!("/proc/{pid}/stat"))
-        .ok()
-        .and_then(|text| stead_supervisor::proc::parse_stat(&text))
-        .is_some_and(|stat| stat.state == b'Z')
+    stead_supervisor::proc::stat(pid).is_ok_and(|stat| stat.state == b'Z')
 }
 
 /// A run launched by a start that has not returned yet: if the start is dropped

@@ -24,11 +24,11 @@ fn rustix_pid(pid: u32) -> Option<Pid> {
 }
 
 impl ProcessId {
-    /// Whether this very process still exists (a zombie not yet reaped counts).
+    /// Whether this very process still exists (a zombie not yet reaped counts). One read
+    /// of `/proc/<pid>/stat`, as the supervisor reads it: asked before every signal and
+    /// every reattach, the `procfs` crate's way took twice the system calls.
     pub(crate) fn exists(self) -> bool {
-        process(self.pid)
-            .and_then(|p| p.stat().ok())
-            .is_some_and(|stat| stat.starttime == self.start)
+        stead_supervisor::proc::start_time(self.pid) == Some(self.start)
     }
 
     /// Whether it exists and its working directory is `dir` (the same directory, by
