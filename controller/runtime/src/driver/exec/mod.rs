@@ -721,74 +721,83 @@ impl Inner {
         known: &HashSet<String>,
         recorded: &RecordedRuns,
     ) -> Vec<UnrecordedRun> {
-        let mut live = Vec::new();
         let allocs = match std::fs::read_dir(self.dirs.root()) {
             Ok(allocs) => allocs,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => return live, // a new node
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Vec::new(), // a new node
             Err(error) => {
                 tracing::warn!(dir = %self.dirs.root().display(), %error, "cannot search the alloc dirs for tasks no record names");
+                return Vec::new();
+            }
+        };
+        let alloc_ids: Vec<String> = allocs
+            .filter_map(Result::ok)
+            .filter_map(|entry| entry.file_name().into_string().ok())
+            .filter(|alloc_id| !recorded.unreadable_alloc(alloc_id))
+            .collect();
+        // Over the host's cores, as the records are: a restart at thousands of allocs
+        // waits on this walk.
+        crate::store::map_on_every_core(alloc_ids, crate::store::RECORDS_PER_THREAD, |alloc_id| {
+            self.unrecorded_runs_in(&alloc_id, known)
+        })
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
+    /// The runs in alloc dir `alloc_id` that `known` does not name and whose supervisor
+    /// still works; the records of such runs whose supervisor is gone are removed.
+    fn unrecorded_runs_in(&self, alloc_id: &str, known: &HashSet<String>) -> Vec<UnrecordedRun> {
+        let mut live = Vec::new();
+        let Ok(alloc) = self.dirs.alloc_by_id(alloc_id) else {
+            return live;
+        };
+        let tasks = match std::fs::read_dir(alloc.path()) {
+            Ok(tasks) => tasks,
+            Err(error) => {
+                tracing::warn!(dir = %alloc.path().display(), %error, "cannot search an alloc dir for tasks no record names");
                 return live;
             }
         };
-        for entry in allocs.filter_map(Result::ok) {
-            let file_name = entry.file_name();
-            let Some(alloc_id) = file_name.to_str() else {
+        for task in tasks.filter_map(Result::ok) {
+            let Some(Ok(name)) = task.file_name().to_str().map(str::parse::<Name>) else {
                 continue;
             };
-            if recorded.unreadable_alloc(alloc_id) {
-                continue;
-            }
-            let Ok(alloc) = self.dirs.alloc_by_id(alloc_id) else {
-                continue;
+            let Ok(task_dir) = alloc.task(&name) else {
+                continue; // the shared dir
             };
-            let tasks = match std::fs::read_dir(alloc.path()) {
-                Ok(tasks) => tasks,
-                Err(error) => {
-                    tracing::warn!(dir = %alloc.path().display(), %error, "cannot search an alloc dir for tasks no record names");
+            let unknown = |run: &str| !known.contains(run) && !self.watches(run);
+            for (run, record) in protocol::read_run_records(&task_dir.control, unknown) {
+                let supervisor = ProcessId {
+                    pid: record.supervisor_pid,
+                    start: record.supervisor_start,
+                };
+                if !supervisor.exists_in(&task_dir.dir) {
+                    Self::remove_run_records(&task_dir, &run);
                     continue;
                 }
-            };
-            for task in tasks.filter_map(Result::ok) {
-                let Some(Ok(name)) = task.file_name().to_str().map(str::parse::<Name>) else {
-                    continue;
+                let process = ProcessId {
+                    pid: record.task_pid,
+                    start: record.task_start,
                 };
-                let Ok(task_dir) = alloc.task(&name) else {
-                    continue; // the shared dir
+                let id = RunId {
+                    alloc_id: alloc_id.to_owned(),
+                    task: name.clone(),
+                    run: run.clone(),
+                    supervisor,
+                    process,
                 };
-                let unknown = |run: &str| !known.contains(run) && !self.watches(run);
-                for (run, record) in protocol::read_run_records(&task_dir.control, unknown) {
-                    let supervisor = ProcessId {
-                        pid: record.supervisor_pid,
-                        start: record.supervisor_start,
-                    };
-                    if !supervisor.exists_in(&task_dir.dir) {
-                        Self::remove_run_records(&task_dir, &run);
-                        continue;
-                    }
-                    let process = ProcessId {
-                        pid: record.task_pid,
-                        start: record.task_start,
-                    };
-                    let id = RunId {
-                        alloc_id: alloc_id.to_owned(),
-                        task: name.clone(),
-                        run: run.clone(),
-                        supervisor,
-                        process,
-                    };
-                    tracing::warn!(alloc = %alloc_id, task = %name, run = %run, pid = record.task_pid, "found a task no record names; it is left running for its alloc to reattach");
-                    live.push(UnrecordedRun {
-                        alloc_id: alloc_id.to_owned(),
-                        task: name.clone(),
-                        handle: TaskHandle {
-                            driver: DriverKind::Exec,
-                            id: id.to_id(),
-                            pid: Some(record.task_pid),
-                            started_at: process::started_at(process.start)
-                                .unwrap_or_else(|| self.clock.now()),
-                        },
-                    });
-                }
+                tracing::warn!(alloc = %alloc_id, task = %name, run = %run, pid = record.task_pid, "found a task no record names; it is left running for its alloc to reattach");
+                live.push(UnrecordedRun {
+                    alloc_id: alloc_id.to_owned(),
+                    task: name.clone(),
+                    handle: TaskHandle {
+                        driver: DriverKind::Exec,
+                        id: id.to_id(),
+                        pid: Some(record.task_pid),
+                        started_at: process::started_at(process.start)
+                            .unwrap_or_else(|| self.clock.now()),
+                    },
+                });
             }
         }
         live
