@@ -37,11 +37,9 @@ use stead_schemas::device::{DEVICE_ASSIGNMENT_RECORD_VERSION, DeviceAssignmentRe
 use stead_schemas::record::{AllocRecord, RecordError, TaskHandleRecord, TaskStateRecord};
 use stead_schemas::spec::Name;
 
+use stead_runtime::host::map_on_every_core;
 use stead_runtime::store::conformance::PlantRaw;
-use stead_runtime::store::{
-    CorruptRecord, RECORDS_PER_THREAD, Store, StoreError, StoreMetrics, decode_stored,
-    map_on_every_core,
-};
+use stead_runtime::store::{CorruptRecord, Store, StoreError, StoreMetrics, decode_stored};
 
 /// Whether this build links the C++ runtime RocksDB needs statically (`build.rs`).
 pub const STATIC_CPP_RUNTIME: bool = cfg!(stead_static_libstdcxx);
@@ -594,7 +592,7 @@ impl Store for RocksDbStore {
         }
         // Decoded over the host's cores: at thousands of allocs, an agent's restart waits
         // on it.
-        let decoded = map_on_every_core(headers, RECORDS_PER_THREAD, |(name, header)| {
+        let decoded = map_on_every_core(headers, |(name, header)| {
             let result = self.load_one(&name, &header);
             (name, result)
         });

@@ -327,7 +327,7 @@ pub fn record_under_another_name_is_corrupt(store: &dyn PlantRaw) {
 /// each equal to what was put, and the one damaged in its place.
 pub fn a_load_of_many_records_keeps_their_order_and_their_damage_in_place(store: &dyn PlantRaw) {
     let check = "a_load_of_many_records_keeps_their_order_and_their_damage_in_place";
-    let count = super::RECORDS_PER_THREAD * 4 + 5;
+    let count = crate::host::MIN_PER_THREAD * 4 + 5;
     let names: Vec<String> = (0..count).map(|i| format!("alloc-{i:04}")).collect();
     for (i, name) in names.iter().enumerate() {
         put(store, &sample_record(name, i as u32 % 7), check);

@@ -96,11 +96,10 @@ impl Store for MemoryStore {
 
     fn load_allocs(&self) -> Result<Vec<Result<AllocRecord, CorruptRecord>>, StoreError> {
         let records: Vec<(String, Vec<u8>)> = self.records().clone().into_iter().collect();
-        let decoded =
-            super::map_on_every_core(records, super::RECORDS_PER_THREAD, |(key, bytes)| {
-                let decoded = decode_stored(&key, &bytes);
-                (key, bytes, decoded)
-            });
+        let decoded = crate::host::map_on_every_core(records, |(key, bytes)| {
+            let decoded = decode_stored(&key, &bytes);
+            (key, bytes, decoded)
+        });
         Ok(decoded
             .into_iter()
             .map(|(key, bytes, decoded)| {

@@ -291,52 +291,11 @@ pub fn restore_record(record: AllocRecord) -> Result<RestoredAlloc, CorruptRecor
 }
 
 /// [`restore_record`] of each record, in their order, spread over the host's cores
-/// ([`map_on_every_core`]). A restore validates every stored spec again, as a spec file
+/// ([`crate::host::map_on_every_core`]). A restore validates every stored spec again, as a spec file
 /// is, and that was most of an agent's restart at thousands of allocs: one thread of a
 /// 16-core node took 1.86 s for 10,000.
 pub fn restore_records(records: Vec<AllocRecord>) -> Vec<Result<RestoredAlloc, CorruptRecord>> {
-    map_on_every_core(records, RECORDS_PER_THREAD, restore_record)
-}
-
-/// The fewest records a thread of [`restore_records`] or of a store's load takes: below
-/// that, starting it costs more than it saves.
-pub const RECORDS_PER_THREAD: usize = 64;
-
-/// `f` of each item, in the items' order, on up to as many scoped threads as the host has
-/// cores, each taking a run of at least `per_thread` items (fewer items stay on this
-/// thread). A panic in `f` is raised again here.
-pub fn map_on_every_core<T: Send, U: Send>(
-    items: Vec<T>,
-    per_thread: usize,
-    f: impl Fn(T) -> U + Sync,
-) -> Vec<U> {
-    let cores = std::thread::available_parallelism().map_or(1, std::num::NonZeroUsize::get);
-    let threads = cores.min(items.len() / per_thread.max(1)).max(1);
-    if threads == 1 {
-        return items.into_iter().map(f).collect();
-    }
-    let per_thread = items.len().div_ceil(threads);
-    let mut items = items.into_iter();
-    let parts: Vec<Vec<T>> = std::iter::from_fn(|| {
-        let part: Vec<T> = items.by_ref().take(per_thread).collect();
-        (!part.is_empty()).then_some(part)
-    })
-    .collect();
-    let f = &f;
-    std::thread::scope(|scope| {
-        let threads: Vec<_> = parts
-            .into_iter()
-            .map(|part| scope.spawn(move || part.into_iter().map(f).collect::<Vec<U>>()))
-            .collect();
-        threads
-            .into_iter()
-            .flat_map(|thread| {
-                thread
-                    .join()
-                    .unwrap_or_else(|panic| std::panic::resume_unwind(panic))
-            })
-            .collect()
-    })
+    crate::host::map_on_every_core(records, restore_record)
 }
 
 /// Runs the stored spec through the agent's spec validation (JSON is YAML).
@@ -901,7 +860,7 @@ mod tests {
     /// and a broken record fails only itself.
     #[test]
     fn restore_records_keeps_each_result_in_its_records_place_and_fails_only_the_broken_one() {
-        let count = RECORDS_PER_THREAD * 5 + 3;
+        let count = crate::host::MIN_PER_THREAD * 5 + 3;
         let mut records: Vec<AllocRecord> = (0..count)
             .map(|i| conformance::sample_record(&format!("web-{i}"), 0))
             .collect();

@@ -736,7 +736,7 @@ impl Inner {
             .collect();
         // Over the host's cores, as the records are: a restart at thousands of allocs
         // waits on this walk.
-        crate::store::map_on_every_core(alloc_ids, crate::store::RECORDS_PER_THREAD, |alloc_id| {
+        crate::host::map_on_every_core(alloc_ids, |alloc_id| {
             self.unrecorded_runs_in(&alloc_id, known)
         })
         .into_iter()
