@@ -326,44 +326,43 @@ impl Node {
         let mut report = RestoreReport::default();
         let mut resumed = Vec::new();
         let mut recorded = RecordedRuns::default();
-        // What each stored alloc comes to, in the store's order; the records to restore
-        // are restored together, over the host's cores.
+        // What each stored record comes to, worked out over the host's cores (the specs
+        // validated again are most of a restart at thousands of allocs), then acted on in
+        // the store's order.
         enum Loaded {
             Corrupt(store::CorruptRecord),
-            Restore(Name, String),
+            /// Nothing of it ever ran.
+            Empty(Name),
+            Restore {
+                name: Name,
+                revision: String,
+                restored: Result<Box<store::RestoredAlloc>, store::CorruptRecord>,
+            },
         }
-        let mut loaded = Vec::new();
-        let mut records = Vec::new();
-        for entry in self.shared.context.writer.store().load_allocs()? {
-            let record = match entry {
-                Ok(record) => record,
-                Err(corrupt) => {
-                    loaded.push(Loaded::Corrupt(corrupt));
-                    continue;
-                }
-            };
-            recorded.handles.extend(
-                record
+        let entries = self.shared.context.writer.store().load_allocs()?;
+        let loaded = crate::host::map_on_every_core(entries, |entry| match entry {
+            Err(corrupt) => (Vec::new(), Loaded::Corrupt(corrupt)),
+            Ok(record) => {
+                let handles: Vec<_> = record
                     .handles
                     .values()
                     .cloned()
-                    .map(store::handle_from_record),
-            );
-            let name = record.name.clone();
-            if record.state.tasks.is_empty() {
-                // Nothing of it ever ran: forget it; its spec, if still there, starts it anew.
-                tracing::warn!(alloc = %name, "dropping a stored alloc with no task state");
-                if let Err(error) = self.shared.context.writer.store().delete_alloc(&name) {
-                    self.shared.registry.report_store_error(&name, &error);
-                }
-                report.dropped += 1;
-                continue;
+                    .map(store::handle_from_record)
+                    .collect();
+                let loaded = if record.state.tasks.is_empty() {
+                    Loaded::Empty(record.name)
+                } else {
+                    Loaded::Restore {
+                        name: record.name.clone(),
+                        revision: record.revision.clone(),
+                        restored: store::restore_record(record).map(Box::new),
+                    }
+                };
+                (handles, loaded)
             }
-            loaded.push(Loaded::Restore(name, record.revision.clone()));
-            records.push(record);
-        }
-        let mut restored_records = store::restore_records(records).into_iter();
-        for entry in loaded {
+        });
+        for (handles, entry) in loaded {
+            recorded.handles.extend(handles);
             match entry {
                 Loaded::Corrupt(corrupt) => {
                     recorded.unreadable.push(corrupt.name.clone());
@@ -373,28 +372,41 @@ impl Node {
                     self.restore_broken(&corrupt, None);
                     report.corrupt.push(corrupt);
                 }
-                Loaded::Restore(name, revision) => match restored_records.next() {
-                    Some(Ok(restored)) => {
-                        report
-                            .allocs
-                            .push((name.clone(), Some(restored.spec.revision.clone())));
-                        // Every alloc's devices are reserved before any worker runs, so
-                        // none can be given to another alloc before its holder resumes.
-                        self.shared
-                            .config
-                            .devices
-                            .restore(&name, restored.devices.clone());
-                        resumed.push((name, restored));
+                Loaded::Empty(name) => {
+                    // Forgotten; its spec, if still there, starts it anew.
+                    tracing::warn!(alloc = %name, "dropping a stored alloc with no task state");
+                    if let Err(error) = self.shared.context.writer.store().delete_alloc(&name) {
+                        self.shared.registry.report_store_error(&name, &error);
                     }
-                    Some(Err(corrupt)) => {
-                        report
-                            .allocs
-                            .push((name, stead_schemas::Revision::from_hex(&revision)));
-                        self.restore_broken(&corrupt, Some(revision));
-                        report.corrupt.push(corrupt);
-                    }
-                    None => unreachable!("one restored record per record to restore"),
-                },
+                    report.dropped += 1;
+                }
+                Loaded::Restore {
+                    name,
+                    restored: Ok(restored),
+                    ..
+                } => {
+                    report
+                        .allocs
+                        .push((name.clone(), Some(restored.spec.revision.clone())));
+                    // Every alloc's devices are reserved before any worker runs, so none
+                    // can be given to another alloc before its holder resumes.
+                    self.shared
+                        .config
+                        .devices
+                        .restore(&name, restored.devices.clone());
+                    resumed.push((name, restored));
+                }
+                Loaded::Restore {
+                    name,
+                    revision,
+                    restored: Err(corrupt),
+                } => {
+                    report
+                        .allocs
+                        .push((name, stead_schemas::Revision::from_hex(&revision)));
+                    self.restore_broken(&corrupt, Some(revision));
+                    report.corrupt.push(corrupt);
+                }
             }
         }
         // Before any worker runs: what runs without a record is reattached by the start
@@ -408,7 +420,7 @@ impl Node {
             self.spawn(
                 &mut self.shared.registry.slots_mut(),
                 name,
-                Start::Restored(Box::new(restored)),
+                Start::Restored(restored),
             );
             report.restored += 1;
         }

@@ -290,14 +290,6 @@ pub fn restore_record(record: AllocRecord) -> Result<RestoredAlloc, CorruptRecor
     })
 }
 
-/// [`restore_record`] of each record, in their order, spread over the host's cores
-/// ([`crate::host::map_on_every_core`]). A restore validates every stored spec again, as a spec file
-/// is, and that was most of an agent's restart at thousands of allocs: one thread of a
-/// 16-core node took 1.86 s for 10,000.
-pub fn restore_records(records: Vec<AllocRecord>) -> Vec<Result<RestoredAlloc, CorruptRecord>> {
-    crate::host::map_on_every_core(records, restore_record)
-}
-
 /// Runs the stored spec through the agent's spec validation (JSON is YAML).
 fn revalidate(record: &AllocRecord) -> Result<ValidSpec, RecordError> {
     let source = serde_json::to_string_pretty(&record.spec)
@@ -856,10 +848,10 @@ mod tests {
         );
     }
 
-    /// Enough records for several threads: each result comes back in its record's place,
-    /// and a broken record fails only itself.
+    /// Enough records for several threads of a restore's mapping: each result comes back
+    /// in its record's place, and a broken record fails only itself.
     #[test]
-    fn restore_records_keeps_each_result_in_its_records_place_and_fails_only_the_broken_one() {
+    fn many_records_restored_over_the_cores_keep_their_order_and_only_the_broken_one_fails() {
         let count = crate::host::MIN_PER_THREAD * 5 + 3;
         let mut records: Vec<AllocRecord> = (0..count)
             .map(|i| conformance::sample_record(&format!("web-{i}"), 0))
@@ -867,7 +859,7 @@ mod tests {
         let broken = count / 2;
         let task = records[broken].spec.spec.tasks[0].clone();
         records[broken].spec.spec.tasks.push(task);
-        let restored = restore_records(records);
+        let restored = crate::host::map_on_every_core(records, restore_record);
         assert_eq!(restored.len(), count);
         for (i, result) in restored.iter().enumerate() {
             let expected = format!("web-{i}");
