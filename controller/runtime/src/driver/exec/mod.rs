@@ -528,10 +528,12 @@ impl ExecDriver {
     }
 
     /// Starts the supervisors' fork server now rather than at the first task start, so
-    /// that its start overlaps the agent's own; a server that fails to start is logged
-    /// and tried again by that first start. Blocks until the server's exec (and a task
-    /// start meanwhile, on the server's lock); needs the runtime's context.
+    /// that its start overlaps the agent's own, and grows the agent's descriptor table
+    /// ([`DESCRIPTOR_SLOTS`]); a server that fails to start is logged and tried again by
+    /// that first start. Blocks until the server's exec (and a task start meanwhile, on
+    /// the server's lock); needs the runtime's context.
     pub fn prepare(&self) {
+        grow_descriptor_table(DESCRIPTOR_SLOTS);
         if let Err(error) = self.inner.zygote.prepare(&self.inner.config) {
             tracing::warn!(error = %error, supervisor = %self.inner.config.supervisor.display(), "cannot start the fork server yet");
         }
@@ -1378,6 +1380,37 @@ async fn publish_exit(state: &RunState, mut result: ExitResult, control: &Path, 
     state.exit.send_replace(Some(result));
 }
 
+/// The descriptor slots [`ExecDriver::prepare`] grows the agent's table to (at most its
+/// open-files limit), room for 10,000 tasks' descriptors: the kernel otherwise grows the
+/// table by doubling as tasks start, and each growth in a process of many threads waits
+/// for an RCU grace period while every thread that opens a descriptor waits with it. In a
+/// start of 10,000 tasks on 16 cores, a quarter of the agent's threads' waits in the
+/// kernel were those (decision 0081). 16,384 slots hold 128 KiB of kernel memory.
+pub const DESCRIPTOR_SLOTS: u64 = 16_384;
+
+/// Grows this process's descriptor table to hold `slots` descriptors, or its open-files
+/// limit if lower; a table that is already as large stays as it is (the kernel never
+/// shrinks one).
+fn grow_descriptor_table(slots: u64) {
+    let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile).current;
+    let slots = limit.map_or(slots, |limit| limit.min(slots));
+    let Some(highest) = slots.checked_sub(1).and_then(|n| i32::try_from(n).ok()) else {
+        return;
+    };
+    let Ok(null) = rustix::fs::open(
+        "/dev/null",
+        rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
+        rustix::fs::Mode::empty(),
+    ) else {
+        return;
+    };
+    // `F_DUPFD` takes the lowest free descriptor at or above `highest`: the kernel grows
+    // the table to hold it, and closing it leaves the table that size.
+    if let Err(error) = rustix::io::fcntl_dupfd_cloexec(&null, highest) {
+        tracing::debug!(%error, slots, "cannot grow the descriptor table");
+    }
+}
+
 /// Kills what is left in a run's cgroup and removes it.
 async fn release(cgroup: TaskCgroup) {
     if let Err(error) = cgroup.remove().await {
@@ -1715,6 +1748,36 @@ impl Inner {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The size of this process's descriptor table (`FDSize` in its status).
+    fn descriptor_table_size() -> u64 {
+        let status = std::fs::read_to_string("/proc/self/status").expect("own status");
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix("FDSize:"))
+            .and_then(|size| size.trim().parse().ok())
+            .expect("an FDSize line")
+    }
+
+    #[test]
+    fn the_descriptor_table_is_grown_at_once_to_the_slots_asked_for_within_the_limit() {
+        let limit = rustix::process::getrlimit(rustix::process::Resource::Nofile)
+            .current
+            .unwrap_or(u64::MAX);
+        let wanted = DESCRIPTOR_SLOTS.min(limit);
+        grow_descriptor_table(DESCRIPTOR_SLOTS);
+        let size = descriptor_table_size();
+        assert!(size >= wanted, "table of {size} slots, {wanted} asked for");
+        // Never past the open-files limit, and never shrunk.
+        grow_descriptor_table(64);
+        assert_eq!(descriptor_table_size(), size);
+        assert!(
+            size <= limit
+                .max(64)
+                .checked_next_power_of_two()
+                .unwrap_or(u64::MAX)
+        );
+    }
 
     #[test]
     fn a_command_arguments_and_environment_over_execs_limits_are_refused_naming_what() {
