@@ -88,10 +88,11 @@ gpu-check: deps
 # loop with a cgroup per process; the data dirs on disk under /var/tmp. The machine and
 # the figures go to SCALE_CHECK_OUT (scripts/scale-check.sh says what each file shows).
 SCALE_CHECK_TASKS ?= 10000
+SCALE_CHECK_ROUNDS ?= 1
 SCALE_CHECK_OUT ?= target/scale-check
 scale-check: deps
 	CARGO="$(CARGO)" scripts/build-release.sh target/dist stead-supervisor stead-bench
-	scripts/scale-check.sh target/dist $(SCALE_CHECK_OUT) $(SCALE_CHECK_TASKS)
+	scripts/scale-check.sh target/dist $(SCALE_CHECK_OUT) $(SCALE_CHECK_TASKS) $(SCALE_CHECK_ROUNDS)
 
 # The crash test at length: the agent SIGKILLed at random moments CRASH_ITERATIONS times
 # (`make test` runs 50). CRASH_SEED picks another sequence of churn and crash moments.

@@ -1,21 +1,23 @@
 #!/usr/bin/env bash
 # Issue 36's exec figures on a large node, in one short run:
-# `scripts/scale-check.sh DIST_DIR OUT_DIR [TASKS]`, as root (DIST_DIR holds
+# `scripts/scale-check.sh DIST_DIR OUT_DIR [TASKS] [ROUNDS]`, as root (DIST_DIR holds
 # `stead-bench` and `stead-supervisor`, from
 # `scripts/build-release.sh DIST_DIR stead-supervisor stead-bench`; TASKS defaults to
-# 10,000). It raises the open-files limit and `pid_max` to fit TASKS, then writes into
+# 10,000, ROUNDS, the rounds each start is measured over, to 1). It raises the open-files limit and `pid_max` to fit TASKS, then writes into
 # OUT_DIR:
 #   machine.txt   cores, memory, kernel, the cgroup mount and the file system of the
 #                 data dir, the limits it ran under;
-#   exec.txt      `stead-bench exec TASKS 5 1`: the bare loop, the loop with a cgroup per
+#   exec.txt      `stead-bench exec TASKS 5 ROUNDS`: the bare loop, the loop with a cgroup per
 #                 process, stead's start, reattach after a restart, and drain, with the
 #                 CPU each start and stop costs.
 # The data dirs go on the disk under /var/tmp (not a tmpfs), as an agent's do.
 set -uo pipefail
 
-dist=${1:?usage: scripts/scale-check.sh DIST_DIR OUT_DIR [TASKS]}
-out=${2:?usage: scripts/scale-check.sh DIST_DIR OUT_DIR [TASKS]}
+usage='usage: scripts/scale-check.sh DIST_DIR OUT_DIR [TASKS] [ROUNDS]'
+dist=${1:?$usage}
+out=${2:?$usage}
 tasks=${3:-10000}
+rounds=${4:-1}
 case $dist in /*) ;; *) dist=$PWD/$dist ;; esac
 mkdir -p "$out"
 work=$(mktemp -d /var/tmp/stead-scale.XXXXXX)
@@ -43,7 +45,7 @@ fi
 } >"$out/machine.txt" 2>&1
 
 TMPDIR=$work STEAD_SUPERVISOR=$dist/stead-supervisor \
-  "$dist/stead-bench" exec "$tasks" 5 1 >"$out/exec.txt" 2>&1
+  "$dist/stead-bench" exec "$tasks" 5 "$rounds" >"$out/exec.txt" 2>&1
 status=$?
 cat "$out/machine.txt" "$out/exec.txt"
 exit $status

@@ -13,7 +13,10 @@
 //! until its new process runs (p50, p90).
 //!
 //! It needs `stead-supervisor` next to `stead-bench` (`scripts/build-release.sh
-//! target/dist stead-supervisor stead-bench`) or its path in `STEAD_SUPERVISOR`.
+//! target/dist stead-supervisor stead-bench`) or its path in `STEAD_SUPERVISOR`. With
+//! `STEAD_BENCH_DRAIN_TIMELINE` set, the drain prints where it stands every 100 ms, on
+//! stderr: allocs told to stop, allocs shown dead, and of 500 sampled tasks, the tasks and
+//! supervisors still running.
 
 use std::collections::{HashMap, VecDeque};
 use std::path::{Path, PathBuf};
@@ -31,7 +34,7 @@ use stead_schemas::ValidSpec;
 use stead_schemas::status::AllocStatus;
 use tokio::runtime::Runtime;
 
-use crate::measure::{median, now, parent, settle, smaps_kib, user_system_ticks};
+use crate::measure::{median, now, parent, settle, smaps_kib, stat_fields, user_system_ticks};
 
 /// How long any phase may take before the benchmark gives up.
 const LIMIT: Duration = Duration::from_secs(300);
@@ -140,6 +143,47 @@ async fn wait_for_all(
     false
 }
 
+/// Set, the drain prints where it stands every [`TIMELINE_EVERY`].
+const DRAIN_TIMELINE: &str = "STEAD_BENCH_DRAIN_TIMELINE";
+const TIMELINE_EVERY: Duration = Duration::from_millis(100);
+/// The tasks whose processes the drain's timeline looks at.
+const TIMELINE_SAMPLE: usize = 500;
+
+/// Whether process `pid` runs (exists, and is no zombie).
+fn alive(pid: u32) -> bool {
+    stat_fields(&pid.to_string())
+        .is_some_and(|fields| fields.first().is_some_and(|state| *state != "Z"))
+}
+
+/// One line of the drain's timeline: allocs told to stop (a `Killing` event) and shown
+/// dead, workers left, and of the sampled tasks, tasks and supervisors still running.
+fn drain_moment(node: &Node, pids: &[(u32, Option<u32>)], at: Duration) -> String {
+    let statuses = node.statuses();
+    let killing = statuses
+        .iter()
+        .filter(|s| {
+            s.tasks
+                .values()
+                .any(|t| t.events.iter().any(|e| e.event_type == "Killing"))
+        })
+        .count();
+    let dead = statuses
+        .iter()
+        .filter(|s| s.tasks.values().all(|t| t.state == "dead"))
+        .count();
+    let tasks = pids.iter().filter(|(task, _)| alive(*task)).count();
+    let supervisors = pids
+        .iter()
+        .filter(|(_, supervisor)| supervisor.is_some_and(alive))
+        .count();
+    format!(
+        "  drain {:>6.2} s: killing {killing}, dead {dead}, workers {}; of {} sampled, tasks {tasks}, supervisors {supervisors} running",
+        at.as_secs_f64(),
+        node.alloc_count(),
+        pids.len()
+    )
+}
+
 /// Whether every task of alloc `name` is dead, not to be restarted.
 fn given_up(node: &Node, name: &str) -> bool {
     node.status(name)
@@ -211,6 +255,8 @@ async fn stead_round(
         (driver, node)
     };
     let (first_driver, node) = start_agent(config.clone());
+    // As the agent does before its first start.
+    first_driver.prepare();
     let names: Vec<String> = (0..tasks).map(|i| format!("sleep-{i}")).collect();
     let specs: Vec<ValidSpec> = names
         .iter()
@@ -316,7 +362,25 @@ async fn stead_round(
 
     let agent_before = agent_cpu();
     let began = clock.instant();
-    node.shutdown(Shutdown::Drain).await;
+    if std::env::var_os(DRAIN_TIMELINE).is_some() {
+        let pids: Vec<(u32, Option<u32>)> = node_pids
+            .values()
+            .take(TIMELINE_SAMPLE)
+            .map(|pid| (*pid, parent(*pid)))
+            .collect();
+        let shutdown = node.shutdown(Shutdown::Drain);
+        tokio::pin!(shutdown);
+        loop {
+            tokio::select! {
+                () = &mut shutdown => break,
+                () = tokio::time::sleep(TIMELINE_EVERY) => {
+                    eprintln!("{}", drain_moment(&node, &pids, began.elapsed()));
+                }
+            }
+        }
+    } else {
+        node.shutdown(Shutdown::Drain).await;
+    }
     let drained = began.elapsed();
     let drain_cpu = agent_cpu_since(agent_before);
     Ok(Round {

@@ -43,7 +43,7 @@ pub(crate) fn process_cpu() -> std::time::Duration {
 
 /// The fields of `/proc/<pid>/stat` after the command name (which is in parentheses and
 /// may contain spaces); `pid` may be `self`.
-fn stat_fields(pid: &str) -> Option<Vec<String>> {
+pub(crate) fn stat_fields(pid: &str) -> Option<Vec<String>> {
     let stat = std::fs::read_to_string(format!("/proc/{pid}/stat")).ok()?;
     Some(
         stat[stat.rfind(')')? + 1..]
