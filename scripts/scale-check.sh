@@ -3,13 +3,13 @@
 # `scripts/scale-check.sh DIST_DIR OUT_DIR [TASKS] [ROUNDS]`, as root (DIST_DIR holds
 # `stead-bench` and `stead-supervisor`, from
 # `scripts/build-release.sh DIST_DIR stead-supervisor stead-bench`; TASKS defaults to
-# 10,000, ROUNDS, the rounds each start is measured over, to 1). It raises the open-files limit and `pid_max` to fit TASKS, then writes into
-# OUT_DIR:
+# 10,000; ROUNDS, the rounds each start is measured over, to 1). It raises the
+# open-files limit and `pid_max` to fit TASKS, then writes into OUT_DIR:
 #   machine.txt   cores, memory, kernel, the cgroup mount and the file system of the
 #                 data dir, the limits it ran under;
-#   exec.txt      `stead-bench exec TASKS 5 ROUNDS`: the bare loop, the loop with a cgroup per
-#                 process, stead's start, reattach after a restart, and drain, with the
-#                 CPU each start and stop costs.
+#   exec.txt      `stead-bench exec TASKS 5 ROUNDS`: the bare loop, the loop with a
+#                 cgroup per process, stead's start, reattach after a restart, and
+#                 drain, with the CPU each start and stop costs.
 # The data dirs go on the disk under /var/tmp (not a tmpfs), as an agent's do.
 set -uo pipefail
 

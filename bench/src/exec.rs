@@ -156,7 +156,7 @@ fn alive(pid: u32) -> bool {
 }
 
 /// One line of the drain's timeline: allocs told to stop (a `Killing` event) and shown
-/// dead, workers left, and of the sampled tasks, tasks and supervisors still running.
+/// dead, and of the sampled tasks, tasks and supervisors still running.
 fn drain_moment(node: &Node, pids: &[(u32, Option<u32>)], at: Duration) -> String {
     let statuses = node.statuses();
     let killing = statuses
@@ -177,9 +177,8 @@ fn drain_moment(node: &Node, pids: &[(u32, Option<u32>)], at: Duration) -> Strin
         .filter(|(_, supervisor)| supervisor.is_some_and(alive))
         .count();
     format!(
-        "  drain {:>6.2} s: killing {killing}, dead {dead}, workers {}; of {} sampled, tasks {tasks}, supervisors {supervisors} running",
+        "  drain {:>6.2} s: killing {killing}, dead {dead}; of {} sampled, tasks {tasks}, supervisors {supervisors} running",
         at.as_secs_f64(),
-        node.alloc_count(),
         pids.len()
     )
 }
