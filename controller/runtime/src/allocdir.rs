@@ -111,6 +111,10 @@ pub enum AllocDirError {
     },
 }
 
+/// The prefix of an alloc dir moved aside to be removed ([`AllocDirs::retire`]): no alloc
+/// name starts with a dot.
+const RETIRED: &str = ".retired-";
+
 /// The root of every alloc dir: `<data-dir>/allocs`.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct AllocDirs {
@@ -134,6 +138,24 @@ impl AllocDirs {
     pub fn alloc(&self, alloc_id: &AllocId) -> AllocDir {
         AllocDir {
             path: self.root.join(alloc_id.as_str()),
+        }
+    }
+
+    /// Moves the alloc dir of `alloc_id` out of every alloc's ids, to
+    /// `.retired-<alloc id>` beside it, and returns it there to be removed; `None` when
+    /// there is no such dir. Once moved, nothing adds to it by its old path (a replaced
+    /// revision's supervisor writes its exit record after it reports the exit, and a
+    /// removal racing that write failed), and a crash before its removal ends leaves a
+    /// dir no alloc claims, which the orphan pass of garbage collection removes. Where
+    /// the move fails (a retired dir of that id is still there), the dir is returned
+    /// where it is.
+    pub fn retire(&self, alloc_id: &AllocId) -> Option<AllocDir> {
+        let dir = self.alloc(alloc_id);
+        let retired = self.root.join(format!("{RETIRED}{}", alloc_id.as_str()));
+        match fs::rename(dir.path(), &retired) {
+            Ok(()) => Some(AllocDir { path: retired }),
+            Err(error) if error.kind() == io::ErrorKind::NotFound => None,
+            Err(_) => Some(dir),
         }
     }
 
@@ -603,6 +625,50 @@ mod tests {
             0o777,
             "the moved directory keeps its mode"
         );
+    }
+
+    #[test]
+    fn a_retired_alloc_dir_is_moved_out_of_the_alloc_ids_whole_and_retiring_none_is_nothing() {
+        let data = tempfile::tempdir().expect("tempdir");
+        let dirs = AllocDirs::new(data.path());
+        let alloc = dirs.alloc(&alloc_id());
+        let task: Name = "server".parse().expect("valid");
+        let task_dir = alloc.build_task(&task, None).expect("built");
+        fs::write(task_dir.control.join("run.exit"), "0").expect("written");
+
+        let retired = dirs.retire(&alloc_id()).expect("moved");
+        assert!(
+            !alloc.path().exists(),
+            "nothing is left under the alloc's id"
+        );
+        let name = retired
+            .path()
+            .file_name()
+            .expect("a name")
+            .to_string_lossy();
+        assert_eq!(name, format!(".retired-{}", alloc_id().as_str()));
+        assert!(
+            dirs.alloc_by_id(&name).is_err(),
+            "a retired dir is no alloc's"
+        );
+        let record = task_dir
+            .control
+            .strip_prefix(alloc.path())
+            .expect("inside the alloc dir")
+            .join("run.exit");
+        assert_eq!(
+            fs::read_to_string(retired.path().join(record)).expect("kept"),
+            "0"
+        );
+        assert!(dirs.retire(&alloc_id()).is_none(), "a dir retired already");
+
+        // A retired dir of the same id still there: the new one is removed in place.
+        alloc.build().expect("built again");
+        let in_place = dirs.retire(&alloc_id()).expect("returned");
+        assert_eq!(in_place.path(), alloc.path());
+        in_place.remove().expect("removed");
+        retired.remove().expect("removed");
+        assert_eq!(fs::read_dir(dirs.root()).expect("listed").count(), 0);
     }
 
     #[test]

@@ -519,8 +519,14 @@ async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them()
     h.until("running", |h| h.pid("kept", "t").is_some()).await;
     let allocs = h.data.path().join("allocs");
     // Left by records lost in a crash: no alloc of their name is on the node. The specs
-    // dir declares `broken` (its spec is invalid): its dir is its own.
-    for orphan in ["ghost-0123abcd", "busy-0123abcd", "broken-0123abcd"] {
+    // dir declares `broken` (its spec is invalid): its dir is its own. A replaced
+    // revision's dir, moved aside to be removed, is no alloc's, `kept`'s neither.
+    for orphan in [
+        "ghost-0123abcd",
+        "busy-0123abcd",
+        "broken-0123abcd",
+        ".retired-kept-0123abcd",
+    ] {
         std::fs::create_dir_all(allocs.join(orphan).join("t")).expect("dir");
     }
     assert!(
@@ -535,10 +541,14 @@ async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them()
         .spawn()
         .expect("spawned");
 
-    let orphans = stead_controller::gc::orphaned_alloc_dirs(&h.node, h.data.path());
+    let mut orphans = stead_controller::gc::orphaned_alloc_dirs(&h.node, h.data.path());
+    orphans.sort();
     assert_eq!(
         orphans,
-        [allocs.join("ghost-0123abcd")],
+        [
+            allocs.join(".retired-kept-0123abcd"),
+            allocs.join("ghost-0123abcd")
+        ],
         "a dir a process works in is kept"
     );
     worker.kill().expect("killed");
@@ -547,7 +557,11 @@ async fn gc_takes_the_alloc_dirs_no_alloc_claims_once_no_process_works_in_them()
     orphans.sort();
     assert_eq!(
         orphans,
-        [allocs.join("busy-0123abcd"), allocs.join("ghost-0123abcd")]
+        [
+            allocs.join(".retired-kept-0123abcd"),
+            allocs.join("busy-0123abcd"),
+            allocs.join("ghost-0123abcd")
+        ]
     );
     assert!(allocs.join(h.alloc_id("kept")).is_dir());
     h.node.set_declared_allocs(None);

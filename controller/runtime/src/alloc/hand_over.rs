@@ -76,11 +76,16 @@ impl Worker {
                 tracing::warn!(error = %error_chain(&error), "cannot keep the logs of the replaced revision")
             }
         }
-        tokio::task::spawn_blocking(move || {
-            if let Err(error) = old.remove() {
-                tracing::warn!(error = %error_chain(&error), "cannot remove the replaced alloc dir");
-            }
-        });
+        // Moved out of the alloc's ids at once, then removed off the worker: its
+        // supervisors may still be writing their exit records, and an agent killed before
+        // the removal ends leaves a dir that garbage collection's orphan pass removes.
+        if let Some(retired) = dirs.retire(&current.spec.id) {
+            tokio::task::spawn_blocking(move || {
+                if let Err(error) = retired.remove() {
+                    tracing::warn!(error = %error_chain(&error), "cannot remove the replaced alloc dir");
+                }
+            });
+        }
         Ok(())
     }
 
