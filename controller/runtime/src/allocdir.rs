@@ -147,8 +147,8 @@ impl AllocDirs {
     /// revision's supervisor writes its exit record after it reports the exit, and a
     /// removal racing that write failed), and a crash before its removal ends leaves a
     /// dir no alloc claims, which the orphan pass of garbage collection removes. Where
-    /// the move fails (a retired dir of that id is still there), the dir is returned
-    /// where it is.
+    /// the move fails (a retired dir of that id is still there and not yet emptied; an
+    /// empty one is replaced), the dir is returned where it is.
     pub fn retire(&self, alloc_id: &AllocId) -> Option<AllocDir> {
         let dir = self.alloc(alloc_id);
         let retired = self.root.join(format!("{RETIRED}{}", alloc_id.as_str()));

@@ -374,8 +374,14 @@ fn disk_reaches_the_new_revision_after_the_old_one_stopped(disk: &str) {
         data.join("local-seen-by-2").exists(),
         "<task>/local of revision 1 was there when revision 2 started"
     );
+    // Moved aside first, then removed by the hand-over itself (garbage collection's first
+    // pass comes a minute after the start).
+    let retired = agent
+        .data
+        .join("allocs")
+        .join(format!(".retired-{}", old.id));
     agent.until("the replaced alloc dir is removed", DEADLINE, |_| {
-        (!old_dir.exists()).then_some(())
+        (!old_dir.exists() && !retired.exists()).then_some(())
     });
 }
 

@@ -1397,12 +1397,16 @@ fn grow_descriptor_table(slots: u64) {
     let Some(highest) = slots.checked_sub(1).and_then(|n| i32::try_from(n).ok()) else {
         return;
     };
-    let Ok(null) = rustix::fs::open(
+    let null = match rustix::fs::open(
         "/dev/null",
         rustix::fs::OFlags::RDONLY | rustix::fs::OFlags::CLOEXEC,
         rustix::fs::Mode::empty(),
-    ) else {
-        return;
+    ) {
+        Ok(null) => null,
+        Err(error) => {
+            tracing::debug!(%error, "cannot open /dev/null to grow the descriptor table");
+            return;
+        }
     };
     // `F_DUPFD` takes the lowest free descriptor at or above `highest`: the kernel grows
     // the table to hold it, and closing it leaves the table that size.
