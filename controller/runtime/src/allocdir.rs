@@ -149,14 +149,28 @@ impl AllocDirs {
     /// dir no alloc claims, which the orphan pass of garbage collection removes. Where
     /// the move fails (a retired dir of that id is still there and not yet emptied; an
     /// empty one is replaced), the dir is returned where it is.
-    pub fn retire(&self, alloc_id: &AllocId) -> Option<AllocDir> {
-        let dir = self.alloc(alloc_id);
-        let retired = self.root.join(format!("{RETIRED}{}", alloc_id.as_str()));
+    pub fn retire(&self, alloc_id: &str) -> Option<AllocDir> {
+        let dir = self.alloc_by_id(alloc_id).ok()?;
+        let retired = self.root.join(format!("{RETIRED}{alloc_id}"));
         match fs::rename(dir.path(), &retired) {
             Ok(()) => Some(AllocDir { path: retired }),
             Err(error) if error.kind() == io::ErrorKind::NotFound => None,
             Err(_) => Some(dir),
         }
+    }
+
+    /// The alloc ids that have a dir here (names that are no alloc id, such as retired
+    /// dirs, left out); none when the root cannot be read.
+    pub fn ids(&self) -> Vec<String> {
+        let Ok(entries) = fs::read_dir(&self.root) else {
+            return Vec::new();
+        };
+        entries
+            .filter_map(Result::ok)
+            .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
+            .filter_map(|entry| entry.file_name().into_string().ok())
+            .filter(|id| self.alloc_by_id(id).is_ok())
+            .collect()
     }
 
     /// The alloc dir of an alloc id read back from elsewhere (a persisted driver handle):
@@ -636,7 +650,7 @@ mod tests {
         let task_dir = alloc.build_task(&task, None).expect("built");
         fs::write(task_dir.control.join("run.exit"), "0").expect("written");
 
-        let retired = dirs.retire(&alloc_id()).expect("moved");
+        let retired = dirs.retire(alloc_id().as_str()).expect("moved");
         assert!(
             !alloc.path().exists(),
             "nothing is left under the alloc's id"
@@ -660,11 +674,20 @@ mod tests {
             fs::read_to_string(retired.path().join(record)).expect("kept"),
             "0"
         );
-        assert!(dirs.retire(&alloc_id()).is_none(), "a dir retired already");
+        assert!(
+            dirs.retire(alloc_id().as_str()).is_none(),
+            "a dir retired already"
+        );
+        assert_eq!(
+            dirs.ids(),
+            Vec::<String>::new(),
+            "a retired dir is no alloc id"
+        );
 
         // A retired dir of the same id still there: the new one is removed in place.
         alloc.build().expect("built again");
-        let in_place = dirs.retire(&alloc_id()).expect("returned");
+        assert_eq!(dirs.ids(), [alloc_id().as_str()]);
+        let in_place = dirs.retire(alloc_id().as_str()).expect("returned");
         assert_eq!(in_place.path(), alloc.path());
         in_place.remove().expect("removed");
         retired.remove().expect("removed");

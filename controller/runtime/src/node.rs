@@ -5,7 +5,7 @@
 //! status snapshots and never wait either. Locks here are held for a map operation,
 //! never across an `.await`.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
@@ -416,11 +416,22 @@ impl Node {
             report.unrecorded += runs.len();
             self.shared.context.unrecorded.add(runs);
         }
+        // Every alloc's revisions with a dir, from one listing: those other than the
+        // stored one are an agent's leftovers from a hand-over it did not finish.
+        let mut revisions: HashMap<String, Vec<String>> = HashMap::new();
+        if let Some(dirs) = &self.shared.context.alloc_dirs {
+            for id in dirs.ids() {
+                let name = crate::driver::alloc_name_of(&id).to_owned();
+                revisions.entry(name).or_default().push(id);
+            }
+        }
         for (name, restored) in resumed {
+            let mut others = revisions.remove(name.as_str()).unwrap_or_default();
+            others.retain(|id| *id != restored.spec.id.as_str());
             self.spawn(
                 &mut self.shared.registry.slots_mut(),
                 name,
-                Start::Restored(restored),
+                Start::Restored(restored, others),
             );
             report.restored += 1;
         }

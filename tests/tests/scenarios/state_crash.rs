@@ -263,3 +263,53 @@ fn an_agent_killed_at_random_moments_resumes_every_task_exactly_once() {
     );
     agent.terminate();
 }
+
+#[test]
+fn a_revisions_dir_left_by_a_hand_over_a_killed_agent_did_not_finish_goes_with_the_next() {
+    let _turn = stead_tests::real_time_turn();
+    let token = format!("stead-leftover-{}", std::process::id());
+    let _cleanup = Cleanup(token.clone());
+    let dirs = AgentDirs::new("");
+    write(&dirs, &token, "web", Kind::Service, 1);
+    let agent = dirs.start();
+    let running_id = |agent: &agent_support::Agent| -> Result<String, String> {
+        let status = agent.status("web").ok_or("no status yet")?;
+        match status.tasks.get("main") {
+            Some(task) if task.state == "running" => Ok(status.id),
+            _ => Err(format!("not running: {status:?}")),
+        }
+    };
+    let first = wait_for("the first revision runs", Duration::from_secs(10), || {
+        running_id(&agent)
+    });
+    agent.kill9();
+    // What an agent killed during a hand-over leaves: the dir of a revision it built
+    // (the logs kept from the one before) but never stored, the spec moving on since.
+    let allocs = dirs.data.join("allocs");
+    let leftover = allocs.join("web-0123abcd");
+    std::fs::create_dir_all(leftover.join("alloc/logs/previous")).expect("dir");
+    write(&dirs, &token, "web", Kind::Service, 2);
+
+    let agent = dirs.start();
+    wait_for(
+        "the next revision runs, and no other revision's dir is left",
+        Duration::from_secs(10),
+        || {
+            let id = running_id(&agent)?;
+            if id == first {
+                return Err("the first revision still runs".to_owned());
+            }
+            let mut left: Vec<String> = std::fs::read_dir(&allocs)
+                .map_err(|error| error.to_string())?
+                .filter_map(Result::ok)
+                .map(|entry| entry.file_name().to_string_lossy().into_owned())
+                .collect();
+            left.sort();
+            match left == [id.clone()] {
+                true => Ok(()),
+                false => Err(format!("{left:?} besides {id}")),
+            }
+        },
+    );
+    agent.terminate();
+}

@@ -79,10 +79,30 @@ impl Worker {
         // Moved out of the alloc's ids at once, then removed off the worker: its
         // supervisors may still be writing their exit records, and an agent killed before
         // the removal ends leaves a dir that garbage collection's orphan pass removes.
-        if let Some(retired) = dirs.retire(&current.spec.id) {
+        // With it go the dirs of this alloc's other revisions that an agent killed during
+        // a hand-over left (found at the restore): built for a revision that the spec
+        // moved on from before it was stored. Their runs were stopped before any
+        // hand-over, as every run no record names is. Not with a sticky disk: a migration
+        // cut short may have left its data in one of them. The list is kept: at any
+        // hand-over the only dirs in use are the current revision's and the next one's,
+        // and retiring a dir already gone does nothing.
+        let mut leftovers = vec![current.spec.id.to_string()];
+        if !sticky {
+            leftovers.extend(
+                self.other_revisions
+                    .iter()
+                    .filter(|id| **id != next.id.as_str())
+                    .cloned(),
+            );
+        }
+        let retired: Vec<crate::allocdir::AllocDir> =
+            leftovers.iter().filter_map(|id| dirs.retire(id)).collect();
+        if !retired.is_empty() {
             tokio::task::spawn_blocking(move || {
-                if let Err(error) = retired.remove() {
-                    tracing::warn!(error = %error_chain(&error), "cannot remove the replaced alloc dir");
+                for dir in retired {
+                    if let Err(error) = dir.remove() {
+                        tracing::warn!(error = %error_chain(&error), "cannot remove a replaced alloc dir");
+                    }
                 }
             });
         }

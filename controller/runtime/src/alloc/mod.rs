@@ -223,8 +223,9 @@ pub(crate) enum Start {
     /// A new alloc.
     Fresh(Target),
     /// An alloc restored from the store after an agent restart: the spec it ran, its
-    /// state, handles and devices, and whether its spec was removed.
-    Restored(Box<store::RestoredAlloc>),
+    /// state, handles and devices, and whether its spec was removed; with the ids of its
+    /// other revisions that have a dir.
+    Restored(Box<store::RestoredAlloc>, Vec<String>),
     /// An alloc whose stored record cannot be used: it shows as failed with `reason` and
     /// runs nothing until its spec changes revision, a user restarts it, or it is removed.
     /// Its record is left as it is (a newer agent may still read it).
@@ -270,6 +271,9 @@ pub(crate) struct Worker {
     /// A user stopped the alloc (`stead alloc stop`): it stays stopped, whatever revision
     /// its spec declares, until a user starts it.
     stopped_by_user: bool,
+    /// The ids of this alloc's other revisions that had a dir when it was restored: left
+    /// by an agent killed during a hand-over, removed with the next one's.
+    other_revisions: Vec<String>,
 }
 
 impl Worker {
@@ -304,10 +308,14 @@ impl Worker {
             collect: None,
             devices_handed_on: false,
             stopped_by_user: false,
+            other_revisions: Vec::new(),
         };
         match start {
             Start::Fresh(target) => worker.target = target,
-            Start::Restored(restored) => worker.restore(*restored),
+            Start::Restored(restored, other_revisions) => {
+                worker.restore(*restored);
+                worker.other_revisions = other_revisions;
+            }
             Start::Broken { reason, revision } => {
                 worker.broken = Some(Broken {
                     reason,
