@@ -160,17 +160,19 @@ impl AllocDirs {
     }
 
     /// The alloc ids that have a dir here (names that are no alloc id, such as retired
-    /// dirs, left out); none when the root cannot be read.
-    pub fn ids(&self) -> Vec<String> {
-        let Ok(entries) = fs::read_dir(&self.root) else {
-            return Vec::new();
+    /// dirs, left out); none where there is no root yet (a new node).
+    pub fn ids(&self) -> io::Result<Vec<String>> {
+        let entries = match fs::read_dir(&self.root) {
+            Ok(entries) => entries,
+            Err(error) if error.kind() == io::ErrorKind::NotFound => return Ok(Vec::new()),
+            Err(error) => return Err(error),
         };
-        entries
+        Ok(entries
             .filter_map(Result::ok)
             .filter(|entry| entry.file_type().is_ok_and(|kind| kind.is_dir()))
             .filter_map(|entry| entry.file_name().into_string().ok())
             .filter(|id| self.alloc_by_id(id).is_ok())
-            .collect()
+            .collect())
     }
 
     /// The alloc dir of an alloc id read back from elsewhere (a persisted driver handle):
@@ -679,14 +681,14 @@ mod tests {
             "a dir retired already"
         );
         assert_eq!(
-            dirs.ids(),
+            dirs.ids().expect("listed"),
             Vec::<String>::new(),
             "a retired dir is no alloc id"
         );
 
         // A retired dir of the same id still there: the new one is removed in place.
         alloc.build().expect("built again");
-        assert_eq!(dirs.ids(), [alloc_id().as_str()]);
+        assert_eq!(dirs.ids().expect("listed"), [alloc_id().as_str()]);
         let in_place = dirs.retire(alloc_id().as_str()).expect("returned");
         assert_eq!(in_place.path(), alloc.path());
         in_place.remove().expect("removed");

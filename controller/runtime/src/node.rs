@@ -420,7 +420,11 @@ impl Node {
         // stored one are an agent's leftovers from a hand-over it did not finish.
         let mut revisions: HashMap<String, Vec<String>> = HashMap::new();
         if let Some(dirs) = &self.shared.context.alloc_dirs {
-            for id in dirs.ids() {
+            let ids = dirs.ids().unwrap_or_else(|error| {
+                tracing::warn!(dir = %dirs.root().display(), %error, "cannot list the alloc dirs for revisions a hand-over left");
+                Vec::new()
+            });
+            for id in ids {
                 let name = crate::driver::alloc_name_of(&id).to_owned();
                 revisions.entry(name).or_default().push(id);
             }

@@ -95,8 +95,7 @@ impl Worker {
                     .cloned(),
             );
         }
-        let retired: Vec<crate::allocdir::AllocDir> =
-            leftovers.iter().filter_map(|id| dirs.retire(id)).collect();
+        let retired: Vec<AllocDir> = leftovers.iter().filter_map(|id| dirs.retire(id)).collect();
         if !retired.is_empty() {
             tokio::task::spawn_blocking(move || {
                 for dir in retired {

@@ -40,7 +40,7 @@ use stead_schemas::{Timestamp, ValidSpec};
 use tokio::sync::oneshot;
 use tokio_util::sync::CancellationToken;
 
-use crate::allocdir::{AllocDirError, AllocDirs};
+use crate::allocdir::{AllocDir, AllocDirError, AllocDirs};
 use crate::clock::Clock;
 use crate::devices::DeviceManager;
 use crate::driver::{

@@ -723,19 +723,14 @@ impl Inner {
         known: &HashSet<String>,
         recorded: &RecordedRuns,
     ) -> Vec<UnrecordedRun> {
-        let allocs = match std::fs::read_dir(self.dirs.root()) {
-            Ok(allocs) => allocs,
-            Err(error) if error.kind() == io::ErrorKind::NotFound => return Vec::new(), // a new node
+        let mut alloc_ids = match self.dirs.ids() {
+            Ok(alloc_ids) => alloc_ids,
             Err(error) => {
                 tracing::warn!(dir = %self.dirs.root().display(), %error, "cannot search the alloc dirs for tasks no record names");
                 return Vec::new();
             }
         };
-        let alloc_ids: Vec<String> = allocs
-            .filter_map(Result::ok)
-            .filter_map(|entry| entry.file_name().into_string().ok())
-            .filter(|alloc_id| !recorded.unreadable_alloc(alloc_id))
-            .collect();
+        alloc_ids.retain(|alloc_id| !recorded.unreadable_alloc(alloc_id));
         // Over the host's cores, as the records are: a restart at thousands of allocs
         // waits on this walk.
         crate::host::map_on_every_core(alloc_ids, |alloc_id| {
